@@ -1,0 +1,16 @@
+"""One module per backend: a pure function from a model's config to a ProgramSpec."""
+from __future__ import annotations
+
+from types import ModuleType
+
+from launchers import llama_server
+
+# Backends whose replicas run as supervisord programs. A backend in the schema but not here is
+# configurable (so existing settings files load) but cannot be loaded by this version.
+LAUNCHERS: dict[str, ModuleType] = {
+    "llama_server": llama_server,
+}
+
+
+def launcher_for(backend: str) -> ModuleType | None:
+    return LAUNCHERS.get(backend)

@@ -1,0 +1,99 @@
+"""llama.cpp's llama-server: every `llama_server_*` field mapped to the flag of the pinned build.
+
+Flag names were checked against `llama-server --help` of the llama.cpp tree vendored in
+llama-cpp-python 0.3.36 (see proxy/llama_build.py).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Mapping
+
+from launchers.common import library_env, missing_file
+from launchers.spec import ProgramSpec, program_name
+from proxy.config import ModelConfig
+from proxy.llama_build import cached_llama_server
+
+# (config field, flag): scalar fields that map one to one, in the order they are emitted.
+FLAGS = (
+    ("llama_server_n_ctx", "--ctx-size"),
+    ("llama_server_n_gpu_layers", "--n-gpu-layers"),
+    ("llama_server_flash_attn", "--flash-attn"),
+    ("llama_server_mmproj_path", "--mmproj"),
+    ("llama_server_image_max_tokens", "--image-max-tokens"),
+    ("llama_server_draft_model_path", "--spec-draft-model"),
+    ("llama_server_spec_type", "--spec-type"),
+    ("llama_server_spec_draft_n_max", "--spec-draft-n-max"),
+    ("llama_server_spec_draft_p_min", "--spec-draft-p-min"),
+    ("llama_server_spec_draft_ngl", "--spec-draft-ngl"),
+    ("llama_server_reasoning", "--reasoning-format"),
+)
+# Runtime knobs an admin may change for one load without editing files (seed: "Live admin overrides").
+LOAD_OVERRIDES = ("llama_server_n_ctx", "llama_server_image_max_tokens", "llama_server_spec_type",
+                  "llama_server_spec_draft_n_max", "llama_server_spec_draft_p_min")
+DEFAULT_START_TIMEOUT_S = 120.0
+
+
+def binary(model: ModelConfig) -> str:
+    """The configured binary, else llama-server on PATH, else the build `llm-pool setup` caches."""
+    configured = model.get("llama_server_binary")
+    if configured:
+        return configured
+    return shutil.which("llama-server") or str(cached_llama_server())
+
+
+def check(model: ModelConfig) -> list[str]:
+    """Problems that would stop this model from starting, each naming the field and the path."""
+    where = f"engine.models.{model.name}"
+    problems = []
+    exe = binary(model)
+    if not (Path(exe).is_file() and os.access(exe, os.X_OK)):
+        hint = "" if model.get("llama_server_binary") else " (run `llm-pool setup` to build it)"
+        problems.append(f"{where}.llama_server_binary: {exe} does not exist or is not executable{hint}")
+    for key in ("model_path", "llama_server_mmproj_path", "llama_server_draft_model_path"):
+        problems += missing_file(where, key, model.get(key))
+    return problems
+
+
+def _flag_value(value: object) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
+    args = [binary(model), "--model", model.get("model_path"), "--host", host, "--port", str(port),
+            "--alias", model.name,
+            # One slot per request the scheduler may send at once, so none waits inside llama-server.
+            "--parallel", str(model.target_inflight),
+            # /metrics feeds replica routing (running, deferred, KV-cache use).
+            "--metrics", "--no-webui"]
+    for key, flag in FLAGS:
+        value = model.get(key)
+        if value is not None:
+            args += [flag, _flag_value(value)]
+    thinking = model.get("enable_thinking")
+    if thinking is not None:
+        args += ["--reasoning", "on" if thinking else "off"]
+    args += [str(a) for a in model.get("llama_server_extra_args", [])]
+    return tuple(args)
+
+
+PORT_FIELD = "llama_server_port"
+
+
+def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
+    host = model.get("llama_server_host", "127.0.0.1")
+    return ProgramSpec(
+        program=program_name(model.name, replica),
+        argv=argv(model, host, port),
+        env=library_env(model, "llama_server_library_path", environ),
+        host=host,
+        port=port,
+        health_path="/health",
+        models_path="/v1/models",
+        served_model=model.name,
+        start_timeout_s=float(model.get("llama_server_start_timeout_s", DEFAULT_START_TIMEOUT_S)),
+        stopwaitsecs=stopwaitsecs,
+    )

@@ -1,0 +1,99 @@
+"""A program spec (what to run for one replica) and its rendering as a supervisord section.
+
+Rendering is deterministic: the same specs give byte-identical text, because supervisord's
+reloadConfig restarts whatever it sees as changed, and because an unchanged file is how a
+restarted proxy knows it may adopt a running replica instead of reloading it.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+HEADER = "; written by llm-pool: do not edit, it is rewritten on every load"
+_META = re.compile(r"^; replica program=(?P<program>\S+) port=(?P<port>\d+)$", re.M)
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """Everything supervisord and the proxy need to run and reach one replica."""
+
+    program: str                 # supervisord program name, unique per replica
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    host: str
+    port: int
+    health_path: str             # GET this until it answers 200
+    models_path: str | None      # GET this to prove the server serves `served_model`
+    served_model: str            # the model name the backend expects in requests
+    start_timeout_s: float
+    stopwaitsecs: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def group_name(model_id: str) -> str:
+    """A supervisord group name for a model id: safe characters plus a short hash.
+
+    The hash keeps two ids that sanitize alike apart; a model id never reaches a path or a
+    shell word unescaped.
+    """
+    safe = re.sub(r"[^a-z0-9]+", "-", model_id.lower()).strip("-")[:40] or "model"
+    digest = hashlib.sha256(model_id.encode()).hexdigest()[:8]
+    return f"{safe}-{digest}"
+
+
+def program_name(model_id: str, replica: int) -> str:
+    return f"{group_name(model_id)}-r{replica}"
+
+
+def _escape(value: str) -> str:
+    # supervisord expands %(ENV_X)s in option values; a literal percent must be doubled.
+    return value.replace("%", "%%")
+
+
+def _env_value(key: str, value: str) -> str:
+    if '"' in value or "\n" in value or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        raise ValueError(f"environment {key}: names must be identifiers and values may not hold quotes or newlines")
+    return f'{key}="{_escape(value)}"'
+
+
+def render_program(spec: ProgramSpec, log_dir: Path) -> str:
+    lines = [
+        f"; replica program={spec.program} port={spec.port}",
+        f"[program:{spec.program}]",
+        "command=" + _escape(" ".join(shlex.quote(a) for a in spec.argv)),
+        "autostart=false",
+        "autorestart=unexpected",
+        "startsecs=1",
+        "startretries=3",
+        "stopsignal=TERM",
+        f"stopwaitsecs={spec.stopwaitsecs}",
+        "stopasgroup=true",
+        "killasgroup=true",
+        "redirect_stderr=true",
+        f"stdout_logfile={_escape(str(log_dir / (spec.program + '.log')))}",
+        "stdout_logfile_maxbytes=10MB",
+        "stdout_logfile_backups=3",
+    ]
+    if spec.env:
+        lines.append("environment=" + ",".join(_env_value(k, v) for k, v in spec.env))
+    return "\n".join(lines) + "\n"
+
+
+def render_group(model_id: str, specs: list[ProgramSpec], log_dir: Path) -> str:
+    """The whole programs/<group>.conf file for one model: its group and one program per replica."""
+    group = group_name(model_id)
+    parts = [HEADER + "\n", f"; model={model_id}\n",
+             f"[group:{group}]\nprograms={','.join(s.program for s in specs)}\n"]
+    parts += ["\n" + render_program(s, log_dir) for s in specs]
+    return "".join(parts)
+
+
+def ports_in_file(text: str) -> dict[str, int]:
+    """The port each replica program of an existing group file was given, by program name."""
+    return {m["program"]: int(m["port"]) for m in _META.finditer(text)}

@@ -1,0 +1,59 @@
+"""The aiohttp application: routes, middleware, and the pool's lifetime in cleanup_ctx."""
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from proxy import managed, routes_admin, routes_public
+from proxy.config import Settings
+from proxy.errors import error_middleware
+from proxy.keys import HTTP, METRICS, POOL, SETTINGS
+from proxy.metrics import ProxyMetrics
+from proxy.pool import Pool
+from proxy.supervisor import SupervisorClient
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings, *, keep_models: bool = False) -> web.Application:
+    """The proxy app. On cleanup it unloads every model and, in managed mode, stops supervisord,
+    unless `keep_models`: then both keep running for the next proxy to adopt."""
+    app = web.Application(client_max_size=settings.service.max_body_bytes, middlewares=[error_middleware])
+    app[SETTINGS] = settings
+    app[METRICS] = ProxyMetrics()
+    app.add_routes(routes_public.routes)
+    app.add_routes(routes_admin.routes)
+
+    async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
+        # One pooled session for every upstream call; no per-connection limit, since admission
+        # already bounds how many requests a replica gets.
+        http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0))
+        supervisor = SupervisorClient(settings.supervisor_url, timeout=settings.supervisor.rpc_timeout_s)
+        try:
+            if settings.supervisor.mode == "managed":
+                if await managed.ensure_supervisord(settings, supervisor):
+                    log.info("started supervisord: supervisorctl -c %s status", managed.conf_path(settings))
+            pool = Pool(settings, supervisor, http)
+            await pool.start()
+        except BaseException:
+            await supervisor.close()
+            await http.close()
+            raise
+        app[POOL] = pool
+        app[HTTP] = http
+        app[METRICS].watch(pool)
+        pool.load_enabled_in_background()
+        yield
+        try:
+            await pool.close(stop_models=not keep_models)
+            if settings.supervisor.mode == "managed" and not keep_models:
+                await managed.stop_supervisord(supervisor)
+        finally:
+            await supervisor.close()
+            await http.close()
+
+    app.cleanup_ctx.append(pool_ctx)
+    return app

@@ -1,0 +1,125 @@
+"""The `llm-pool` command: serve, check-config, setup."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from launchers import launcher_for
+from proxy.config import ConfigError, Settings, load_settings
+
+EXIT_CONFIG = 2
+
+
+def startup_problems(settings: Settings) -> list[str]:
+    """What would stop an enabled model from starting: unsupported backend, missing files."""
+    problems = []
+    for name, model in settings.models.items():
+        if not model.enabled:
+            continue
+        launcher = launcher_for(model.backend)
+        if launcher is None:
+            problems.append(f"engine.models.{name}.backend: {model.backend!r} cannot be run by this version "
+                            "of llm-pool (set enabled: false to keep it configured)")
+        else:
+            problems += launcher.check(model)
+    return problems
+
+
+def _load_or_exit(config: str | None) -> Settings:
+    try:
+        settings = load_settings(config)
+    except ConfigError as exc:
+        _report(exc.problems)
+        raise SystemExit(EXIT_CONFIG) from None
+    problems = startup_problems(settings)
+    if problems:
+        _report(problems)
+        raise SystemExit(EXIT_CONFIG)
+    return settings
+
+
+def _report(problems: list[str]) -> None:
+    print(f"llm-pool: {len(problems)} configuration problem(s):", file=sys.stderr)
+    for problem in problems:
+        print(f"  {problem}", file=sys.stderr)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    settings = _load_or_exit(args.config)
+    enabled = sum(1 for m in settings.models.values() if m.enabled)
+    sources = ", ".join(str(s) for s in settings.sources)
+    print(f"ok: {len(settings.models)} model(s), {enabled} enabled ({sources})")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from proxy.app import create_app
+
+    settings = _load_or_exit(args.config)
+    logging.basicConfig(level=settings.service.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host = args.host or settings.service.host
+    port = args.port or settings.service.port
+    app = create_app(settings, keep_models=args.keep_models)
+    try:
+        # handler_cancellation: a client that disconnects cancels its handler, which closes the
+        # upstream request so the backend stops generating for nobody.
+        web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None,
+                    print=lambda _msg: print(f"llm-pool serving on http://{host}:{port}", flush=True))
+    except OSError as exc:
+        print(f"llm-pool: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_setup(args: argparse.Namespace) -> int:
+    from proxy.demo_model import write_tiny_gguf
+    from proxy.llama_build import build_llama_server
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        _report(exc.problems)
+        return EXIT_CONFIG
+    build_llama_server()
+    demo = settings.models.get("demo")
+    target = Path(demo.get("model_path")) if demo is not None and demo.get("model_path") else \
+        settings.service.state_dir / "models" / "demo.gguf"
+    if target.exists():
+        print(f"demo model: present at {target}")
+    else:
+        write_tiny_gguf(target)
+        print(f"demo model: wrote {target}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llm-pool", description="One OpenAI-compatible endpoint for many LLM runtimes.")
+    parser.add_argument("--config", help="settings file (default: $LLM_POOL_SETTINGS_PATH or conf/pool.yaml)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start supervisord if needed, load enabled models, serve the API")
+    serve.add_argument("--host", help="override service.host")
+    serve.add_argument("--port", type=int, help="override service.port")
+    serve.add_argument("--keep-models", action="store_true",
+                       help="on exit leave supervisord and the models running, for the next proxy to adopt")
+    serve.set_defaults(func=cmd_serve)
+    check = sub.add_parser("check-config", help="validate the settings; print every problem and exit non-zero")
+    check.set_defaults(func=cmd_check_config)
+    setup = sub.add_parser("setup", help="build llama-server if not cached and write the demo model")
+    setup.set_defaults(func=cmd_setup)
+    for p in (serve, check, setup):
+        p.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""One error hierarchy for the proxy, rendered in one place as the OpenAI error envelope."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+
+class PoolError(Exception):
+    """An error the proxy answers with: an HTTP status, an OpenAI `type` and a stable `code`."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after: float | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        self.param = param
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+
+
+class BadRequest(PoolError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class Unauthorized(PoolError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_admin_token"
+
+
+class NotFound(PoolError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class Conflict(PoolError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class TooLarge(PoolError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class TooManyRequests(PoolError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+
+class Unavailable(PoolError):
+    status = 503
+    type = "server_error"
+    code = "model_unavailable"
+
+
+class BackendError(PoolError):
+    """The model server failed or could not be reached."""
+
+    status = 502
+    type = "server_error"
+    code = "backend_error"
+
+
+def error_response(err: PoolError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers())
+
+
+def sse_error_event(err: PoolError) -> bytes:
+    """The error as an SSE event, for failures after a stream has started (headers already sent)."""
+    return b"event: error\ndata: " + json.dumps(err.body()).encode() + b"\n\n"
+
+
+def from_http_exception(exc: web.HTTPException) -> PoolError:
+    """aiohttp raises these itself (body too large, unknown route, wrong method)."""
+    codes = {404: ("not_found", NotFound), 405: ("method_not_allowed", BadRequest),
+             413: ("request_too_large", TooLarge)}
+    code, cls = codes.get(exc.status, ("http_error", PoolError))
+    return cls(exc.reason if exc.status != 413 else exc.text or exc.reason, code=code, status=exc.status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except PoolError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(from_http_exception(exc))
+    except Exception:
+        # Unknown failures are the proxy's fault, never the client's: 500, with the trace in the log.
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(PoolError("internal error in llm-pool; see the proxy log"))

@@ -1,0 +1,125 @@
+"""OpenAI-compatible pass-through: take a slot, pick a replica, forward, stream back as it arrives."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.errors import BackendError, BadRequest, Conflict, TooLarge, Unavailable, sse_error_event
+from proxy.pool import Pool
+from proxy.replicas import ModelState, Replica
+from proxy.runtime import ModelRuntime
+
+# Fields only llm-pool reads; a backend must never see them (the fairness key least of all).
+PROXY_ONLY_FIELDS = ("fairness_key", "allow_remote")
+# Generation can run for minutes; only connecting is bounded here.
+UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)
+
+
+class _ConnectFailed(Exception):
+    """The replica refused or dropped the connection before it answered: safe to try another."""
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise TooLarge(f"request body is over the limit of {exc.max_size} bytes") from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def requested_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("`model` is required and must be a non-empty string", code="missing_model", param="model")
+    return model
+
+
+def servable(pool: Pool, name: str) -> ModelRuntime:
+    """The model's runtime if requests may be sent to it now; otherwise the right error."""
+    runtime = pool.get(name)
+    if runtime.state == ModelState.LOADING:
+        raise Unavailable(f"model {name!r} is loading", code="model_loading", retry_after=5)
+    if runtime.state == ModelState.UNLOADING:
+        raise Unavailable(f"model {name!r} is being unloaded", code="model_unloading", retry_after=5)
+    if runtime.state != ModelState.LOADED:
+        raise Conflict(f"model {name!r} is configured but not loaded; load it with "
+                       f"POST /v1/admin/models/{name}/load", code="model_not_loaded", param="model")
+    if not runtime.ready():
+        raise Unavailable(f"model {name!r} has no healthy replica right now", code="model_unavailable",
+                          retry_after=2)
+    return runtime
+
+
+async def forward(request: web.Request, pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntime,
+                  path: str, body: dict[str, Any]) -> web.StreamResponse:
+    request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
+    payload = {k: v for k, v in body.items() if k not in PROXY_ONLY_FIELDS}
+    await runtime.admission.acquire()
+    try:
+        # One retry: a replica that refuses the connection has died since it was picked; the
+        # request never reached it, so another replica may take it.
+        for _attempt in range(2):
+            replica = runtime.pick_replica()
+            if replica is None:
+                break
+            replica.inflight += 1
+            try:
+                return await _send(request, http, replica, path, payload, request_id)
+            except _ConnectFailed as exc:
+                pool.report_connection_failure(replica, str(exc))
+            finally:
+                replica.inflight -= 1
+        raise Unavailable(f"model {runtime.name!r} has no healthy replica right now", code="model_unavailable",
+                          retry_after=2)
+    finally:
+        runtime.admission.release()
+
+
+async def _send(request: web.Request, http: aiohttp.ClientSession, replica: Replica, path: str,
+                payload: dict[str, Any], request_id: str) -> web.StreamResponse:
+    data = json.dumps({**payload, "model": replica.spec.served_model}).encode()
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    try:
+        upstream = await http.post(replica.base_url + path, data=data, headers=headers, timeout=UPSTREAM_TIMEOUT)
+    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionResetError) as exc:
+        raise _ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise BackendError(f"replica {replica.index} of {replica.model!r} failed: {type(exc).__name__}") from exc
+    async with upstream:
+        content_type = upstream.headers.get("Content-Type", "application/json")
+        if not content_type.startswith("text/event-stream"):
+            try:
+                body = await upstream.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                raise BackendError(f"replica {replica.index} of {replica.model!r} broke off its answer") from exc
+            return web.Response(status=upstream.status, body=body,
+                                headers={"Content-Type": content_type, "X-Request-Id": request_id})
+        out = web.StreamResponse(status=upstream.status, headers={
+            "Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id})
+        await out.prepare(request)
+        try:
+            # iter_any yields whatever bytes arrived, so each token reaches the client as it is made.
+            async for chunk in upstream.content.iter_any():
+                try:
+                    await out.write(chunk)
+                except ConnectionResetError:
+                    # The client left: closing the upstream connection makes the backend stop generating.
+                    upstream.close()
+                    return out
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            err = BackendError(f"replica {replica.index} of {replica.model!r} broke off the stream: "
+                               f"{type(exc).__name__}")
+            await out.write(sse_error_event(err))
+        await out.write_eof()
+        return out

@@ -1,0 +1,420 @@
+"""The pool: load, adopt and unload models as supervisord program groups, and keep their replicas' states true.
+
+Load writes the model's program file, has supervisord add the group, starts one program per
+replica and waits until each passes its health check. A restarted proxy adopts a group whose file
+is unchanged and whose programs are running: same processes, no reload. The monitor polls
+supervisord and probes health so that a crash costs one replica until supervisord has restarted
+it and it answers again, and an admin's `supervisorctl stop` is respected.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import aiohttp
+
+from launchers import launcher_for
+from launchers.spec import ProgramSpec, group_name, ports_in_file, program_name, render_group
+from proxy.admission import FifoAdmission
+from proxy.config import ModelConfig, Settings
+from proxy.errors import BackendError, Conflict, NotFound, Unavailable
+from proxy.replicas import ModelState, Replica, ReplicaState
+from proxy.runtime import ModelRuntime
+from proxy.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, SupervisorClient,
+                              SupervisorError)
+
+log = logging.getLogger(__name__)
+
+EXITED_STATES = (ProcessState.BACKOFF, ProcessState.EXITED, ProcessState.FATAL)
+DOWN_STATES = (ProcessState.STOPPED, ProcessState.STOPPING)
+PROBE_TIMEOUT_S = 2.0
+
+
+class Pool:
+    def __init__(self, settings: Settings, supervisor: SupervisorClient, http: aiohttp.ClientSession,
+                 environ: Mapping[str, str] | None = None) -> None:
+        self.settings = settings
+        self.supervisor = supervisor
+        self.http = http
+        self.environ = dict(os.environ if environ is None else environ)
+        self.models: dict[str, ModelRuntime] = {n: ModelRuntime(config=c) for n, c in settings.models.items()}
+        self._monitor: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._processes: dict[str, ProcessInfo] = {}
+
+    # -- lifecycle of the pool itself ------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.settings.supervisor.programs_dir.mkdir(parents=True, exist_ok=True)
+        self._processes = await self._snapshot()
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="llm-pool monitor")
+
+    def load_enabled_in_background(self) -> None:
+        for runtime in self.models.values():
+            if runtime.config.enabled:
+                self._spawn(self._load_logged(runtime.name))
+
+    async def close(self, stop_models: bool) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if stop_models:
+            await asyncio.gather(*(self.unload(n, drain=False) for n, rt in self.models.items()
+                                   if rt.state not in (ModelState.UNLOADED,)), return_exceptions=True)
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
+        for runtime in self.models.values():
+            for replica in runtime.replicas:
+                if replica.probe is not None:
+                    replica.probe.cancel()
+
+    def get(self, name: str) -> ModelRuntime:
+        try:
+            return self.models[name]
+        except KeyError:
+            raise NotFound(f"model {name!r} is not configured", param="model") from None
+
+    # -- load ------------------------------------------------------------------------------------
+
+    async def load(self, name: str, overrides: Mapping[str, Any] | None = None) -> ModelRuntime:
+        """Load a configured model (or adopt its running replicas); returns once it is ready or failed."""
+        runtime = self.get(name)
+        config = runtime.config.with_overrides(overrides or {})
+        async with runtime.lock:
+            if runtime.state == ModelState.LOADED:
+                if runtime.active == config:
+                    return runtime
+                raise Conflict(f"model {name!r} is loaded with other settings; unload it first",
+                               code="model_already_loaded")
+            launcher = launcher_for(config.backend)
+            if launcher is None:
+                raise Conflict(f"model {name!r}: backend {config.backend!r} cannot be run by this version "
+                               f"of llm-pool", code="backend_not_supported")
+            problems = launcher.check(config)
+            if problems:
+                raise Conflict(f"model {name!r} cannot be loaded: " + "; ".join(problems), code="model_not_loadable")
+            if config.replicas < 1:
+                raise Conflict(f"model {name!r}: replicas must be at least 1 to load", code="model_not_loadable")
+            runtime.state = ModelState.LOADING
+            runtime.active = config
+            runtime.last_error = None
+            runtime.admission = FifoAdmission()
+            try:
+                await self._start_group(runtime, config, launcher)
+                await self._await_replicas(runtime)
+            except BaseException as exc:
+                runtime.state = ModelState.FAILED
+                runtime.last_error = str(exc)
+                await self._teardown(runtime, drain=False)
+                runtime.state = ModelState.FAILED
+                raise
+            failed = [r for r in runtime.replicas if r.state != ReplicaState.READY]
+            if not runtime.ready():
+                errors = "; ".join(f"replica {r.index}: {r.last_error}" for r in failed)
+                runtime.last_error = errors
+                await self._teardown(runtime, drain=False)
+                runtime.state = ModelState.FAILED
+                raise BackendError(f"model {name!r} failed to load: {errors}", code="model_load_failed")
+            runtime.state = ModelState.LOADED
+            if failed:
+                runtime.last_error = "; ".join(f"replica {r.index}: {r.last_error}" for r in failed)
+            log.info("model %s loaded: %d of %d replicas ready", name, len(runtime.ready()), len(runtime.replicas))
+            return runtime
+
+    def _group_file(self, name: str) -> Path:
+        return self.settings.supervisor.programs_dir / f"{group_name(name)}.conf"
+
+    async def _start_group(self, runtime: ModelRuntime, config: ModelConfig, launcher: Any) -> None:
+        group = group_name(config.name)
+        path = self._group_file(config.name)
+        existing = path.read_text() if path.exists() else ""
+        self._processes = await self._snapshot()
+        ports = self._assign_ports(config, launcher, ports_in_file(existing))
+        specs = [launcher.launch(config, i, port, self.settings.supervisor.stopwaitsecs, self.environ)
+                 for i, port in enumerate(ports)]
+        text = render_group(config.name, specs, self.settings.service.state_dir / "logs")
+        runtime.replicas = [Replica(model=config.name, index=i, spec=s, fullname=f"{group}:{s.program}")
+                            for i, s in enumerate(specs)]
+        infos = [self._processes.get(r.fullname) for r in runtime.replicas]
+        if existing == text and all(i is not None and i.state == ProcessState.RUNNING for i in infos):
+            log.info("model %s: adopting running replicas %s", config.name, [i.pid for i in infos if i])
+            for replica, info in zip(runtime.replicas, infos):
+                assert info is not None
+                replica.pid = info.pid
+                runtime.set_replica_state(replica, ReplicaState.STARTING)
+            self._wake.set()
+            return
+        await self._remove_group(group)
+        (self.settings.service.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".conf.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        await self.supervisor.reload_config()
+        await self.supervisor.add_process_group(group)
+        for replica in runtime.replicas:
+            runtime.set_replica_state(replica, ReplicaState.STARTING)
+            await self.supervisor.start_process(replica.fullname)
+        self._wake.set()
+
+    def _assign_ports(self, config: ModelConfig, launcher: Any, previous: dict[str, int]) -> list[int]:
+        """Stable ports: the fixed port if configured, else the one this replica had, else the
+        first free one in the range. Ports of other models' programs and ports in use are skipped."""
+        fixed = config.get(launcher.PORT_FIELD)
+        if fixed:
+            return [int(fixed) + i for i in range(config.replicas)]
+        taken = self._ports_of_other_groups(config.name)
+        lo, hi = self.settings.supervisor.port_range
+        ports: list[int] = []
+        candidates = iter(range(lo, hi + 1))
+        for i in range(config.replicas):
+            program = program_name(config.name, i)
+            old = previous.get(program)
+            info = self._processes.get(f"{group_name(config.name)}:{program}")
+            ours_running = info is not None and info.state == ProcessState.RUNNING
+            if old and old not in taken and old not in ports and (ours_running or _port_free(old)):
+                ports.append(old)
+                continue
+            for port in candidates:
+                if port not in taken and port not in ports and port not in previous.values() and _port_free(port):
+                    ports.append(port)
+                    break
+            else:
+                raise Unavailable(f"no free port left in supervisor.port_range {lo}-{hi}", code="no_free_port")
+        return ports
+
+    def _ports_of_other_groups(self, name: str) -> set[int]:
+        mine = self._group_file(name)
+        taken: set[int] = set()
+        for path in self.settings.supervisor.programs_dir.glob("*.conf"):
+            if path != mine:
+                taken.update(ports_in_file(path.read_text()).values())
+        for runtime in self.models.values():
+            if runtime.name != name:
+                taken.update(r.spec.port for r in runtime.replicas)
+        return taken
+
+    async def _await_replicas(self, runtime: ModelRuntime) -> None:
+        deadline = time.monotonic() + max(r.spec.start_timeout_s for r in runtime.replicas)
+        while True:
+            starting = [r for r in runtime.replicas if r.state == ReplicaState.STARTING]
+            if not starting:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for replica in starting:
+                    tail = await self._log_tail(replica)
+                    runtime.set_replica_state(replica, ReplicaState.FAILED,
+                                              f"not healthy within {replica.spec.start_timeout_s:.0f}s{tail}")
+                return
+            await runtime.wait_changed(min(left, 1.0))
+
+    # -- unload ----------------------------------------------------------------------------------
+
+    async def unload(self, name: str, drain: bool = True) -> ModelRuntime:
+        """Stop admitting, let in-flight requests finish (up to service.drain_timeout_s), stop the
+        replicas, remove the group and its file."""
+        runtime = self.get(name)
+        if runtime.state in (ModelState.UNLOADED, ModelState.UNLOADING):
+            raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
+        async with runtime.lock:
+            if runtime.state == ModelState.UNLOADED:
+                raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
+            runtime.state = ModelState.UNLOADING
+            await self._teardown(runtime, drain=drain)
+            runtime.state = ModelState.UNLOADED
+            runtime.active = None
+            log.info("model %s unloaded", name)
+            return runtime
+
+    async def _teardown(self, runtime: ModelRuntime, drain: bool) -> None:
+        runtime.admission.close(Unavailable(f"model {runtime.name!r} is being unloaded", code="model_unloading"))
+        if drain:
+            deadline = time.monotonic() + self.settings.service.drain_timeout_s
+            while runtime.admission.active > 0 and time.monotonic() < deadline:
+                await runtime.wait_changed(0.05)
+        for replica in runtime.replicas:
+            if replica.probe is not None:
+                replica.probe.cancel()
+            runtime.set_replica_state(replica, ReplicaState.STOPPING)
+        await self._remove_group(group_name(runtime.name))
+        path = self._group_file(runtime.name)
+        if path.exists():
+            path.unlink()
+            await self.supervisor.reload_config()
+        for replica in runtime.replicas:
+            runtime.set_replica_state(replica, ReplicaState.STOPPED)
+            replica.pid = 0
+        runtime.replicas = []
+
+    async def _remove_group(self, group: str) -> None:
+        """Stop every program of `group` and wait until each has exited, then remove the group."""
+        infos = [i for i in (await self._snapshot()).values() if i.group == group]
+        for info in infos:
+            if info.state not in (ProcessState.STOPPED, ProcessState.EXITED, ProcessState.FATAL):
+                try:
+                    await self.supervisor.stop_process(info.fullname)
+                except NotRunning:
+                    pass
+        deadline = time.monotonic() + self.settings.supervisor.stopwaitsecs + 10
+        while True:
+            live = [i for i in (await self._snapshot()).values()
+                    if i.group == group and i.state not in (ProcessState.STOPPED, ProcessState.EXITED,
+                                                            ProcessState.FATAL)]
+            if not live:
+                break
+            if time.monotonic() > deadline:
+                raise SupervisorError(f"group {group} did not stop: {[i.fullname for i in live]}")
+            await asyncio.sleep(0.05)
+        if infos:
+            try:
+                await self.supervisor.remove_process_group(group)
+            except BadName:
+                pass
+
+    # -- monitoring ------------------------------------------------------------------------------
+
+    def report_connection_failure(self, replica: Replica, error: str) -> None:
+        """A refused or reset connection on the data path: stop routing to the replica at once."""
+        runtime = self.models[replica.model]
+        if replica.state == ReplicaState.READY:
+            runtime.set_replica_state(replica, ReplicaState.STARTING, error)
+            self._wake.set()
+
+    async def _snapshot(self) -> dict[str, ProcessInfo]:
+        return {i.fullname: i for i in await self.supervisor.all_process_info()}
+
+    async def _monitor_loop(self) -> None:
+        interval = self.settings.supervisor.poll_interval_s
+        while True:
+            try:
+                self._processes = await self._snapshot()
+                for runtime in self.models.values():
+                    if runtime.state in (ModelState.LOADING, ModelState.LOADED):
+                        for replica in runtime.replicas:
+                            await self._observe(runtime, replica, self._processes.get(replica.fullname))
+            except SupervisorError as exc:
+                log.warning("monitor: %s", exc)
+            except Exception:
+                log.exception("monitor iteration failed")
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _observe(self, runtime: ModelRuntime, replica: Replica, info: ProcessInfo | None) -> None:
+        state = replica.state
+        if state in (ReplicaState.STOPPING,):
+            return
+        if info is None:
+            if state != ReplicaState.STOPPED:
+                runtime.set_replica_state(replica, ReplicaState.STOPPED, "program no longer known to supervisord")
+            return
+        pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid)
+        if state == ReplicaState.READY:
+            if info.state in DOWN_STATES:
+                # An admin's `supervisorctl stop`: respected, never undone by the pool.
+                runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
+            elif info.state == ProcessState.FATAL:
+                runtime.set_replica_state(replica, ReplicaState.FAILED, "supervisord gave up" + await self._log_tail(replica))
+            elif info.state != ProcessState.RUNNING or pid_changed:
+                replica.restarts += 1
+                runtime.set_replica_state(replica, ReplicaState.STARTING,
+                                          f"process exited ({info.description or info.state.name}); restarting")
+            if info.pid:
+                replica.pid = info.pid
+            return
+        if state == ReplicaState.STARTING:
+            if runtime.state == ModelState.LOADING and (info.state in EXITED_STATES or pid_changed):
+                runtime.set_replica_state(replica, ReplicaState.FAILED,
+                                          f"exited during start ({info.description or info.state.name})"
+                                          + await self._log_tail(replica))
+                await self._stop_quietly(replica)
+                return
+            if info.state == ProcessState.FATAL:
+                runtime.set_replica_state(replica, ReplicaState.FAILED, "supervisord gave up" + await self._log_tail(replica))
+                return
+            if info.state in DOWN_STATES and runtime.state == ModelState.LOADED:
+                runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
+                return
+            if info.state == ProcessState.RUNNING:
+                if pid_changed:
+                    replica.restarts += 1
+                replica.pid = info.pid
+                if replica.probe is None or replica.probe.done():
+                    replica.probe = asyncio.create_task(self._probe(runtime, replica, info.pid))
+            return
+        # STOPPED or FAILED: an admin may bring the process back with supervisorctl start.
+        if runtime.state == ModelState.LOADED and info.state in (ProcessState.STARTING, ProcessState.RUNNING):
+            replica.pid = info.pid
+            runtime.set_replica_state(replica, ReplicaState.STARTING)
+            self._wake.set()
+
+    async def _probe(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
+        ok, error = await probe(self.http, replica.spec)
+        if replica.state != ReplicaState.STARTING or replica.pid != pid:
+            return
+        if ok:
+            runtime.set_replica_state(replica, ReplicaState.READY)
+            replica.last_error = None
+        elif error:
+            replica.last_error = error
+
+    async def _log_tail(self, replica: Replica, length: int = 2000) -> str:
+        try:
+            text = await self.supervisor.tail_log(replica.fullname, length)
+        except SupervisorError:
+            return ""
+        text = text.strip()
+        return f"; log tail:\n{text}" if text else ""
+
+    async def _stop_quietly(self, replica: Replica) -> None:
+        try:
+            await self.supervisor.stop_process(replica.fullname)
+        except SupervisorError:
+            pass
+
+    async def _load_logged(self, name: str) -> None:
+        try:
+            await self.load(name)
+        except Exception as exc:
+            log.error("loading %s failed: %s", name, exc)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def probe(http: aiohttp.ClientSession, spec: ProgramSpec) -> tuple[bool, str | None]:
+    """Healthy when the health path answers 200 and the server serves the expected model."""
+    timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+    try:
+        async with http.get(spec.base_url + spec.health_path, timeout=timeout) as resp:
+            if resp.status != 200:
+                return False, None  # llama-server answers 503 while it loads
+        if spec.models_path:
+            async with http.get(spec.base_url + spec.models_path, timeout=timeout) as resp:
+                data = await resp.json(content_type=None)
+            ids = {m.get("id") for m in data.get("data", [])} if isinstance(data, dict) else set()
+            if spec.served_model not in ids:
+                return False, f"port {spec.port} serves {sorted(i for i in ids if i)}, not {spec.served_model!r}"
+        return True, None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return False, None
+
+
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -1,0 +1,80 @@
+"""Replica and model lifecycle states, with every allowed transition in one place."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from launchers.spec import ProgramSpec
+
+
+class ReplicaState(str, enum.Enum):
+    STOPPED = "stopped"      # no process, or an admin stopped it with supervisorctl
+    STARTING = "starting"    # process starting or restarting; not routed to until its health check passes
+    READY = "ready"          # supervisord says RUNNING and the health check passed
+    STOPPING = "stopping"    # being unloaded
+    FAILED = "failed"        # did not become healthy, or supervisord gave up on it
+
+
+_TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
+    ReplicaState.STOPPED: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING}),
+    ReplicaState.STARTING: frozenset({ReplicaState.READY, ReplicaState.FAILED, ReplicaState.STOPPING,
+                                      ReplicaState.STOPPED}),
+    ReplicaState.READY: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED,
+                                   ReplicaState.FAILED}),
+    ReplicaState.STOPPING: frozenset({ReplicaState.STOPPED}),
+    ReplicaState.FAILED: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED}),
+}
+
+
+class ModelState(str, enum.Enum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    UNLOADING = "unloading"
+    FAILED = "failed"
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Replica:
+    """One backend server process of a model. The event loop is its only writer."""
+
+    model: str
+    index: int
+    spec: ProgramSpec
+    fullname: str                     # group:program, as supervisord names it
+    state: ReplicaState = ReplicaState.STOPPED
+    pid: int = 0
+    restarts: int = 0
+    last_error: str | None = None
+    inflight: int = 0
+    state_since: float = field(default_factory=time.monotonic)
+    probe: asyncio.Task[None] | None = None
+
+    def move(self, new: ReplicaState, error: str | None = None) -> bool:
+        """Change state; False when already there. Raises on a transition the lifecycle forbids."""
+        if new == self.state:
+            if error:
+                self.last_error = error
+            return False
+        if new not in _TRANSITIONS[self.state]:
+            raise InvalidTransition(f"{self.model} replica {self.index}: {self.state.value} -> {new.value}")
+        self.state = new
+        self.state_since = time.monotonic()
+        if error:
+            self.last_error = error
+        return True
+
+    @property
+    def base_url(self) -> str:
+        return self.spec.base_url
+
+    def describe(self) -> dict[str, object]:
+        return {"index": self.index, "state": self.state.value, "pid": self.pid or None, "port": self.spec.port,
+                "program": self.fullname, "restarts": self.restarts, "inflight": self.inflight,
+                "last_error": self.last_error}

@@ -1,0 +1,57 @@
+"""The public OpenAI-compatible API."""
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.forward import forward, read_json, requested_model, servable
+from proxy.keys import HTTP, METRICS, POOL
+from proxy.replicas import ModelState
+
+routes = web.RouteTableDef()
+
+PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+async def pass_through(request: web.Request) -> web.StreamResponse:
+    started = time.perf_counter()
+    body = await read_json(request)
+    name = requested_model(body)
+    pool = request.app[POOL]
+    runtime = servable(pool, name)
+    metrics = request.app[METRICS]
+    status = "error"
+    try:
+        response = await forward(request, pool, request.app[HTTP], runtime, request.path, body)
+        status = str(response.status)
+        return response
+    finally:
+        metrics.requests.labels(name, request.path, status).inc()
+        metrics.latency.labels(name, request.path).observe(time.perf_counter() - started)
+
+
+for _path in PASS_THROUGH:
+    routes.post(_path)(pass_through)
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    data = [{"id": name, "object": "model", "owned_by": "llm-pool", "created": 0}
+            for name, runtime in pool.models.items() if runtime.state == ModelState.LOADED]
+    return web.json_response({"object": "list", "data": data})
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    return web.json_response({"status": "ok",
+                              "models": {name: rt.state.value for name, rt in pool.models.items()}})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,75 @@
+"""What the pool knows about one public model at run time: state, replicas, admission."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from proxy.admission import FifoAdmission
+from proxy.config import ModelConfig
+from proxy.replicas import ModelState, Replica, ReplicaState
+
+
+@dataclass(eq=False)
+class ModelRuntime:
+    config: ModelConfig                     # as configured
+    active: ModelConfig | None = None       # as loaded, with temporary overrides applied
+    state: ModelState = ModelState.UNLOADED
+    replicas: list[Replica] = field(default_factory=list)
+    admission: FifoAdmission = field(default_factory=FifoAdmission)
+    last_error: str | None = None
+    _turn: int = 0
+    # Serialises admin operations on this model; request routing never takes it.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def target_inflight(self) -> int:
+        return (self.active or self.config).target_inflight
+
+    def ready(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state == ReplicaState.READY]
+
+    def set_replica_state(self, replica: Replica, new: ReplicaState, error: str | None = None) -> None:
+        """The one place replica states change, so capacity and waiters always follow."""
+        if replica.move(new, error):
+            self.admission.set_capacity(len(self.ready()) * self.target_inflight)
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def wait_changed(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def pick_replica(self) -> Replica | None:
+        """The least loaded READY replica; ties rotate, so idle replicas share sequential traffic."""
+        ready = self.ready()
+        if not ready:
+            return None
+        self._turn += 1
+        return min(ready, key=lambda r: (r.inflight, (r.index - self._turn) % len(self.replicas)))
+
+    def describe(self) -> dict[str, object]:
+        cfg = self.active or self.config
+        return {
+            "id": self.name,
+            "backend": cfg.backend,
+            "enabled": self.config.enabled,
+            "state": self.state.value,
+            "replicas": [r.describe() for r in self.replicas],
+            "replica_count": cfg.replicas,
+            "replica_max": cfg.replica_max,
+            "target_inflight": cfg.target_inflight,
+            "capacity": self.admission.capacity,
+            "active": self.admission.active,
+            "waiting": self.admission.waiting,
+            "modalities": list(cfg.modalities),
+            "gpus": list(cfg.gpus),
+            "overrides": {k: v for k, v in cfg.options.items() if self.config.options.get(k) != v},
+            "last_error": self.last_error,
+        }

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from proxy.demo_model import write_tiny_gguf
+from proxy.llama_build import build_llama_server
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def llama_server_bin() -> Path:
+    # Returns at once when `llm-pool setup` (part of the test command) has built it.
+    return build_llama_server()
+
+
+@pytest.fixture
+def proxies() -> Iterator[list]:
+    """Proxies a test starts go in this list; each is stopped, and its processes checked gone, after."""
+    started: list = []
+    yield started
+    survivors = [pid for p in started for pid in p.cleanup()]
+    assert not survivors, f"processes outlived their test and were killed: {survivors}"

@@ -1,0 +1,197 @@
+"""Test helpers that start real processes: the proxy (`llm-pool serve`) with its supervisord.
+
+Everything started here is stopped here, by PID: `ProxyProcess.stop` ends the proxy, which
+unloads its models and shuts supervisord down, and then checks that every PID it saw is gone,
+killing any survivor so that no test leaves a process behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+DEADLINE_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_port_range(size: int = 20) -> list[int]:
+    """A run of `size` ports that are free now, for one test's model servers."""
+    while True:
+        start = free_port()
+        if start + size > 65000:
+            continue
+        ports = list(range(start, start + size))
+        if all(_bindable(p) for p in ports):
+            return [ports[0], ports[-1]]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = DEADLINE_S, what: str = "condition") -> Any:
+    """Poll until `predicate()` is truthy and return it; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            payload = resp.read()
+            status, hdrs = resp.status, dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        payload, status, hdrs = err.read(), err.code, dict(err.headers)
+    try:
+        return status, hdrs, json.loads(payload)
+    except ValueError:
+        return status, hdrs, payload
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+class ProxyProcess:
+    """`llm-pool serve` on loopback with a config of the test's making, in its own state dir."""
+
+    def __init__(self, models: dict[str, dict[str, Any]], service: dict[str, Any] | None = None,
+                 state_dir: Path | None = None) -> None:
+        # Short folder: the supervisord socket lives in it and unix socket paths are limited.
+        self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="lp-", dir="/tmp"))
+        self.port = free_port()
+        self.config_path = self.state_dir / "pool.yaml"
+        self.config = {
+            "service": {"host": "127.0.0.1", "port": self.port, "state_dir": str(self.state_dir),
+                        "log_level": "info", **(service or {})},
+            "supervisor": {"port_range": free_port_range(), "poll_interval_s": 0.1, "stopwaitsecs": 5},
+            "engine": {"models": models},
+        }
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.seen_pids: set[int] = set()
+        self.log_path = self.state_dir / "proxy.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def supervisord_conf(self) -> Path:
+        return self.state_dir / "supervisord.conf"
+
+    def start(self, keep_models: bool = False) -> "ProxyProcess":
+        argv = [sys.executable, "-m", "proxy.cli", "--config", str(self.config_path), "serve"]
+        if keep_models:
+            argv.append("--keep-models")
+        env = {**os.environ, "LLM_POOL_LOCAL_SETTINGS_PATH": str(self.state_dir / "no-local.yaml")}
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        wait_for(self._answers, what=f"the proxy on {self.url} (log: {self.log_path})")
+        self._remember_supervisord()
+        return self
+
+    def _answers(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"proxy exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
+        try:
+            return http("GET", self.url + "/health")[0] == 200
+        except OSError:
+            return False
+
+    def _remember_supervisord(self) -> None:
+        pidfile = self.state_dir / "supervisord.pid"
+        if pidfile.exists():
+            self.seen_pids.add(int(pidfile.read_text().strip()))
+
+    def admin_model(self, name: str) -> dict[str, Any]:
+        status, _, body = http("GET", self.url + "/v1/admin/models")
+        assert status == 200, body
+        (model,) = [m for m in body["data"] if m["id"] == name]
+        for replica in model["replicas"]:
+            if replica["pid"]:
+                self.seen_pids.add(replica["pid"])
+        return model
+
+    def wait_state(self, name: str, state: str, timeout: float = DEADLINE_S) -> dict[str, Any]:
+        def reached() -> dict[str, Any] | None:
+            model = self.admin_model(name)
+            if model["state"] == "failed" and state != "failed":
+                raise AssertionError(f"{name} failed: {model['last_error']}")
+            return model if model["state"] == state else None
+        return wait_for(reached, timeout, what=f"{name} to be {state}")
+
+    def wait_replicas_ready(self, name: str, count: int, timeout: float = DEADLINE_S) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            model = self.admin_model(name)
+            n = sum(1 for r in model["replicas"] if r["state"] == "ready")
+            return model if model["state"] == "loaded" and n == count else None
+        return wait_for(ready, timeout, what=f"{count} ready replica(s) of {name}")
+
+    def supervisorctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.supervisord_conf),
+                               *args], capture_output=True, text=True, timeout=60)
+
+    def stop(self, timeout: float = 60) -> None:
+        """SIGTERM the proxy and wait for it; it stops its models and supervisord unless kept."""
+        if self.proc is None:
+            return
+        self._remember_supervisord()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        self.proc = None
+
+    def cleanup(self) -> list[int]:
+        """Stop everything this proxy started, by PID; return the PIDs that had survived."""
+        self.stop()
+        self._remember_supervisord()
+        survivors = [pid for pid in self.seen_pids if pid_alive(pid)]
+        for pid in survivors:
+            os.kill(pid, signal.SIGKILL)
+        return survivors

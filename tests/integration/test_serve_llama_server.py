@@ -1,0 +1,198 @@
+"""End to end: real `llm-pool serve`, real supervisord, real llama-server on the tiny GGUF, the
+official openai client."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from typing import Any
+
+import openai
+import pytest
+
+from helpers import ProxyProcess, http, pid_alive, wait_for
+
+pytestmark = pytest.mark.integration
+
+CHAT = [{"role": "user", "content": "Hello there, tiny model."}]
+
+
+def client(proxy: ProxyProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+
+
+def replica_metric(replica: dict[str, Any], name: str) -> float:
+    """A counter from one llama-server's own /metrics, read straight from the replica."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{replica['port']}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(f"llamacpp:{name} "):
+                return float(line.split()[1])
+    raise AssertionError(f"llamacpp:{name} not in the replica's metrics")
+
+
+def test_chat_non_streamed_and_streamed(start_proxy, llama_model) -> None:
+    proxy = start_proxy({"tiny": llama_model()})
+    proxy.wait_state("tiny", "loaded")
+    oai = client(proxy)
+
+    reply = oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=16, temperature=0)
+    assert reply.model == "tiny"
+    assert reply.choices[0].message.content
+    assert reply.usage.completion_tokens > 0
+
+    chunks = list(oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=32, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(deltas) >= 16  # one event per token, not one blob at the end
+    assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+
+    assert [m.id for m in oai.models.list().data] == ["tiny"]
+    out = subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(proxy.supervisord_conf),
+                          "status"], capture_output=True, text=True, timeout=30).stdout
+    assert "RUNNING" in out and proxy.admin_model("tiny")["replicas"][0]["program"] in out
+
+
+def test_stream_chunks_arrive_while_the_backend_is_still_generating(start_proxy, llama_model) -> None:
+    proxy = start_proxy({"tiny": llama_model()})
+    replica = proxy.wait_state("tiny", "loaded")["replicas"][0]
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(proxy.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        first = resp.readline()
+        assert first.startswith(b"data: ")
+        # The first token is in our hands; the replica must still be busy with the rest.
+        with urllib.request.urlopen(f"http://127.0.0.1:{replica['port']}/slots", timeout=10) as slots:
+            assert any(s["is_processing"] for s in json.load(slots))
+        rest = resp.read()
+    assert rest.rstrip().endswith(b"data: [DONE]")
+
+
+def test_load_then_unload_ends_the_process(start_proxy, llama_model) -> None:
+    proxy = start_proxy({"tiny": llama_model(enabled=False)})
+    assert proxy.admin_model("tiny")["state"] == "unloaded"
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/tiny/load")
+    assert status == 200, body
+    assert body["state"] == "loaded" and body["replicas"][0]["state"] == "ready"
+    pid = body["replicas"][0]["pid"]
+    proxy.seen_pids.add(pid)
+    assert pid_alive(pid)
+    assert [m.id for m in client(proxy).models.list().data] == ["tiny"]
+
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/tiny/unload")
+    assert status == 200, body
+    assert body["state"] == "unloaded" and body["replicas"] == []
+    assert not pid_alive(pid)
+    assert client(proxy).models.list().data == []
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/tiny/unload")
+    assert (status, body["error"]["code"]) == (409, "model_not_loaded")
+
+
+def test_load_of_a_server_that_exits_fails_with_its_log(start_proxy, llama_model, tmp_path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF but not really")
+    proxy = start_proxy({"broken": llama_model(model_path=str(broken), enabled=False)})
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/broken/load")
+    assert status == 502
+    assert body["error"]["code"] == "model_load_failed"
+    assert "log tail" in body["error"]["message"]
+    model = proxy.admin_model("broken")
+    assert model["state"] == "failed" and model["replicas"] == []
+
+
+def test_sigkill_costs_one_restart_and_service_resumes(start_proxy, llama_model) -> None:
+    proxy = start_proxy({"tiny": llama_model()})
+    old_pid = proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+
+    def restarted() -> dict[str, Any] | None:
+        replica = proxy.admin_model("tiny")["replicas"][0]
+        return replica if replica["state"] == "ready" and replica["pid"] not in (None, old_pid) else None
+
+    replica = wait_for(restarted, what="the killed replica to be restarted and healthy")
+    assert replica["restarts"] >= 1
+    reply = client(proxy).chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)
+    assert reply.choices[0].message.content is not None
+
+
+def test_restarted_proxy_adopts_the_running_replica(start_proxy, llama_model, proxies) -> None:
+    first = start_proxy({"tiny": llama_model()}, keep_models=True)
+    pid = first.wait_state("tiny", "loaded")["replicas"][0]["pid"]
+    first.stop()
+    assert pid_alive(pid)  # --keep-models: the model outlives the proxy
+
+    second = ProxyProcess(first.config["engine"]["models"], state_dir=first.state_dir)
+    second.config_path.write_text(first.config_path.read_text())
+    second.port = first.port
+    # The second proxy now owns what the first left running; its cleanup checks those PIDs.
+    second.seen_pids, first.seen_pids = first.seen_pids, set()
+    proxies.append(second)
+    second.start()
+    assert second.wait_state("tiny", "loaded")["replicas"][0]["pid"] == pid
+    reply = client(second).chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)
+    assert reply.choices[0].message.content is not None
+
+
+def test_two_replicas_both_receive_traffic(start_proxy, llama_model) -> None:
+    proxy = start_proxy({"tiny": llama_model(replicas=2, replica_max=2)})
+    model = proxy.wait_replicas_ready("tiny", 2)
+    oai = client(proxy)
+    for _ in range(6):
+        oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
+    served = [replica_metric(r, "prompt_tokens_total") for r in model["replicas"]]
+    assert all(n > 0 for n in served), served
+
+
+def test_supervisorctl_stop_is_respected_and_start_rejoins(start_proxy, llama_model) -> None:
+    proxy = start_proxy({"tiny": llama_model(replicas=2, replica_max=2)})
+    model = proxy.wait_replicas_ready("tiny", 2)
+    r0, r1 = model["replicas"]
+    out = proxy.supervisorctl("stop", r1["program"])
+    assert "stopped" in out.stdout, out
+    oai = client(proxy)
+    # Routed away at once: every request right after the stop succeeds, on the other replica.
+    before = replica_metric(r0, "prompt_tokens_total")
+    for _ in range(6):
+        oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
+    assert replica_metric(r0, "prompt_tokens_total") > before
+    stopped = wait_for(lambda: proxy.admin_model("tiny")["replicas"][1]["state"] == "stopped",
+                       what="the proxy to mark the replica stopped")
+    assert stopped
+    assert "STOPPED" in proxy.supervisorctl("status", r1["program"]).stdout  # not restarted by the pool
+
+    out = proxy.supervisorctl("start", r1["program"])
+    assert "started" in out.stdout, out
+    model = proxy.wait_replicas_ready("tiny", 2)
+    r1 = model["replicas"][1]
+    proxy.seen_pids.add(r1["pid"])
+    for _ in range(6):
+        oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
+    assert replica_metric(r1, "prompt_tokens_total") > 0
+
+
+def test_bad_requests_get_the_openai_error_envelope(start_proxy, llama_model) -> None:
+    proxy = start_proxy({"tiny": llama_model(), "idle": llama_model(enabled=False)}, max_body_bytes=4096)
+    proxy.wait_state("tiny", "loaded")
+    url = proxy.url + "/v1/chat/completions"
+    cases = [
+        (dict(raw=b"{not json"), 400, "invalid_json"),
+        (dict(body={"messages": CHAT}), 400, "missing_model"),
+        (dict(body={"model": "nope", "messages": CHAT}), 404, "model_not_found"),
+        (dict(body={"model": "idle", "messages": CHAT}), 409, "model_not_loaded"),
+        (dict(body={"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}), 413,
+         "request_too_large"),
+    ]
+    for kwargs, status, code in cases:
+        got, _, body = http("POST", url, **kwargs)
+        assert (got, body["error"]["code"]) == (status, code), body
+        assert set(body["error"]) == {"message", "type", "code", "param"}
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/nope/load")
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/idle/load", body={"overrides": {"model_path": "/x"}})
+    assert (status, body["error"]["code"]) == (400, "invalid_load_request")
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/idle/load", body={"replicas": 5})
+    assert (status, body["error"]["code"]) == (400, "invalid_load_request")
+    assert proxy.admin_model("idle")["state"] == "unloaded"  # nothing changed

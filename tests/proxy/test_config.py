@@ -1,0 +1,158 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from proxy.cli import main
+from proxy.config import REPO_ROOT, ConfigError, deep_merge, load_settings
+
+LLAMA_MODEL = {"backend": "llama_server", "model_path": "models/tiny.gguf", "enabled": False}
+
+
+def write(path: Path, doc: object) -> Path:
+    path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def no_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LLM_POOL_SETTINGS_PATH", raising=False)
+    monkeypatch.delenv("LLM_POOL_LOCAL_SETTINGS_PATH", raising=False)
+
+
+def problems_of(path: Path) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    return info.value.problems
+
+
+def test_shipped_pool_yaml_validates() -> None:
+    settings = load_settings(REPO_ROOT / "conf" / "pool.yaml")
+    demo = settings.models["demo"]
+    assert demo.backend == "llama_server" and demo.enabled
+    assert settings.service.port == 8011
+
+
+@pytest.mark.parametrize("example", sorted((REPO_ROOT / "conf" / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_validate_merged_over_pool_yaml(example: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_POOL_LOCAL_SETTINGS_PATH", str(example))
+    settings = load_settings(REPO_ROOT / "conf" / "pool.yaml")
+    assert str(example) in {str(s) for s in settings.sources}
+
+
+def test_local_yaml_wins_per_key_with_deep_merge(tmp_path: Path) -> None:
+    base = write(tmp_path / "pool.yaml", {"service": {"port": 9000, "host": "127.0.0.1"},
+                                          "engine": {"models": {"m": {**LLAMA_MODEL, "target_inflight": 2}}}})
+    write(tmp_path / "local.yaml", {"service": {"port": 9001}, "engine": {"models": {"m": {"enabled": True}}}})
+    settings = load_settings(base)
+    assert settings.service.port == 9001 and settings.service.host == "127.0.0.1"
+    model = settings.models["m"]
+    assert model.enabled and model.target_inflight == 2
+    assert model.get("model_path") == str(tmp_path / "models" / "tiny.gguf")
+
+
+def test_env_vars_choose_both_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = write(tmp_path / "a.yaml", {"service": {"port": 9100}})
+    local = write(tmp_path / "b.yaml", {"service": {"port": 9200}})
+    monkeypatch.setenv("LLM_POOL_SETTINGS_PATH", str(base))
+    monkeypatch.setenv("LLM_POOL_LOCAL_SETTINGS_PATH", str(local))
+    assert load_settings().service.port == 9200
+
+
+def test_settings_json_loads_unchanged(tmp_path: Path) -> None:
+    doc = {"service": {"host": "0.0.0.0", "port": 8011, "log_level": "info"},
+           "engine": {"backend": "llama_server", "decoding": {"temperature": 0.1, "max_tokens": 256},
+                      "fairness": {"default_weight": 1.0, "weights": {"workbench": 1.0},
+                                   "soft_max_inflight_per_key": 1, "max_pending_per_key": 32,
+                                   "max_pending_per_executor": 128, "idle_state_ttl_s": 300},
+                      "models": {"frontier-large": {"backend": "openai_remote", "model_path": None,
+                                                    "remote_api_kind": "chat_completions",
+                                                    "remote_base_url": "https://api.example.com/v1",
+                                                    "remote_api_key_env": "EXAMPLE_API_KEY",
+                                                    "remote_model": "provider-model", "remote_timeout_s": 120,
+                                                    "target_inflight": 1, "enabled": False},
+                                 "gguf": {"model_path": "/models/x.gguf", "llama_server_n_gpu_layers": "-1"}}}}
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps(doc, indent=2))
+    settings = load_settings(path)
+    assert settings.models["gguf"].backend == "llama_server"  # from engine.backend
+    assert settings.models["frontier-large"].backend == "openai_remote"
+
+
+def test_invalid_yaml_names_file_line_and_column(tmp_path: Path) -> None:
+    path = write(tmp_path / "pool.yaml", "service:\n  port: 8011\n   host: x\n")
+    (problem,) = problems_of(path)
+    assert problem.startswith(f"{path}:3:") and "invalid YAML" in problem
+
+
+@pytest.mark.parametrize("model, expected", [
+    ({**LLAMA_MODEL, "backend": "tensorflow"}, "engine.models.m.backend: 'tensorflow' is not one of"),
+    ({**LLAMA_MODEL, "target_inflight": -1}, "engine.models.m.target_inflight: -1 is less than the minimum of 1"),
+    ({**LLAMA_MODEL, "colour": "blue"}, "engine.models.m.colour: unknown field"),
+    ({"backend": "llama_server"}, "engine.models.m.model_path: required"),
+    ({**LLAMA_MODEL, "replicas": 3, "replica_max": 2}, "engine.models.m.replicas: 3 is above replica_max 2"),
+    ({**LLAMA_MODEL, "llama_server_spec_draft_n_max": 9}, "engine.models.m.llama_server_spec_draft_n_max: 9 is"),
+])
+def test_model_errors_name_the_path_and_rule(tmp_path: Path, model: dict, expected: str) -> None:
+    path = write(tmp_path / "pool.yaml", {"engine": {"models": {"m": model}}})
+    problems = problems_of(path)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_model_ids_are_never_paths(tmp_path: Path) -> None:
+    path = write(tmp_path / "pool.yaml", {"engine": {"models": {"../etc/passwd": LLAMA_MODEL}}})
+    (problem,) = problems_of(path)
+    assert "never paths" in problem
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    path = write(tmp_path / "pool.yaml", {"service": {"port": 0, "extra": 1},
+                                          "engine": {"models": {"m": {**LLAMA_MODEL, "target_inflight": 0}}}})
+    problems = problems_of(path)
+    assert len(problems) == 3, problems
+
+
+def test_deep_merge_replaces_lists_and_merges_maps() -> None:
+    assert deep_merge({"a": {"b": 1, "c": [1, 2]}}, {"a": {"c": [3]}}) == {"a": {"b": 1, "c": [3]}}
+
+
+# The CLI: every bad input is a message naming the path, exit 2, and nothing started.
+
+def _cli(tmp_path: Path, doc: object, command: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    path = write(tmp_path / "pool.yaml", doc)
+    with pytest.raises(SystemExit) as info:
+        main(["--config", str(path), command])
+    return info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["check-config", "serve"])
+@pytest.mark.parametrize("doc, expected", [
+    ("engine: [1, 2\n", "invalid YAML"),
+    ({"engine": {"models": {"m": {**LLAMA_MODEL, "backend": "nope"}}}}, "engine.models.m.backend"),
+    ({"engine": {"models": {"m": {**LLAMA_MODEL, "target_inflight": -3}}}}, "engine.models.m.target_inflight"),
+    ({"engine": {"models": {"m": {**LLAMA_MODEL, "nonsense": 1}}}}, "engine.models.m.nonsense: unknown field"),
+    ({"engine": {"models": {"m": {"backend": "llama_server", "enabled": True}}}}, "engine.models.m.model_path"),
+    ({"engine": {"models": {"m": {**LLAMA_MODEL, "enabled": True, "llama_server_binary": "/nonexistent/llama-server"}}}},
+     "engine.models.m.llama_server_binary: /nonexistent/llama-server does not exist"),
+])
+def test_cli_rejects_bad_config_and_starts_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   command: str, doc: object, expected: str) -> None:
+    state = tmp_path / "state"
+    if isinstance(doc, dict):
+        doc = {**doc, "service": {"state_dir": str(state)}}
+    code, err = _cli(tmp_path, doc, command, capsys)
+    assert code == 2
+    assert expected in err
+    assert not state.exists()
+
+
+def test_check_config_accepts_a_good_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          tiny_gguf: Path, llama_server_bin: Path) -> None:
+    path = write(tmp_path / "pool.yaml", {"engine": {"models": {"m": {
+        "backend": "llama_server", "model_path": str(tiny_gguf), "llama_server_binary": str(llama_server_bin),
+        "enabled": True}}}})
+    assert main(["--config", str(path), "check-config"]) == 0
+    assert capsys.readouterr().out.startswith("ok: 1 model(s), 1 enabled")
