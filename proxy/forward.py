@@ -10,6 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import BackendError, BadRequest, Conflict, TooLarge, Unavailable, sse_error_event
+from proxy.keys import SETTINGS
 from proxy.pool import Pool
 from proxy.replicas import ModelState, Replica
 from proxy.runtime import ModelRuntime
@@ -27,8 +28,9 @@ class _ConnectFailed(Exception):
 async def read_json(request: web.Request) -> dict[str, Any]:
     try:
         raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise TooLarge(f"request body is over the limit of {exc.max_size} bytes") from None
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[SETTINGS].service.max_body_bytes
+        raise TooLarge(f"request body is over the limit of {limit} bytes (service.max_body_bytes)") from None
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):

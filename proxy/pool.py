@@ -9,6 +9,7 @@ it and it answers again, and an admin's `supervisorctl stop` is respected.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -109,11 +110,15 @@ class Pool:
             try:
                 await self._start_group(runtime, config, launcher)
                 await self._await_replicas(runtime)
-            except BaseException as exc:
-                runtime.state = ModelState.FAILED
+            except asyncio.CancelledError:
+                raise  # the proxy is stopping: what runs is left for the next one to adopt or stop
+            except Exception as exc:
                 runtime.last_error = str(exc)
-                await self._teardown(runtime, drain=False)
+                with contextlib.suppress(Exception):
+                    await self._teardown(runtime, drain=False)
                 runtime.state = ModelState.FAILED
+                if isinstance(exc, SupervisorError):
+                    raise Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=5) from exc
                 raise
             failed = [r for r in runtime.replicas if r.state != ReplicaState.READY]
             if not runtime.ready():
@@ -294,11 +299,15 @@ class Pool:
         interval = self.settings.supervisor.poll_interval_s
         while True:
             try:
+                taken = time.monotonic()
                 self._processes = await self._snapshot()
                 for runtime in self.models.values():
                     if runtime.state in (ModelState.LOADING, ModelState.LOADED):
                         for replica in runtime.replicas:
-                            await self._observe(runtime, replica, self._processes.get(replica.fullname))
+                            # A replica whose state changed while the snapshot was in flight (a load
+                            # just started it) is judged on the next, fresher snapshot.
+                            if replica.state_since <= taken:
+                                await self._observe(runtime, replica, self._processes.get(replica.fullname))
             except SupervisorError as exc:
                 log.warning("monitor: %s", exc)
             except Exception:
@@ -318,6 +327,10 @@ class Pool:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "program no longer known to supervisord")
             return
         pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid)
+        if pid_changed:
+            replica.restarts += 1
+        if info.pid:
+            replica.pid = info.pid
         if state == ReplicaState.READY:
             if info.state in DOWN_STATES:
                 # An admin's `supervisorctl stop`: respected, never undone by the pool.
@@ -325,11 +338,8 @@ class Pool:
             elif info.state == ProcessState.FATAL:
                 runtime.set_replica_state(replica, ReplicaState.FAILED, "supervisord gave up" + await self._log_tail(replica))
             elif info.state != ProcessState.RUNNING or pid_changed:
-                replica.restarts += 1
                 runtime.set_replica_state(replica, ReplicaState.STARTING,
                                           f"process exited ({info.description or info.state.name}); restarting")
-            if info.pid:
-                replica.pid = info.pid
             return
         if state == ReplicaState.STARTING:
             if runtime.state == ModelState.LOADING and (info.state in EXITED_STATES or pid_changed):
@@ -345,15 +355,11 @@ class Pool:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
                 return
             if info.state == ProcessState.RUNNING:
-                if pid_changed:
-                    replica.restarts += 1
-                replica.pid = info.pid
                 if replica.probe is None or replica.probe.done():
                     replica.probe = asyncio.create_task(self._probe(runtime, replica, info.pid))
             return
         # STOPPED or FAILED: an admin may bring the process back with supervisorctl start.
         if runtime.state == ModelState.LOADED and info.state in (ProcessState.STARTING, ProcessState.RUNNING):
-            replica.pid = info.pid
             runtime.set_replica_state(replica, ReplicaState.STARTING)
             self._wake.set()
 
