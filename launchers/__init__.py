@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from launchers import llama_server
+from launchers import llama_server, sim
 
 # Backends whose replicas run as supervisord programs. A backend in the schema but not here is
 # configurable (so existing settings files load) but cannot be loaded by this version.
 LAUNCHERS: dict[str, ModuleType] = {
     "llama_server": llama_server,
+    "sim": sim,
 }
 
 

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 from proxy.config import ModelConfig
 
 
-def library_env(model: ModelConfig, library_field: str, environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+def library_env(model: ModelConfig, library_field: str | None, environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """CUDA_VISIBLE_DEVICES from the model's GPUs and its library path prepended to LD_LIBRARY_PATH.
 
     `environ` is the environment supervisord passes on (the proxy's own in managed mode); it is an
@@ -16,7 +16,7 @@ def library_env(model: ModelConfig, library_field: str, environ: Mapping[str, st
     env: dict[str, str] = {}
     if model.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in model.gpus)
-    libs = list(model.get(library_field, []))
+    libs = list(model.get(library_field, [])) if library_field else []
     if libs:
         inherited = environ.get("LD_LIBRARY_PATH")
         env["LD_LIBRARY_PATH"] = ":".join(libs + ([inherited] if inherited else []))

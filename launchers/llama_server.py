@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Mapping
 
 from launchers.common import library_env, missing_file
-from launchers.spec import ProgramSpec, program_name
+from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.config import ModelConfig
 from proxy.llama_build import cached_llama_server
 
@@ -33,6 +33,8 @@ FLAGS = (
 LOAD_OVERRIDES = ("llama_server_n_ctx", "llama_server_image_max_tokens", "llama_server_spec_type",
                   "llama_server_spec_draft_n_max", "llama_server_spec_draft_p_min")
 DEFAULT_START_TIMEOUT_S = 120.0
+METRICS = EngineMetrics(running="llamacpp:requests_processing", waiting="llamacpp:requests_deferred",
+                        kv_cache="llamacpp:kv_cache_usage_ratio")
 
 
 def binary(model: ModelConfig) -> str:
@@ -96,4 +98,5 @@ def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, envir
         served_model=model.name,
         start_timeout_s=float(model.get("llama_server_start_timeout_s", DEFAULT_START_TIMEOUT_S)),
         stopwaitsecs=stopwaitsecs,
+        metrics=METRICS,
     )

@@ -17,6 +17,15 @@ _META = re.compile(r"^; replica program=(?P<program>\S+) port=(?P<port>\d+)$", r
 
 
 @dataclass(frozen=True)
+class EngineMetrics:
+    """The names under which an engine's /metrics reports the gauges replica routing reads."""
+
+    running: str
+    waiting: str
+    kv_cache: str
+
+
+@dataclass(frozen=True)
 class ProgramSpec:
     """Everything supervisord and the proxy need to run and reach one replica."""
 
@@ -30,6 +39,7 @@ class ProgramSpec:
     served_model: str            # the model name the backend expects in requests
     start_timeout_s: float
     stopwaitsecs: int
+    metrics: EngineMetrics | None = None   # None: the engine reports no load gauges
 
     @property
     def base_url(self) -> str:

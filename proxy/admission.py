@@ -1,67 +1,85 @@
-"""Per-model admission: a request takes a slot before it is sent to a replica.
+"""Per-model admission: the async face of the fairness scheduler.
 
-Capacity is the sum of `target_inflight` over READY replicas and changes as replicas come and go.
-Requests over capacity wait in arrival order. Waiters are futures: a client that goes away while
-waiting leaves the queue, and a waiter cancelled just after it was handed a slot gives the slot
-to the next in line instead of stranding it.
+A request takes a slot before it is sent to a replica. Capacity is the sum of `target_inflight`
+over READY replicas and changes as replicas come and go. Waiters are futures: a client that goes
+away while waiting leaves its queue, one that goes away while running frees its slot (its running
+time still counts to its key), and a waiter cancelled just after it was handed a slot gives the
+slot back to the scheduler instead of stranding it.
 """
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import itertools
+import time
+from typing import Callable, Hashable, Iterable
 
-from proxy.errors import PoolError
+from proxy.errors import PoolError, TooManyRequests
+from proxy.fairness import ANONYMOUS, FairnessPolicy, FairScheduler, QueueFull
 
 
-class FifoAdmission:
-    def __init__(self) -> None:
-        self.capacity = 0
-        self.active = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+class Admission:
+    def __init__(self, policy: FairnessPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.scheduler = FairScheduler(policy or FairnessPolicy(), clock)
+        self._granted: dict[Hashable, asyncio.Future[None]] = {}
+        self._ids = itertools.count()
         self._closed: PoolError | None = None
 
     @property
+    def capacity(self) -> int:
+        return self.scheduler.capacity
+
+    @property
+    def active(self) -> int:
+        return self.scheduler.running
+
+    @property
     def waiting(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
+        return self.scheduler.waiting
 
     def set_capacity(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._wake()
+        self._start(self.scheduler.set_capacity(capacity))
 
-    async def acquire(self) -> None:
+    async def acquire(self, key: str = ANONYMOUS) -> Hashable:
+        """Wait for a slot; returns the ticket to hand back to `release`."""
         if self._closed is not None:
             raise self._closed
-        if self.active < self.capacity and not self.waiting:
-            self.active += 1
-            return
+        ticket = (key, next(self._ids))
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        self._granted[ticket] = fut
+        try:
+            self._start(self.scheduler.submit(ticket, key))
+        except QueueFull as full:
+            del self._granted[ticket]
+            raise TooManyRequests(str(full), code=full.code, retry_after=full.retry_after) from None
         try:
             await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                # We were handed a slot but can no longer take it: pass it on.
-                self.release()
+        except BaseException:
+            # Cancelled while waiting (the client left) or failed by `close`: whether still queued or
+            # already handed a slot, the scheduler forgets it and passes any slot on.
+            self._granted.pop(ticket, None)
+            self._start(self.scheduler.cancel(ticket))
             raise
-        finally:
-            if fut in self._waiters:
-                self._waiters.remove(fut)
+        return ticket
 
-    def release(self) -> None:
-        self.active -= 1
-        self._wake()
+    def release(self, ticket: Hashable, completed: bool = True) -> None:
+        """The request ended: `completed` when it ran to its end, False when its client left."""
+        self._granted.pop(ticket, None)
+        events = self.scheduler.done(ticket) if completed else self.scheduler.cancel(ticket)
+        self._start(events)
 
     def close(self, error: PoolError) -> None:
         """Refuse new requests and fail every waiter with `error`; running ones finish."""
         self._closed = error
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
+        for ticket in self.scheduler.drop_waiting():
+            fut = self._granted.pop(ticket, None)
+            if fut is not None and not fut.done():
                 fut.set_exception(error)
 
-    def _wake(self) -> None:
-        while self.active < self.capacity and self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                self.active += 1
+    def describe_keys(self) -> dict[str, dict[str, float]]:
+        return self.scheduler.keys()
+
+    def _start(self, tickets: Iterable[Hashable]) -> None:
+        for ticket in tickets:
+            fut = self._granted.get(ticket)
+            if fut is not None and not fut.done():
                 fut.set_result(None)

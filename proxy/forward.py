@@ -10,6 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import BackendError, BadRequest, Conflict, TooLarge, Unavailable, sse_error_event
+from proxy.fairness import normalize_key
 from proxy.keys import SETTINGS
 from proxy.pool import Pool
 from proxy.replicas import ModelState, Replica
@@ -47,6 +48,14 @@ def requested_model(body: dict[str, Any]) -> str:
     return model
 
 
+def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
+    """From the body's `fairness_key`, else the X-Fairness-Key header (for plain OpenAI clients)."""
+    key = body.get("fairness_key")
+    if key is not None and not isinstance(key, str):
+        raise BadRequest("`fairness_key` must be a string", code="invalid_fairness_key", param="fairness_key")
+    return normalize_key(key if key is not None else request.headers.get("X-Fairness-Key"))
+
+
 def servable(pool: Pool, name: str) -> ModelRuntime:
     """The model's runtime if requests may be sent to it now; otherwise the right error."""
     runtime = pool.get(name)
@@ -67,7 +76,8 @@ async def forward(request: web.Request, pool: Pool, http: aiohttp.ClientSession,
                   path: str, body: dict[str, Any]) -> web.StreamResponse:
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
     payload = {k: v for k, v in body.items() if k not in PROXY_ONLY_FIELDS}
-    await runtime.admission.acquire()
+    ticket = await runtime.admission.acquire(fairness_key(request, body))
+    completed = True
     try:
         # One retry: a replica that refuses the connection has died since it was picked; the
         # request never reached it, so another replica may take it.
@@ -84,8 +94,11 @@ async def forward(request: web.Request, pool: Pool, http: aiohttp.ClientSession,
                 replica.inflight -= 1
         raise Unavailable(f"model {runtime.name!r} has no healthy replica right now", code="model_unavailable",
                           retry_after=2)
+    except asyncio.CancelledError:
+        completed = False  # the client left: the slot frees now, and its running time still counts
+        raise
     finally:
-        runtime.admission.release()
+        runtime.admission.release(ticket, completed)
 
 
 async def _send(request: web.Request, http: aiohttp.ClientSession, replica: Replica, path: str,

@@ -21,8 +21,9 @@ import aiohttp
 
 from launchers import launcher_for
 from launchers.spec import ProgramSpec, group_name, ports_in_file, program_name, render_group
-from proxy.admission import FifoAdmission
+from proxy.admission import Admission
 from proxy.config import ModelConfig, Settings
+from proxy.fairness import FairnessPolicy
 from proxy.errors import BackendError, Conflict, NotFound, Unavailable
 from proxy.replicas import ModelState, Replica, ReplicaState
 from proxy.runtime import ModelRuntime
@@ -43,7 +44,9 @@ class Pool:
         self.supervisor = supervisor
         self.http = http
         self.environ = dict(os.environ if environ is None else environ)
-        self.models: dict[str, ModelRuntime] = {n: ModelRuntime(config=c) for n, c in settings.models.items()}
+        policy = FairnessPolicy.from_settings(settings.fairness)
+        self.models: dict[str, ModelRuntime] = {n: ModelRuntime(config=c, policy=policy)
+                                                for n, c in settings.models.items()}
         self._monitor: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
@@ -106,7 +109,7 @@ class Pool:
             runtime.state = ModelState.LOADING
             runtime.active = config
             runtime.last_error = None
-            runtime.admission = FifoAdmission()
+            runtime.admission = Admission(runtime.policy)
             try:
                 await self._start_group(runtime, config, launcher)
                 await self._await_replicas(runtime)

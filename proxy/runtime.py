@@ -4,18 +4,20 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from proxy.admission import FifoAdmission
+from proxy.admission import Admission
 from proxy.config import ModelConfig
+from proxy.fairness import FairnessPolicy
 from proxy.replicas import ModelState, Replica, ReplicaState
 
 
 @dataclass(eq=False)
 class ModelRuntime:
     config: ModelConfig                     # as configured
+    policy: FairnessPolicy = field(default_factory=FairnessPolicy)
     active: ModelConfig | None = None       # as loaded, with temporary overrides applied
     state: ModelState = ModelState.UNLOADED
     replicas: list[Replica] = field(default_factory=list)
-    admission: FifoAdmission = field(default_factory=FifoAdmission)
+    admission: Admission = field(default_factory=Admission)
     last_error: str | None = None
     _turn: int = 0
     # Serialises admin operations on this model; request routing never takes it.
@@ -68,6 +70,7 @@ class ModelRuntime:
             "capacity": self.admission.capacity,
             "active": self.admission.active,
             "waiting": self.admission.waiting,
+            "keys": self.admission.describe_keys(),
             "modalities": list(cfg.modalities),
             "gpus": list(cfg.gpus),
             "overrides": {k: v for k, v in cfg.options.items() if self.config.options.get(k) != v},

@@ -1,43 +1,46 @@
+"""The async admission around the fairness scheduler: futures, cancellation, capacity, closing."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from proxy.admission import FifoAdmission
-from proxy.errors import Unavailable
+from proxy.admission import Admission
+from proxy.errors import TooManyRequests, Unavailable
+from proxy.fairness import FairnessPolicy
 
 
 async def test_requests_within_capacity_start_at_once() -> None:
-    adm = FifoAdmission()
+    adm = Admission()
     adm.set_capacity(2)
-    await adm.acquire()
-    await adm.acquire()
+    await adm.acquire("a")
+    await adm.acquire("a")
     assert adm.active == 2 and adm.waiting == 0
 
 
-async def test_waiters_are_served_in_arrival_order_as_slots_free() -> None:
-    adm = FifoAdmission()
+async def test_waiters_of_one_key_are_served_in_arrival_order() -> None:
+    adm = Admission()
     adm.set_capacity(1)
-    await adm.acquire()
+    first = await adm.acquire("k")
     order: list[int] = []
 
-    async def take(i: int) -> None:
-        await adm.acquire()
+    async def take(i: int) -> object:
+        ticket = await adm.acquire("k")
         order.append(i)
+        return ticket
 
     tasks = [asyncio.create_task(take(i)) for i in range(3)]
     await asyncio.sleep(0)
     assert adm.waiting == 3
-    for _ in range(3):
-        adm.release()
-        await asyncio.sleep(0)
-    await asyncio.gather(*tasks)
+    ticket = first
+    for task in tasks:
+        adm.release(ticket)
+        ticket = await task
     assert order == [0, 1, 2]
 
 
 async def test_capacity_growth_wakes_waiters() -> None:
-    adm = FifoAdmission()
+    adm = Admission()
     waiter = asyncio.create_task(adm.acquire())
     await asyncio.sleep(0)
     assert not waiter.done()
@@ -47,36 +50,61 @@ async def test_capacity_growth_wakes_waiters() -> None:
 
 
 async def test_cancelled_waiter_leaves_the_queue() -> None:
-    adm = FifoAdmission()
+    adm = Admission()
     adm.set_capacity(1)
-    await adm.acquire()
-    gone = asyncio.create_task(adm.acquire())
-    nxt = asyncio.create_task(adm.acquire())
+    held = await adm.acquire("a")
+    gone = asyncio.create_task(adm.acquire("b"))
+    nxt = asyncio.create_task(adm.acquire("c"))
     await asyncio.sleep(0)
     gone.cancel()
-    await asyncio.sleep(0)
+    await asyncio.gather(gone, return_exceptions=True)
     assert adm.waiting == 1
-    adm.release()
+    adm.release(held)
     await nxt
     assert adm.active == 1
 
 
 async def test_slot_handed_to_a_cancelled_waiter_goes_to_the_next() -> None:
-    adm = FifoAdmission()
+    adm = Admission()
     adm.set_capacity(1)
-    await adm.acquire()
-    first = asyncio.create_task(adm.acquire())
-    second = asyncio.create_task(adm.acquire())
+    held = await adm.acquire("a")
+    first = asyncio.create_task(adm.acquire("b"))
+    second = asyncio.create_task(adm.acquire("c"))
     await asyncio.sleep(0)
-    adm.release()          # hands the slot to `first`...
+    adm.release(held)      # hands the slot to `first`...
     first.cancel()         # ...which is cancelled before it runs
     await asyncio.gather(first, return_exceptions=True)
     await second
+    assert adm.active == 1 and adm.waiting == 0
+
+
+async def test_client_leaving_while_running_frees_the_slot() -> None:
+    adm = Admission()
+    adm.set_capacity(1)
+    running = await adm.acquire("a")
+    waiter = asyncio.create_task(adm.acquire("b"))
+    await asyncio.sleep(0)
+    adm.release(running, completed=False)
+    await waiter
     assert adm.active == 1
 
 
+async def test_full_queue_is_429_with_its_code_and_retry_after() -> None:
+    adm = Admission(FairnessPolicy(max_pending_per_key=1, max_pending_per_executor=10))
+    adm.set_capacity(1)
+    await adm.acquire("a")
+    queued = asyncio.create_task(adm.acquire("a"))
+    await asyncio.sleep(0)
+    with pytest.raises(TooManyRequests) as info:
+        await adm.acquire("a")
+    assert info.value.code == "fairness_key_queue_full" and info.value.status == 429
+    assert int(info.value.headers()["Retry-After"]) >= 1
+    queued.cancel()
+    await asyncio.gather(queued, return_exceptions=True)
+
+
 async def test_close_fails_waiters_and_refuses_newcomers() -> None:
-    adm = FifoAdmission()
+    adm = Admission()
     waiter = asyncio.create_task(adm.acquire())
     await asyncio.sleep(0)
     adm.close(Unavailable("unloading", code="model_unloading"))
@@ -84,3 +112,4 @@ async def test_close_fails_waiters_and_refuses_newcomers() -> None:
         await waiter
     with pytest.raises(Unavailable):
         await adm.acquire()
+    assert adm.waiting == 0
