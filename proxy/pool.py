@@ -24,6 +24,7 @@ from launchers.spec import ProgramSpec, group_name, ports_in_file, program_name,
 from proxy.admission import Admission
 from proxy.config import ModelConfig, Settings
 from proxy.fairness import FairnessPolicy
+from proxy.engine_metrics import read_gauges
 from proxy.errors import BackendError, Conflict, NotFound, Unavailable
 from proxy.replicas import ModelState, Replica, ReplicaState
 from proxy.runtime import ModelRuntime
@@ -32,6 +33,7 @@ from proxy.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, Su
 
 log = logging.getLogger(__name__)
 
+METRICS_INTERVAL_S = 0.5
 EXITED_STATES = (ProcessState.BACKOFF, ProcessState.EXITED, ProcessState.FATAL)
 DOWN_STATES = (ProcessState.STOPPED, ProcessState.STOPPING)
 PROBE_TIMEOUT_S = 2.0
@@ -76,8 +78,9 @@ class Pool:
             await asyncio.gather(self._monitor, return_exceptions=True)
         for runtime in self.models.values():
             for replica in runtime.replicas:
-                if replica.probe is not None:
-                    replica.probe.cancel()
+                for task in (replica.probe, replica.scrape):
+                    if task is not None:
+                        task.cancel()
 
     def get(self, name: str) -> ModelRuntime:
         try:
@@ -248,8 +251,9 @@ class Pool:
             while runtime.admission.active > 0 and time.monotonic() < deadline:
                 await runtime.wait_changed(0.05)
         for replica in runtime.replicas:
-            if replica.probe is not None:
-                replica.probe.cancel()
+            for task in (replica.probe, replica.scrape):
+                if task is not None:
+                    task.cancel()
             runtime.set_replica_state(replica, ReplicaState.STOPPING)
         await self._remove_group(group_name(runtime.name))
         path = self._group_file(runtime.name)
@@ -311,6 +315,7 @@ class Pool:
                             # just started it) is judged on the next, fresher snapshot.
                             if replica.state_since <= taken:
                                 await self._observe(runtime, replica, self._processes.get(replica.fullname))
+                            self._maybe_scrape(replica)
             except SupervisorError as exc:
                 log.warning("monitor: %s", exc)
             except Exception:
@@ -375,6 +380,26 @@ class Pool:
             replica.last_error = None
         elif error:
             replica.last_error = error
+
+    def _maybe_scrape(self, replica: Replica) -> None:
+        """Refresh the backend's load gauges in the background, at most every METRICS_INTERVAL_S."""
+        if replica.state != ReplicaState.READY or replica.spec.metrics is None:
+            return
+        if replica.scrape is not None and (not replica.scrape.done() or
+                                           time.monotonic() - replica.scraped_at < METRICS_INTERVAL_S):
+            return
+        replica.scrape = asyncio.create_task(self._scrape(replica))
+
+    async def _scrape(self, replica: Replica) -> None:
+        assert replica.spec.metrics is not None
+        try:
+            async with self.http.get(replica.base_url + "/metrics",
+                                     timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            text = ""
+        replica.reported = read_gauges(text, replica.spec.metrics) if text else {}
+        replica.scraped_at = time.monotonic()
 
     async def _log_tail(self, replica: Replica, length: int = 2000) -> str:
         try:

@@ -55,6 +55,16 @@ class Replica:
     inflight: int = 0
     state_since: float = field(default_factory=time.monotonic)
     probe: asyncio.Task[None] | None = None
+    # What the backend last said on /metrics: running, waiting, kv_cache (0..1); empty until scraped.
+    reported: dict[str, float] = field(default_factory=dict)
+    scrape: asyncio.Task[None] | None = None
+    scraped_at: float = 0.0
+
+    def load(self) -> tuple[float, float]:
+        """How busy the replica is: the work at it (what the proxy sent, or what the backend reports
+        running and waiting if that is more, e.g. other clients), then its KV-cache use."""
+        backend = self.reported.get("running", 0.0) + self.reported.get("waiting", 0.0)
+        return max(float(self.inflight), backend), self.reported.get("kv_cache", 0.0)
 
     def move(self, new: ReplicaState, error: str | None = None) -> bool:
         """Change state; False when already there. Raises on a transition the lifecycle forbids."""
@@ -66,6 +76,8 @@ class Replica:
             raise InvalidTransition(f"{self.model} replica {self.index}: {self.state.value} -> {new.value}")
         self.state = new
         self.state_since = time.monotonic()
+        if new != ReplicaState.READY:
+            self.reported = {}  # gauges of a replica that is not serving mean nothing
         if error:
             self.last_error = error
         return True
@@ -77,4 +89,4 @@ class Replica:
     def describe(self) -> dict[str, object]:
         return {"index": self.index, "state": self.state.value, "pid": self.pid or None, "port": self.spec.port,
                 "program": self.fullname, "restarts": self.restarts, "inflight": self.inflight,
-                "last_error": self.last_error}
+                "reported": dict(self.reported), "last_error": self.last_error}

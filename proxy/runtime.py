@@ -49,12 +49,13 @@ class ModelRuntime:
             pass
 
     def pick_replica(self) -> Replica | None:
-        """The least loaded READY replica; ties rotate, so idle replicas share sequential traffic."""
+        """The least loaded READY replica (see Replica.load); ties rotate, so idle replicas share
+        sequential traffic."""
         ready = self.ready()
         if not ready:
             return None
         self._turn += 1
-        return min(ready, key=lambda r: (r.inflight, (r.index - self._turn) % len(self.replicas)))
+        return min(ready, key=lambda r: (*r.load(), (r.index - self._turn) % len(self.replicas)))
 
     def describe(self) -> dict[str, object]:
         cfg = self.active or self.config

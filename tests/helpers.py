@@ -96,7 +96,7 @@ class ProxyProcess:
     """`llm-pool serve` on loopback with a config of the test's making, in its own state dir."""
 
     def __init__(self, models: dict[str, dict[str, Any]], service: dict[str, Any] | None = None,
-                 state_dir: Path | None = None) -> None:
+                 state_dir: Path | None = None, engine: dict[str, Any] | None = None) -> None:
         # Short folder: the supervisord socket lives in it and unix socket paths are limited.
         self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="lp-", dir="/tmp"))
         self.port = free_port()
@@ -105,7 +105,7 @@ class ProxyProcess:
             "service": {"host": "127.0.0.1", "port": self.port, "state_dir": str(self.state_dir),
                         "log_level": "info", **(service or {})},
             "supervisor": {"port_range": free_port_range(), "poll_interval_s": 0.1, "stopwaitsecs": 5},
-            "engine": {"models": models},
+            "engine": {"models": models, **(engine or {})},
         }
         self.config_path.write_text(yaml.safe_dump(self.config))
         self.proc: subprocess.Popen[bytes] | None = None

@@ -20,8 +20,9 @@ def llama_model(tiny_gguf: Path, llama_server_bin: Path) -> Callable[..., dict[s
 
 @pytest.fixture
 def start_proxy(proxies: list[ProxyProcess]) -> Callable[..., ProxyProcess]:
-    def start(models: dict[str, dict[str, Any]], keep_models: bool = False, **service: Any) -> ProxyProcess:
-        proxy = ProxyProcess(models, service=service)
+    def start(models: dict[str, dict[str, Any]], keep_models: bool = False, engine: dict[str, Any] | None = None,
+              **service: Any) -> ProxyProcess:
+        proxy = ProxyProcess(models, service=service, engine=engine)
         proxies.append(proxy)
         return proxy.start(keep_models=keep_models)
     return start

@@ -1,0 +1,160 @@
+"""Fairness benchmarks through the real proxy, supervisord and the simulated engine.
+
+Two proxies run side by side, one with the fairness scheduler and one with plain FIFO
+(`engine.fairness.mode: fifo`), each with its own sim replica; only one is driven at a time.
+
+(a) two saturating keys with weights 1:1 and 2:1: each key's share of running time;
+(b) the interactive case (one sim replica, 32 sequences, target_inflight 32, 50 tokens/s per
+    sequence; `batch` keeps 500 requests of 256 tokens outstanding; `ui` sends 32-token requests one
+    after another): ui p99 under the flood / ui p99 idle, fair and FIFO;
+(c) a lone key's throughput with the scheduler vs FIFO, alternating rounds.
+
+    .venv/bin/python tests/bench/bench_fairness.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from helpers import ProxyProcess  # noqa: E402
+
+
+def sim(max_seqs: int, decode: float) -> dict[str, Any]:
+    return {"backend": "sim", "target_inflight": max_seqs, "enabled": True,
+            "sim": {"max_seqs": max_seqs, "decode_tokens_per_s": decode, "ttft_ms": 5, "prefix_cache": False}}
+
+
+def start(models: dict[str, Any], mode: str, weights: dict[str, float] | None = None) -> ProxyProcess:
+    fairness = {"mode": mode, "max_pending_per_key": 1000, "max_pending_per_executor": 2000,
+                "soft_max_inflight_per_key": 1, "weights": weights or {}}
+    proxy = ProxyProcess(models, service={"log_level": "warning"}, engine={"fairness": fairness})
+    proxy.start()
+    for name in models:
+        proxy.wait_state(name, "loaded")
+    return proxy
+
+
+async def call(session: aiohttp.ClientSession, url: str, model: str, key: str, tokens: int) -> float:
+    body = {"model": model, "messages": [{"role": "user", "content": "go"}], "max_tokens": tokens,
+            "fairness_key": key}
+    start = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{key}: HTTP {resp.status}")
+    return time.perf_counter() - start
+
+
+async def closed_loop(session: aiohttp.ClientSession, url: str, model: str, key: str, tokens: int,
+                      workers: int, stop: asyncio.Event, done: list[float]) -> None:
+    async def worker() -> None:
+        while not stop.is_set():
+            await call(session, url, model, key, tokens)
+            done.append(time.perf_counter())
+    await asyncio.gather(*(worker() for _ in range(workers)))
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def shares(proxy: ProxyProcess, seconds: float) -> dict[str, float]:
+    """(a) Completions of identical requests in a window after warm-up: the running-time share."""
+    stop = asyncio.Event()
+    done: dict[str, list[float]] = {"a": [], "b": []}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        loops = [asyncio.create_task(closed_loop(session, proxy.url, "sim", k, 40, 24, stop, done[k])) for k in done]
+        await asyncio.sleep(2)
+        t0 = time.perf_counter()
+        await asyncio.sleep(seconds)
+        t1 = time.perf_counter()
+        stop.set()
+        await asyncio.gather(*loops)
+    counted = {k: sum(1 for t in v if t0 <= t < t1) for k, v in done.items()}
+    total = sum(counted.values())
+    return {k: n / total for k, n in counted.items()}
+
+
+async def interactive(proxy: ProxyProcess, ui_requests: int, flood: bool) -> list[float]:
+    """(b) ui latencies, one request after another, optionally under the batch flood."""
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        loop = asyncio.create_task(closed_loop(session, proxy.url, "big", "batch", 256, 500, stop, [])) if flood else None
+        if flood:
+            while proxy.admin_model("big")["waiting"] < 400:
+                await asyncio.sleep(0.2)
+        latencies = [await call(session, proxy.url, "big", "ui", 32) for _ in range(ui_requests)]
+        stop.set()
+        if loop is not None:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+    return latencies
+
+
+async def throughput(proxy: ProxyProcess, seconds: float) -> float:
+    """(c) Requests per second of one saturating key."""
+    stop = asyncio.Event()
+    done: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        loop = asyncio.create_task(closed_loop(session, proxy.url, "sim", "solo", 20, 16, stop, done))
+        await asyncio.sleep(1)
+        t0 = time.perf_counter()
+        await asyncio.sleep(seconds)
+        t1 = time.perf_counter()
+        stop.set()
+        await loop
+    return sum(1 for t in done if t0 <= t < t1) / (t1 - t0)
+
+
+async def main(quick: bool) -> None:
+    window = 8 if quick else 20
+    print("(a) two saturating keys, share of running time (identical requests, capacity 8)")
+    for weights in ({"a": 1.0, "b": 1.0}, {"a": 2.0, "b": 1.0}):
+        proxy = start({"sim": sim(8, 200)}, "fair", weights)
+        try:
+            got = await shares(proxy, window)
+        finally:
+            proxy.cleanup()
+        target = weights["a"] / (weights["a"] + weights["b"])
+        print(f"  weights a:b = {weights['a']:g}:{weights['b']:g}  a {got['a']:.1%}  b {got['b']:.1%}  "
+              f"(target a {target:.1%}, off by {abs(got['a'] - target) * 100:.1f} points)")
+
+    models = {"big": sim(32, 50), "sim": sim(8, 1000)}
+    fair, fifo = start(models, "fair"), start(models, "fifo")
+    try:
+        print("(b) ui p99 under a 500-request batch flood / ui p99 idle (32 seqs, 50 tok/s, 256 vs 32 tokens)")
+        n = 10 if quick else 40
+        idle = await interactive(fair, n, flood=False)
+        loaded = await interactive(fair, n, flood=True)
+        print(f"  fair: idle p99 {pct(idle, .99):.3f}s  flood p99 {pct(loaded, .99):.3f}s  "
+              f"p50 {pct(loaded, .5):.3f}s  ratio {pct(loaded, .99) / pct(idle, .99):.2f}")
+        idle_fifo = await interactive(fifo, n, flood=False)
+        loaded_fifo = await interactive(fifo, 2 if quick else 3, flood=True)
+        print(f"  fifo: idle p99 {pct(idle_fifo, .99):.3f}s  flood p99 {pct(loaded_fifo, .99):.3f}s  "
+              f"ratio {pct(loaded_fifo, .99) / pct(idle_fifo, .99):.2f}")
+
+        print("(c) lone key throughput, scheduler vs FIFO (alternating rounds)")
+        rates: dict[str, list[float]] = {"fair": [], "fifo": []}
+        for r in range(4 if quick else 6):
+            for mode in (("fair", "fifo") if r % 2 == 0 else ("fifo", "fair")):
+                rates[mode].append(await throughput(fair if mode == "fair" else fifo, 3 if quick else 5))
+        f, o = sum(rates["fair"]) / len(rates["fair"]), sum(rates["fifo"]) / len(rates["fifo"])
+        print(f"  fair {f:.1f} req/s  fifo {o:.1f} req/s  ratio {f / o:.3f}")
+    finally:
+        fair.cleanup()
+        fifo.cleanup()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    asyncio.run(main(parser.parse_args().quick))
