@@ -23,6 +23,7 @@ class Admission:
         self._granted: dict[Hashable, asyncio.Future[None]] = {}
         self._ids = itertools.count()
         self._closed: PoolError | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def capacity(self) -> int:
@@ -39,8 +40,8 @@ class Admission:
     def set_capacity(self, capacity: int) -> None:
         self._start(self.scheduler.set_capacity(capacity))
 
-    async def acquire(self, key: str = ANONYMOUS) -> Hashable:
-        """Wait for a slot; returns the ticket to hand back to `release`."""
+    def enqueue(self, key: str = ANONYMOUS) -> tuple[Hashable, "asyncio.Future[None]"]:
+        """Join the queue now: raises at once (429) if it may not wait. Then `wait` for the slot."""
         if self._closed is not None:
             raise self._closed
         ticket = (key, next(self._ids))
@@ -51,15 +52,28 @@ class Admission:
         except QueueFull as full:
             del self._granted[ticket]
             raise TooManyRequests(str(full), code=full.code, retry_after=full.retry_after) from None
+        return ticket, fut
+
+    async def wait(self, queued: tuple[Hashable, "asyncio.Future[None]"]) -> Hashable:
+        ticket, fut = queued
         try:
             await fut
         except BaseException:
             # Cancelled while waiting (the client left) or failed by `close`: whether still queued or
             # already handed a slot, the scheduler forgets it and passes any slot on.
-            self._granted.pop(ticket, None)
-            self._start(self.scheduler.cancel(ticket))
+            self.abandon(queued)
             raise
         return ticket
+
+    def abandon(self, queued: tuple[Hashable, "asyncio.Future[None]"]) -> None:
+        """Give up a place from `enqueue` without waiting for it (the request ended first)."""
+        ticket, _fut = queued
+        self._granted.pop(ticket, None)
+        self._start(self.scheduler.cancel(ticket))
+
+    async def acquire(self, key: str = ANONYMOUS) -> Hashable:
+        """Wait for a slot; returns the ticket to hand back to `release`."""
+        return await self.wait(self.enqueue(key))
 
     def release(self, ticket: Hashable, completed: bool = True) -> None:
         """The request ended: `completed` when it ran to its end, False when its client left."""
@@ -83,3 +97,13 @@ class Admission:
             fut = self._granted.get(ticket)
             if fut is not None and not fut.done():
                 fut.set_result(None)
+        # A slot held for a key (anticipation) must be released to the others when it expires,
+        # even if no other event comes: wake the scheduler then.
+        wakeup = self.scheduler.next_wakeup()
+        if wakeup is not None and self._timer is None:
+            delay = max(0.0, wakeup - self.scheduler.clock())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._start(self.scheduler.tick())

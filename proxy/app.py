@@ -7,7 +7,7 @@ from typing import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from proxy import managed, routes_admin, routes_public
+from proxy import managed, routes_admin, routes_public, routes_responses
 from proxy.config import Settings
 from proxy.errors import error_middleware
 from proxy.keys import HTTP, METRICS, POOL, SETTINGS
@@ -26,6 +26,7 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
     app[METRICS] = ProxyMetrics()
     app.add_routes(routes_public.routes)
     app.add_routes(routes_admin.routes)
+    app.add_routes(routes_responses.routes)
 
     async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
         # One pooled session for every upstream call; no per-connection limit, since admission

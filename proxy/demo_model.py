@@ -50,7 +50,7 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write the tiny model to `path` atomically (a half-written model never loads) and return it."""
     import numpy as np
     from gguf import GGUFWriter
@@ -84,7 +84,7 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_chat_template(chat_template)
 
     writer.add_tensor("token_embd.weight", weights(n_vocab, N_EMBD))
     writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))

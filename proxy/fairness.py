@@ -15,6 +15,12 @@ The rules are the seed's "Client Fairness":
 - an idle key's usage is remembered for `idle_state_ttl_s`, then forgotten;
 - `max_pending_per_key` and `max_pending_per_executor` bound waiting (not running) requests;
 - a running request is never preempted.
+
+One addition, off unless `anticipation_ms` is set: a client that sends one request after another
+(an interactive UI) is idle for a moment between them, and without anticipation a flood from
+another key takes its slot in that moment, so each of its requests waits for a slot to free again.
+With anticipation, the slot of a key that finished below its soft max, while others wait, is held
+for that key for `anticipation_ms`; if it does not come back in time the slot goes to the others.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ class FairnessPolicy:
     max_pending_per_key: int = 32
     max_pending_per_executor: int = 128
     idle_state_ttl_s: float = 300.0
+    anticipation_ms: float = 0.0
     # "fifo" turns fairness off (one shared queue): for comparison in benchmarks only.
     mode: str = "fair"
 
@@ -93,6 +100,7 @@ class FairScheduler:
         self._arrival: dict[Hashable, int] = {}         # queued request -> arrival number
         self._seq = itertools.count()
         self._completions: deque[float] = deque(maxlen=DRAIN_WINDOW)
+        self._held: dict[str, float] = {}               # key -> until when a slot is held for it
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -182,6 +190,14 @@ class FairScheduler:
             return []
         return self._finish(state, request, self.clock(), completed=True)
 
+    def tick(self) -> list[Hashable]:
+        """Time has passed: held slots may have expired. Returns the requests to start now."""
+        return self._dispatch(self.clock())
+
+    def next_wakeup(self) -> float | None:
+        """When the earliest held slot expires (so the caller can `tick` then), or None."""
+        return min(self._held.values(), default=None)
+
     def set_capacity(self, capacity: int) -> list[Hashable]:
         self.capacity = max(0, capacity)
         return self._dispatch(self.clock())
@@ -205,13 +221,27 @@ class FairScheduler:
         state.used += (now - start) / state.weight
         if completed:
             self._completions.append(now)
+        anticipate = self.policy.anticipation_ms > 0 and not state.queue \
+            and len(state.running) < self.policy.soft_max_inflight_per_key and self._arrival
+        if anticipate:
+            self._held[state.name] = now + self.policy.anticipation_ms / 1000
         self._maybe_idle(state, now)
         return self._dispatch(now)
 
     def _dispatch(self, now: float) -> list[Hashable]:
+        for name in [n for n, until in self._held.items() if until <= now or n not in self._keys]:
+            del self._held[name]
         started = []
         while self.running < self.capacity and self._arrival:
-            state = min(self._waiting_keys(), key=lambda k: self._rank(k, now))
+            # A key whose slot is held takes it back; everyone else shares what is not held.
+            owners = [self._keys[n] for n in self._held if self._keys[n].queue]
+            if owners:
+                state = owners[0]
+                del self._held[state.name]
+            elif self.running + len(self._held) < self.capacity:
+                state = min(self._waiting_keys(), key=lambda k: self._rank(k, now))
+            else:
+                break
             request = state.queue.popleft()
             del self._arrival[request]
             state.running[request] = now

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator, Hashable
 
 import aiohttp
 from aiohttp import web
@@ -20,10 +21,6 @@ from proxy.runtime import ModelRuntime
 PROXY_ONLY_FIELDS = ("fairness_key", "allow_remote")
 # Generation can run for minutes; only connecting is bounded here.
 UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)
-
-
-class _ConnectFailed(Exception):
-    """The replica refused or dropped the connection before it answered: safe to try another."""
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -72,28 +69,14 @@ def servable(pool: Pool, name: str) -> ModelRuntime:
     return runtime
 
 
-async def forward(request: web.Request, pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntime,
-                  path: str, body: dict[str, Any]) -> web.StreamResponse:
-    request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
-    payload = {k: v for k, v in body.items() if k not in PROXY_ONLY_FIELDS}
-    ticket = await runtime.admission.acquire(fairness_key(request, body))
+@contextlib.asynccontextmanager
+async def slot(runtime: ModelRuntime, queued: tuple[Hashable, "asyncio.Future[None]"]) -> AsyncIterator[None]:
+    """Hold one of the model's slots for the block, waiting for it under the fairness rules;
+    `queued` is what `runtime.admission.enqueue` returned."""
+    ticket = await runtime.admission.wait(queued)
     completed = True
     try:
-        # One retry: a replica that refuses the connection has died since it was picked; the
-        # request never reached it, so another replica may take it.
-        for _attempt in range(2):
-            replica = runtime.pick_replica()
-            if replica is None:
-                break
-            replica.inflight += 1
-            try:
-                return await _send(request, http, replica, path, payload, request_id)
-            except _ConnectFailed as exc:
-                pool.report_connection_failure(replica, str(exc))
-            finally:
-                replica.inflight -= 1
-        raise Unavailable(f"model {runtime.name!r} has no healthy replica right now", code="model_unavailable",
-                          retry_after=2)
+        yield
     except asyncio.CancelledError:
         completed = False  # the client left: the slot frees now, and its running time still counts
         raise
@@ -101,40 +84,76 @@ async def forward(request: web.Request, pool: Pool, http: aiohttp.ClientSession,
         runtime.admission.release(ticket, completed)
 
 
-async def _send(request: web.Request, http: aiohttp.ClientSession, replica: Replica, path: str,
-                payload: dict[str, Any], request_id: str) -> web.StreamResponse:
-    data = json.dumps({**payload, "model": replica.spec.served_model}).encode()
-    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-    try:
-        upstream = await http.post(replica.base_url + path, data=data, headers=headers, timeout=UPSTREAM_TIMEOUT)
-    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionResetError) as exc:
-        raise _ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        raise BackendError(f"replica {replica.index} of {replica.model!r} failed: {type(exc).__name__}") from exc
-    async with upstream:
-        content_type = upstream.headers.get("Content-Type", "application/json")
-        if not content_type.startswith("text/event-stream"):
-            try:
-                body = await upstream.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                raise BackendError(f"replica {replica.index} of {replica.model!r} broke off its answer") from exc
-            return web.Response(status=upstream.status, body=body,
-                                headers={"Content-Type": content_type, "X-Request-Id": request_id})
-        out = web.StreamResponse(status=upstream.status, headers={
-            "Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id})
-        await out.prepare(request)
+@contextlib.asynccontextmanager
+async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
+                   payload: dict[str, Any], request_id: str) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
+    """POST `payload` to the least loaded READY replica and yield its response.
+
+    One retry: a replica that refuses the connection has died since it was picked; the request
+    never reached it, so another replica may take it. Leaving the block closes the response, which
+    ends the backend's work on it if it is still generating.
+    """
+    data = payload
+    for _attempt in range(2):
+        replica = runtime.pick_replica()
+        if replica is None:
+            break
+        body = json.dumps({**data, "model": replica.spec.served_model}).encode()
+        replica.inflight += 1
         try:
-            # iter_any yields whatever bytes arrived, so each token reaches the client as it is made.
-            async for chunk in upstream.content.iter_any():
-                try:
-                    await out.write(chunk)
-                except ConnectionResetError:
-                    # The client left: closing the upstream connection makes the backend stop generating.
-                    upstream.close()
-                    return out
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            err = BackendError(f"replica {replica.index} of {replica.model!r} broke off the stream: "
-                               f"{type(exc).__name__}")
-            await out.write(sse_error_event(err))
-        await out.write_eof()
-        return out
+            try:
+                resp = await http.post(replica.base_url + path, data=body, timeout=UPSTREAM_TIMEOUT,
+                                       headers={"Content-Type": "application/json", "X-Request-Id": request_id})
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionResetError) as exc:
+                pool.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
+                continue
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                raise BackendError(f"replica {replica.index} of {replica.model!r} failed: "
+                                   f"{type(exc).__name__}") from exc
+            async with resp:
+                yield replica, resp
+            return
+        finally:
+            replica.inflight -= 1
+    raise Unavailable(f"model {runtime.name!r} has no healthy replica right now", code="model_unavailable",
+                      retry_after=2)
+
+
+async def forward(request: web.Request, pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntime,
+                  path: str, body: dict[str, Any]) -> web.StreamResponse:
+    """Pass an OpenAI request through to a replica and its answer back, streams as they arrive."""
+    request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
+    payload = {k: v for k, v in body.items() if k not in PROXY_ONLY_FIELDS}
+    async with slot(runtime, runtime.admission.enqueue(fairness_key(request, body))), \
+            upstream(pool, http, runtime, path, payload, request_id) as (replica, resp):
+        return await _relay(request, replica, resp, request_id)
+
+
+async def _relay(request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
+                 request_id: str) -> web.StreamResponse:
+    content_type = upstream.headers.get("Content-Type", "application/json")
+    if not content_type.startswith("text/event-stream"):
+        try:
+            body = await upstream.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise BackendError(f"replica {replica.index} of {replica.model!r} broke off its answer") from exc
+        return web.Response(status=upstream.status, body=body,
+                            headers={"Content-Type": content_type, "X-Request-Id": request_id})
+    out = web.StreamResponse(status=upstream.status, headers={
+        "Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id})
+    await out.prepare(request)
+    try:
+        # iter_any yields whatever bytes arrived, so each token reaches the client as it is made.
+        async for chunk in upstream.content.iter_any():
+            try:
+                await out.write(chunk)
+            except ConnectionResetError:
+                # The client left: closing the upstream connection makes the backend stop generating.
+                upstream.close()
+                return out
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        err = BackendError(f"replica {replica.index} of {replica.model!r} broke off the stream: "
+                           f"{type(exc).__name__}")
+        await out.write(sse_error_event(err))
+    await out.write_eof()
+    return out

@@ -5,6 +5,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from proxy.admission import Admission
+from proxy.capabilities import capabilities
 from proxy.config import ModelConfig
 from proxy.fairness import FairnessPolicy
 from proxy.replicas import ModelState, Replica, ReplicaState
@@ -72,7 +73,7 @@ class ModelRuntime:
             "active": self.admission.active,
             "waiting": self.admission.waiting,
             "keys": self.admission.describe_keys(),
-            "modalities": list(cfg.modalities),
+            "capabilities": capabilities(cfg).as_dict(),
             "gpus": list(cfg.gpus),
             "overrides": {k: v for k, v in cfg.options.items() if self.config.options.get(k) != v},
             "last_error": self.last_error,

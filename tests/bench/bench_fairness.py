@@ -6,7 +6,8 @@ Two proxies run side by side, one with the fairness scheduler and one with plain
 (a) two saturating keys with weights 1:1 and 2:1: each key's share of running time;
 (b) the interactive case (one sim replica, 32 sequences, target_inflight 32, 50 tokens/s per
     sequence; `batch` keeps 500 requests of 256 tokens outstanding; `ui` sends 32-token requests one
-    after another): ui p99 under the flood / ui p99 idle, fair and FIFO;
+    after another): ui p99 under the flood / ui p99 idle, with the scheduler (with and without
+    `anticipation_ms`) and with FIFO;
 (c) a lone key's throughput with the scheduler vs FIFO, alternating rounds.
 
     .venv/bin/python tests/bench/bench_fairness.py [--quick]
@@ -32,9 +33,10 @@ def sim(max_seqs: int, decode: float) -> dict[str, Any]:
             "sim": {"max_seqs": max_seqs, "decode_tokens_per_s": decode, "ttft_ms": 5, "prefix_cache": False}}
 
 
-def start(models: dict[str, Any], mode: str, weights: dict[str, float] | None = None) -> ProxyProcess:
+def start(models: dict[str, Any], mode: str, weights: dict[str, float] | None = None,
+          anticipation_ms: float = 0) -> ProxyProcess:
     fairness = {"mode": mode, "max_pending_per_key": 1000, "max_pending_per_executor": 2000,
-                "soft_max_inflight_per_key": 1, "weights": weights or {}}
+                "soft_max_inflight_per_key": 1, "weights": weights or {}, "anticipation_ms": anticipation_ms}
     proxy = ProxyProcess(models, service={"log_level": "warning"}, engine={"fairness": fairness})
     proxy.start()
     for name in models:
@@ -130,17 +132,19 @@ async def main(quick: bool) -> None:
 
     models = {"big": sim(32, 50), "sim": sim(8, 1000)}
     fair, fifo = start(models, "fair"), start(models, "fifo")
+    anticipating = start({"big": sim(32, 50)}, "fair", anticipation_ms=50)
     try:
         print("(b) ui p99 under a 500-request batch flood / ui p99 idle (32 seqs, 50 tok/s, 256 vs 32 tokens)")
-        n = 10 if quick else 40
+        n = 20 if quick else 120
         idle = await interactive(fair, n, flood=False)
-        loaded = await interactive(fair, n, flood=True)
-        print(f"  fair: idle p99 {pct(idle, .99):.3f}s  flood p99 {pct(loaded, .99):.3f}s  "
-              f"p50 {pct(loaded, .5):.3f}s  ratio {pct(loaded, .99) / pct(idle, .99):.2f}")
-        idle_fifo = await interactive(fifo, n, flood=False)
-        loaded_fifo = await interactive(fifo, 2 if quick else 3, flood=True)
-        print(f"  fifo: idle p99 {pct(idle_fifo, .99):.3f}s  flood p99 {pct(loaded_fifo, .99):.3f}s  "
-              f"ratio {pct(loaded_fifo, .99) / pct(idle_fifo, .99):.2f}")
+        print(f"  idle: {len(idle)} ui requests, p50 {pct(idle, .5):.3f}s p99 {pct(idle, .99):.3f}s")
+        for label, proxy, count in (("fair, anticipation 50 ms", anticipating, n),
+                                    ("fair (seed semantics)", fair, 10 if quick else 20),
+                                    ("fifo", fifo, 2 if quick else 3)):
+            loaded = await interactive(proxy, count, flood=True)
+            print(f"  {label}: {len(loaded)} ui requests under the flood, p50 {pct(loaded, .5):.3f}s "
+                  f"p99 {pct(loaded, .99):.3f}s max {max(loaded):.3f}s  ratio p99/idle p99 "
+                  f"{pct(loaded, .99) / pct(idle, .99):.2f}")
 
         print("(c) lone key throughput, scheduler vs FIFO (alternating rounds)")
         rates: dict[str, list[float]] = {"fair": [], "fifo": []}
@@ -150,8 +154,8 @@ async def main(quick: bool) -> None:
         f, o = sum(rates["fair"]) / len(rates["fair"]), sum(rates["fifo"]) / len(rates["fifo"])
         print(f"  fair {f:.1f} req/s  fifo {o:.1f} req/s  ratio {f / o:.3f}")
     finally:
-        fair.cleanup()
-        fifo.cleanup()
+        for proxy in (fair, fifo, anticipating):
+            proxy.cleanup()
 
 
 if __name__ == "__main__":

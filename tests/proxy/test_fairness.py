@@ -184,3 +184,36 @@ def test_fifo_mode_is_one_shared_queue() -> None:
     sched.submit("b1", "batch")
     sched.submit("u0", "ui")
     assert sched.done("b0") == ["b1"]
+
+
+def test_anticipation_holds_a_light_keys_slot_for_its_next_request() -> None:
+    sched, clock = scheduler(2, anticipation_ms=50, max_pending_per_key=100)
+    sched.submit("ui-0", "ui")
+    for i in range(10):
+        sched.submit(("batch", i), "batch")
+    assert sched.done("ui-0") == []                   # held for ui, though batch waits
+    assert sched.next_wakeup() == pytest.approx(clock.now + 0.05)
+    clock.advance(0.01)
+    assert sched.submit("ui-1", "ui") == ["ui-1"]     # ui is back in time: its slot at once
+
+
+def test_held_slot_goes_to_the_others_when_the_key_does_not_come_back() -> None:
+    sched, clock = scheduler(2, anticipation_ms=50, max_pending_per_key=100)
+    sched.submit("ui-0", "ui")
+    for i in range(10):
+        sched.submit(("batch", i), "batch")
+    sched.done("ui-0")
+    clock.advance(0.049)
+    assert sched.tick() == []
+    clock.advance(0.002)
+    assert sched.tick() == [("batch", 1)]
+    assert sched.next_wakeup() is None
+
+
+def test_no_slot_is_held_for_a_heavy_key_or_when_nobody_waits() -> None:
+    sched, _ = scheduler(2, anticipation_ms=50, max_pending_per_key=100)
+    sched.submit("ui-0", "ui")
+    assert sched.done("ui-0") == [] and sched.next_wakeup() is None      # nobody waits: nothing held
+    for i in range(6):
+        sched.submit(f"b{i}", "batch")
+    assert sched.done("b0") == ["b2"] and sched.next_wakeup() is None    # batch is at its soft max

@@ -1,0 +1,41 @@
+"""What a model accepts, derived from its backend and config; advertised in /v1/admin/models."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.config import ModelConfig
+
+THINKING_MODES = ("default", "enabled", "disabled")
+# Backends that take multi-turn `messages` (chat endpoints); CT2 and ExLlamaV3 are single-turn.
+MULTI_TURN_BACKENDS = {"llama_server", "vllm", "vllm_serve", "openai_remote", "sim"}
+LLAMA_CPP_MULTI_TURN_FORMATS = {"generic", "mistral_template", "qwen3_template", "gemma4_template"}
+# Backends whose chat template can switch thinking on or off per request.
+THINKING_BACKENDS = {"llama_server", "vllm", "vllm_serve", "openai_remote"}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    modalities: tuple[str, ...]
+    multi_turn: bool
+    file_inputs: bool
+    thinking_modes: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, object]:
+        return {"modalities": list(self.modalities), "multi_turn": self.multi_turn,
+                "file_inputs": self.file_inputs, "thinking_modes": list(self.thinking_modes)}
+
+
+def capabilities(model: ModelConfig) -> Capabilities:
+    backend = model.backend
+    multi_turn = backend in MULTI_TURN_BACKENDS or (
+        backend == "llama_cpp" and (model.get("prompt_format") or "generic") in LLAMA_CPP_MULTI_TURN_FORMATS)
+    modalities = model.modalities if backend != "llama_cpp" else ("text",)  # in-process GGUF is text-only
+    if model.get("thinking_modes"):
+        thinking = tuple(model.get("thinking_modes"))
+    elif backend in THINKING_BACKENDS:
+        thinking = THINKING_MODES
+    else:
+        thinking = ("default",)
+    return Capabilities(modalities=tuple(modalities), multi_turn=multi_turn,
+                        file_inputs=backend == "openai_remote" and bool(model.get("remote_file_mode")),
+                        thinking_modes=thinking)

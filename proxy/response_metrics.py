@@ -1,0 +1,79 @@
+"""The `metrics` of a /v1/responses answer: each timer measured where its name says.
+
+A value nobody measured is None (JSON null), never invented.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+METRIC_KEYS = (
+    "backend_inference_wall_ms", "engine_total_wall_ms", "engine_outside_backend_wall_ms", "pool_total_wall_ms",
+    "engine_queue_wait_ms", "engine_tokenize_ms", "gpu_time_to_first_token_ms", "gpu_generate_total_ms",
+    "gpu_decode_after_first_token_ms", "engine_prompt_tokens", "engine_cached_prompt_tokens",
+    "engine_output_tokens", "engine_tokens_per_second",
+)
+
+
+def _ms(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else round((end - start) * 1000, 1)
+
+
+@dataclass
+class Timer:
+    """Marks on one request's way through the pool (time.perf_counter seconds).
+
+    handler: the HTTP handler began; enqueued: joined the model's queue; admitted: got a slot;
+    sent: the backend call began; received: the backend's last byte arrived; finished: the engine
+    work (translation, parsing) is done.
+    """
+
+    handler: float = field(default_factory=time.perf_counter)
+    enqueued: float | None = None
+    admitted: float | None = None
+    sent: float | None = None
+    received: float | None = None
+    finished: float | None = None
+
+    def mark(self, name: str) -> None:
+        setattr(self, name, time.perf_counter())
+
+
+def _usage_numbers(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None, int | None]:
+    if not usage:
+        return None, None, None
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if cached is None:
+        cached = usage.get("cached_tokens")  # Moonshot reports it at the top level
+    return usage.get("prompt_tokens"), cached, usage.get("completion_tokens")
+
+
+def build(timer: Timer, usage: Mapping[str, Any] | None, timings: Mapping[str, Any] | None,
+          now: float | None = None) -> dict[str, Any]:
+    """All metric keys; `usage` is the backend's OpenAI usage, `timings` llama-server's own timings."""
+    end = now if now is not None else time.perf_counter()
+    prompt, cached, output = _usage_numbers(usage)
+    prefill = timings.get("prompt_ms") if timings else None
+    decode = timings.get("predicted_ms") if timings else None
+    generate = round(prefill + decode, 1) if prefill is not None and decode is not None else None
+    backend = _ms(timer.sent, timer.received)
+    engine_total = _ms(timer.enqueued, timer.finished)
+    generation_s = (generate / 1000) if generate else (backend / 1000 if backend else None)
+    return {
+        "backend_inference_wall_ms": backend,
+        "engine_total_wall_ms": engine_total,
+        "engine_outside_backend_wall_ms": round(engine_total - backend, 1)
+        if engine_total is not None and backend is not None else None,
+        "pool_total_wall_ms": _ms(timer.handler, end),
+        "engine_queue_wait_ms": _ms(timer.enqueued, timer.admitted),
+        "engine_tokenize_ms": None,  # the backend tokenizes inside its own call and does not say how long
+        "gpu_time_to_first_token_ms": round(prefill, 1) if prefill is not None else None,
+        "gpu_generate_total_ms": generate,
+        "gpu_decode_after_first_token_ms": round(decode, 1) if decode is not None else None,
+        "engine_prompt_tokens": prompt,
+        "engine_cached_prompt_tokens": cached,
+        "engine_output_tokens": output,
+        "engine_tokens_per_second": round(output / generation_s, 1) if output and generation_s else None,
+    }

@@ -1,0 +1,223 @@
+"""The llm-pool `/v1/responses` request: validation with the seed's rules, and translation to the
+backend's OpenAI chat request.
+
+Shape is checked by a JSON schema at the edge; the rules that depend on the model (capabilities,
+prompt format) are checked after. Each failure is a 400 with a stable `code` and the `param` at fault.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jsonschema
+
+from proxy.capabilities import Capabilities
+from proxy.config import ModelConfig
+from proxy.errors import BadRequest
+
+MAX_MESSAGES = 512
+MAX_CONTENT_ITEMS = 64
+MAX_STOP = 16
+
+_TEXT_ITEM = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_IMAGE_ITEM = {"type": "object", "required": ["type", "image_url"],
+               "properties": {"type": {"const": "image_url"},
+                              "image_url": {"type": "object", "required": ["url"],
+                                            "properties": {"url": {"type": "string", "minLength": 1},
+                                                           "detail": {"enum": ["auto", "low", "high"]}}}}}
+_FILE_ITEM = {"type": "object", "required": ["type", "file"],
+              "properties": {"type": {"const": "file"},
+                             "file": {"type": "object", "required": ["file_data"],
+                                      "properties": {"filename": {"type": "string"},
+                                                     "file_data": {"type": "string",
+                                                                   "pattern": "^data:[^;,]+;base64,"}}}}}
+_CONTENT = {"anyOf": [{"type": "string"},
+                      {"type": "array", "minItems": 1, "maxItems": MAX_CONTENT_ITEMS,
+                       "items": {"type": "object", "required": ["type"],
+                                 "properties": {"type": {"enum": ["text", "image_url", "file"]}},
+                                 "allOf": [{"if": {"properties": {"type": {"const": t}}}, "then": item}
+                                           for t, item in (("text", _TEXT_ITEM), ("image_url", _IMAGE_ITEM),
+                                                           ("file", _FILE_ITEM))]}}]}
+_NULLABLE_STRING = {"type": ["string", "null"]}
+
+REQUEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["model"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "input": _CONTENT,
+        "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
+                     "items": {"type": "object", "required": ["role", "content"],
+                               "properties": {"role": {"type": "string"}, "content": _CONTENT}}},
+        "instructions": _NULLABLE_STRING,
+        "source_lang_code": _NULLABLE_STRING,
+        "target_lang_code": _NULLABLE_STRING,
+        "allow_remote": {"type": "boolean"},
+        "fairness_key": _NULLABLE_STRING,
+        "prompt_cache_key": _NULLABLE_STRING,
+        "stream": {"type": "boolean"},
+        "thinking": {"enum": ["default", "enabled", "disabled"]},
+        "decoding": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"beam_size": {"type": "integer", "minimum": 1},
+                           "top_k": {"type": "integer", "minimum": 0},
+                           "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+                           "temperature": {"type": "number", "minimum": 0},
+                           "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+                           "max_tokens": {"type": "integer", "minimum": 1},
+                           "stop": {"type": "array", "maxItems": MAX_STOP,
+                                    "items": {"type": "string", "minLength": 1, "maxLength": 256}}},
+        },
+    },
+}
+_VALIDATOR = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
+
+# Stop strings each prompt format's chat template ends a turn with.
+FORMAT_STOPS: Mapping[str, tuple[str, ...]] = {
+    "gemma4_template": ("<end_of_turn>",),
+    "translategemma_template": ("<end_of_turn>",),
+    "qwen3_template": ("<|im_end|>",),
+    "mistral_template": ("</s>",),
+}
+MIXED_SOURCE = {None, "", "auto", "mixed"}
+MIXED_SOURCE_NOTE = ("The text below may mix several source languages. Detect the source language of "
+                     "each segment and translate every segment.\n\n")
+# Backends whose sampling knob for repetition is named differently from the OpenAI-ish default.
+REPETITION_FIELD = {"llama_server": "repeat_penalty"}
+BEAM_BACKENDS = {"ct2"}
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    model: str
+    body: Mapping[str, Any]
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream", False))
+
+
+def _param(error: jsonschema.ValidationError) -> str:
+    return ".".join(str(p) for p in error.absolute_path) or "(body)"
+
+
+def parse(body: Mapping[str, Any]) -> ResponsesRequest:
+    """Check the request's shape; the first problem becomes a 400 naming the field."""
+    errors = sorted(_VALIDATOR.iter_errors(body), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
+    if errors:
+        err = min(errors, key=lambda e: jsonschema.exceptions.relevance(e))
+        code = "missing_model" if err.validator == "required" and "model" in err.message else "invalid_request"
+        raise BadRequest(f"{_param(err)}: {err.message}", code=code, param=_param(err))
+    return ResponsesRequest(model=body["model"], body=body)
+
+
+def _items(content: Any) -> list[dict[str, Any]]:
+    return content if isinstance(content, list) else []
+
+
+def validate_for_model(req: ResponsesRequest, model: ModelConfig, caps: Capabilities) -> None:
+    """The rules that depend on the model: input form, roles, capabilities, prompt format."""
+    body = req.body
+    has_input, has_messages = "input" in body and body["input"] is not None, \
+        "messages" in body and body["messages"] is not None
+    if has_input == has_messages:
+        raise BadRequest("provide exactly one of `input` and `messages`", code="invalid_input", param="input")
+    contents = [body["input"]] if has_input else [m["content"] for m in body["messages"]]
+    if has_messages:
+        if not caps.multi_turn:
+            raise BadRequest(f"model {model.name!r} takes single-turn `input` only (capabilities.multi_turn is "
+                             "false)", code="multi_turn_unsupported", param="messages")
+        for i, message in enumerate(body["messages"]):
+            if message["role"] not in ("user", "assistant"):
+                raise BadRequest(f"messages.{i}.role: only user and assistant; put a system prompt in "
+                                 "`instructions`", code="invalid_messages", param=f"messages.{i}.role")
+        if body["messages"][-1]["role"] != "user":
+            raise BadRequest("the last message must have role user", code="invalid_messages", param="messages")
+    for content in contents:
+        for item in _items(content):
+            if item["type"] == "image_url" and "image" not in caps.modalities:
+                raise BadRequest(f"model {model.name!r} does not accept images (capabilities.modalities is "
+                                 f"{list(caps.modalities)})", code="modality_unsupported", param="input")
+            if item["type"] == "file" and not caps.file_inputs:
+                raise BadRequest(f"model {model.name!r} does not accept file items (no remote_file_mode)",
+                                 code="modality_unsupported", param="input")
+    thinking = body.get("thinking", "default")
+    if thinking not in caps.thinking_modes:
+        raise BadRequest(f"thinking {thinking!r} is not supported by model {model.name!r}; supported: "
+                         f"{list(caps.thinking_modes)}", code="thinking_unsupported", param="thinking")
+    if model.get("prompt_format") == "translategemma_template":
+        if not body.get("target_lang_code"):
+            raise BadRequest("translategemma_template needs `target_lang_code`", code="target_lang_required",
+                             param="target_lang_code")
+        if body.get("instructions"):
+            raise BadRequest("omit `instructions` for translategemma_template: the template carries the task",
+                             code="instructions_not_allowed", param="instructions")
+        if not has_input:
+            raise BadRequest("translategemma_template takes the source text in `input`", code="invalid_input",
+                             param="messages")
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(item["text"] for item in content if item["type"] == "text")
+
+
+def _backend_content(content: Any) -> Any:
+    """Content arrays go through in OpenAI form; a text-only array becomes one prompt string."""
+    if isinstance(content, list) and all(item["type"] == "text" for item in content):
+        return _text_of(content)
+    return content
+
+
+def _translategemma_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """TranslateGemma's structured user turn: the text with its source and target language codes."""
+    text = _text_of(body["input"])
+    target = body["target_lang_code"]
+    source = body.get("source_lang_code")
+    if source in MIXED_SOURCE:
+        # The template needs a valid source code; the note asks the model to detect each segment's.
+        source = "en" if target != "en" else "de"
+        text = MIXED_SOURCE_NOTE + text
+    return [{"role": "user", "content": [{"type": "text", "source_lang_code": source,
+                                          "target_lang_code": target, "text": text}]}]
+
+
+def backend_request(req: ResponsesRequest, model: ModelConfig, engine_decoding: Mapping[str, Any]) -> dict[str, Any]:
+    """The OpenAI chat request for the model's backend (without `model`, which the router sets)."""
+    body = req.body
+    if model.get("prompt_format") == "translategemma_template":
+        messages = _translategemma_messages(body)
+    else:
+        messages = []
+        if body.get("instructions"):
+            messages.append({"role": "system", "content": body["instructions"]})
+        if body.get("input") is not None:
+            messages.append({"role": "user", "content": _backend_content(body["input"])})
+        else:
+            messages += [{"role": m["role"], "content": _backend_content(m["content"])}
+                         for m in body["messages"]]
+    decoding = {**engine_decoding, **(body.get("decoding") or {})}
+    out: dict[str, Any] = {"messages": messages}
+    for key in ("max_tokens", "temperature", "top_p", "top_k"):
+        if decoding.get(key) is not None:
+            out[key] = decoding[key]
+    if decoding.get("repetition_penalty") is not None:
+        out[REPETITION_FIELD.get(model.backend, "repetition_penalty")] = decoding["repetition_penalty"]
+    if decoding.get("beam_size") is not None and model.backend in BEAM_BACKENDS:
+        out["beam_size"] = decoding["beam_size"]
+    stops = list(dict.fromkeys([*FORMAT_STOPS.get(model.get("prompt_format") or "", ()),
+                                *(decoding.get("stop") or [])]))
+    if stops:
+        out["stop"] = stops
+    thinking = body.get("thinking", "default")
+    enable = {"enabled": True, "disabled": False}.get(thinking, model.get("enable_thinking"))
+    if enable is not None and model.backend in ("llama_server", "vllm_serve", "vllm"):
+        out["chat_template_kwargs"] = {"enable_thinking": bool(enable)}
+    if body.get("prompt_cache_key") and model.get("remote_prompt_cache_key_enabled"):
+        out["prompt_cache_key"] = body["prompt_cache_key"]
+    if req.stream:
+        out["stream"] = True
+        out["stream_options"] = {"include_usage": True}
+    return out
