@@ -107,8 +107,12 @@ def parse(body: Mapping[str, Any]) -> ResponsesRequest:
     errors = sorted(_VALIDATOR.iter_errors(body), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
     if errors:
         err = min(errors, key=lambda e: jsonschema.exceptions.relevance(e))
-        code = "missing_model" if err.validator == "required" and "model" in err.message else "invalid_request"
-        raise BadRequest(f"{_param(err)}: {err.message}", code=code, param=_param(err))
+        param = _param(err)
+        if err.validator == "required":
+            missing = err.message.split("'")[1]
+            param = missing if param == "(body)" else f"{param}.{missing}"
+        code = "missing_model" if param == "model" and err.validator == "required" else "invalid_request"
+        raise BadRequest(f"{param}: {err.message}", code=code, param=param)
     return ResponsesRequest(model=body["model"], body=body)
 
 
