@@ -28,6 +28,7 @@ class GenerationRequest:
     top_p: float | None = None
     stop: list[str] = field(default_factory=list)
     request_id: str = ""
+    fields: tuple[str, ...] = ()      # the request body's top-level field names, as received
 
 
 class Engine(Protocol):
@@ -67,7 +68,7 @@ def _generation_request(body: dict[str, Any], chat: bool, default_max_tokens: in
     stop = body.get("stop") or []
     return GenerationRequest(prompt=prompt, max_tokens=max_tokens, temperature=body.get("temperature"),
                              top_p=body.get("top_p"), stop=[stop] if isinstance(stop, str) else list(stop),
-                             request_id=request_id)
+                             request_id=request_id, fields=tuple(sorted(body)))
 
 
 def create_app(engine: Engine, default_max_tokens: int = 64) -> web.Application:

@@ -55,7 +55,7 @@ class SimEngine:
         self.running: set[_Seq] = set()           # admitted: prefilling or decoding
         self.decoding: set[_Seq] = set()
         self.waiting: deque[tuple[_Seq, asyncio.Future[None]]] = deque()
-        self.started_ids: deque[str] = deque(maxlen=100_000)
+        self.started: deque[dict[str, object]] = deque(maxlen=100_000)
         self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0,
                          "requests_finished": 0, "requests_failed": 0}
         self._cache: OrderedDict[bytes, None] = OrderedDict()
@@ -138,8 +138,7 @@ class SimEngine:
         seq = _Seq(tokens=prompt_tokens)
         await self._admit(seq)
         try:
-            if request.request_id:
-                self.started_ids.append(request.request_id)
+            self.started.append({"id": request.request_id, "fields": list(request.fields)})
             cached = self._cached_tokens(request.prompt)
             self.counters["prompt_tokens"] += prompt_tokens
             self.counters["cached_prompt_tokens"] += cached
@@ -185,8 +184,9 @@ def build_app(engine: SimEngine) -> web.Application:
     app = create_app(engine)
 
     async def started(_: web.Request) -> web.Response:
-        # The order in which requests began (by X-Request-Id): how tests see scheduling decisions.
-        return web.json_response({"started": list(engine.started_ids)})
+        # Requests in the order they began (X-Request-Id and body field names): how tests see
+        # scheduling decisions and what reached the engine.
+        return web.json_response({"started": list(engine.started)})
 
     app.router.add_get("/v1/sim/started", started)
     return app

@@ -79,12 +79,14 @@ async def test_interactive_request_gets_the_next_slot_behind_100_queued(start_pr
         started_before = len(sim_get(proxy, "/v1/sim/started")["started"])
         status, _, _ = await post(session, proxy, "ui", "ui-0", 4, header_key=True)
         assert status == 200
-        started = sim_get(proxy, "/v1/sim/started")["started"]
+        started = [s["id"] for s in sim_get(proxy, "/v1/sim/started")["started"]]
         results = await asyncio.gather(*batch)
     assert all(r[0] == 200 for r in results)
     # The UI request started at most one slot after it arrived (one may free while it is in flight),
     # not behind the 100 batch requests that were waiting before it.
     assert started.index("ui-0") <= started_before + 1, (started_before, started.index("ui-0"))
+    # The fairness key (body or header) is llm-pool's alone: the engine never sees it.
+    assert all("fairness_key" not in s["fields"] for s in sim_get(proxy, "/v1/sim/started")["started"])
 
 
 async def test_full_queues_answer_429_and_leaving_clients_free_them(start_proxy) -> None:
