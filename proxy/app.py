@@ -46,7 +46,7 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
         app[POOL] = pool
         app[HTTP] = http
         app[METRICS].watch(pool)
-        pool.load_enabled_in_background()
+        pool.load_in_background()
         yield
         try:
             await pool.close(stop_models=not keep_models)

@@ -61,10 +61,28 @@ class Pool:
         self._processes = await self._snapshot()
         self._monitor = asyncio.create_task(self._monitor_loop(), name="llm-pool monitor")
 
-    def load_enabled_in_background(self) -> None:
+    def load_in_background(self) -> None:
+        """Load the enabled models, and adopt any other configured model whose replicas are still
+        running (an admin loaded it before the proxy restarted). Groups left in the programs folder
+        by models no longer configured are stopped and removed."""
+        running = {i.group for i in self._processes.values() if i.state == ProcessState.RUNNING}
         for runtime in self.models.values():
-            if runtime.config.enabled:
+            if runtime.config.enabled or group_name(runtime.name) in running:
                 self._spawn(self._load_logged(runtime.name))
+        self._spawn(self._remove_orphans())
+
+    async def _remove_orphans(self) -> None:
+        configured = {group_name(name) for name in self.models}
+        for path in sorted(self.settings.supervisor.programs_dir.glob("*.conf")):
+            if path.stem in configured:
+                continue
+            log.warning("removing %s: its model is no longer configured", path.name)
+            try:
+                await self._remove_group(path.stem)
+                path.unlink(missing_ok=True)
+                await self.supervisor.reload_config()
+            except SupervisorError as exc:
+                log.error("could not remove %s: %s", path.name, exc)
 
     async def close(self, stop_models: bool) -> None:
         for task in list(self._background):

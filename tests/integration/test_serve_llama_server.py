@@ -12,6 +12,7 @@ from typing import Any
 
 import openai
 import pytest
+import yaml
 
 from helpers import ProxyProcess, http, pid_alive, wait_for
 
@@ -118,14 +119,25 @@ def test_sigkill_costs_one_restart_and_service_resumes(start_proxy, llama_model)
     assert reply.choices[0].message.content is not None
 
 
-def test_restarted_proxy_adopts_the_running_replica(start_proxy, llama_model) -> None:
-    proxy = start_proxy({"tiny": llama_model()}, keep_models=True)
+def test_restarted_proxy_adopts_running_replicas_and_drops_unconfigured_ones(start_proxy, llama_model) -> None:
+    proxy = start_proxy({"tiny": llama_model(), "idle": llama_model(enabled=False), "gone": llama_model()},
+                        keep_models=True)
     pid = proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"]
+    gone = proxy.wait_state("gone", "loaded")["replicas"][0]["pid"]
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/idle/load")
+    assert status == 200, body
+    idle = body["replicas"][0]["pid"]
+    proxy.seen_pids.add(idle)
     proxy.stop()
-    assert pid_alive(pid)  # --keep-models: the model outlives the proxy
+    assert all(pid_alive(p) for p in (pid, gone, idle))  # --keep-models: the models outlive the proxy
 
-    proxy.start()  # same config and state dir: a new proxy process
+    # A new proxy process on the same state dir, with `gone` removed from the config.
+    del proxy.config["engine"]["models"]["gone"]
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxy.start()
     assert proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"] == pid
+    assert proxy.wait_state("idle", "loaded")["replicas"][0]["pid"] == idle  # admin-loaded: adopted too
+    wait_for(lambda: not pid_alive(gone), what="the unconfigured model's process to be stopped")
     reply = client(proxy).chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)
     assert reply.choices[0].message.content is not None
 
