@@ -7,7 +7,8 @@ from typing import Any, Mapping
 from proxy.config import ModelConfig
 
 
-def library_env(model: ModelConfig, library_field: str | None, environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+def library_env(model: ModelConfig, library_field: str | None,
+                environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """CUDA_VISIBLE_DEVICES from the model's GPUs and its library path prepended to LD_LIBRARY_PATH.
 
     `environ` is the environment supervisord passes on (the proxy's own in managed mode); it is an

@@ -98,7 +98,8 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llm-pool", description="One OpenAI-compatible endpoint for many LLM runtimes.")
+    parser = argparse.ArgumentParser(prog="llm-pool",
+                                     description="One OpenAI-compatible endpoint for many LLM runtimes.")
     parser.add_argument("--config", help="settings file (default: $LLM_POOL_SETTINGS_PATH or conf/pool.yaml)")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start supervisord if needed, load enabled models, serve the API")

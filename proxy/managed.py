@@ -93,13 +93,14 @@ async def stop_supervisord(client: SupervisorClient, timeout_s: float = 60.0) ->
     except SupervisorError:
         return
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while _alive(pid):
+    while pid_alive(pid):
         if asyncio.get_running_loop().time() > deadline:
             raise SupervisorError(f"supervisord (pid {pid}) still running {timeout_s:.0f}s after shutdown")
         await asyncio.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie awaiting its reaper has)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

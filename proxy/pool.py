@@ -357,12 +357,14 @@ class Pool:
             replica.restarts += 1
         if info.pid:
             replica.pid = info.pid
+        if info.state == ProcessState.FATAL and state in (ReplicaState.READY, ReplicaState.STARTING):
+            tail = await self._log_tail(replica)
+            runtime.set_replica_state(replica, ReplicaState.FAILED, "supervisord gave up restarting it" + tail)
+            return
         if state == ReplicaState.READY:
             if info.state in DOWN_STATES:
                 # An admin's `supervisorctl stop`: respected, never undone by the pool.
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
-            elif info.state == ProcessState.FATAL:
-                runtime.set_replica_state(replica, ReplicaState.FAILED, "supervisord gave up" + await self._log_tail(replica))
             elif info.state != ProcessState.RUNNING or pid_changed:
                 runtime.set_replica_state(replica, ReplicaState.STARTING,
                                           f"process exited ({info.description or info.state.name}); restarting")
@@ -373,9 +375,6 @@ class Pool:
                                           f"exited during start ({info.description or info.state.name})"
                                           + await self._log_tail(replica))
                 await self._stop_quietly(replica)
-                return
-            if info.state == ProcessState.FATAL:
-                runtime.set_replica_state(replica, ReplicaState.FAILED, "supervisord gave up" + await self._log_tail(replica))
                 return
             if info.state in DOWN_STATES and runtime.state == ModelState.LOADED:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")

@@ -58,7 +58,8 @@ def _prompt_from_messages(messages: Any) -> str:
     return "\n".join(parts)
 
 
-def _generation_request(body: dict[str, Any], chat: bool, default_max_tokens: int, request_id: str) -> GenerationRequest:
+def _generation_request(body: dict[str, Any], chat: bool, default_max_tokens: int,
+                        request_id: str) -> GenerationRequest:
     prompt = _prompt_from_messages(body.get("messages")) if chat else body.get("prompt")
     if not isinstance(prompt, str):
         raise ValueError("`prompt` must be a string")

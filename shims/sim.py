@@ -175,7 +175,8 @@ class SimEngine:
             f"vllm:generation_tokens_total{label} {self.counters['generation_tokens']}",
             "# TYPE vllm:request_success counter",
             f"vllm:request_success_total{label} {self.counters['requests_finished']}",
-            "# TYPE llm_pool_sim_faults counter", f"llm_pool_sim_faults_total{label} {self.counters['requests_failed']}",
+            "# TYPE llm_pool_sim_faults counter",
+            f"llm_pool_sim_faults_total{label} {self.counters['requests_failed']}",
         ]
         return "\n".join(lines) + "\n"
 

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import yaml
 
+from proxy.managed import pid_alive
+
 REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 60.0
 
@@ -78,18 +80,6 @@ def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
         return status, hdrs, json.loads(payload)
     except ValueError:
         return status, hdrs, payload
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 class ProxyProcess:

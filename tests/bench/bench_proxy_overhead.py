@@ -35,14 +35,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-async def run_round(session: aiohttp.ClientSession, url: str, n: int, concurrency: int) -> tuple[list[float], float]:
+async def run_round(session: aiohttp.ClientSession, url: str, n: int, concurrency: int,
+                    body: dict = BODY) -> tuple[list[float], float]:
+    """`n` requests of `body` to `url` by `concurrency` workers: each latency, and the wall time."""
     latencies: list[float] = []
     todo = iter(range(n))
 
     async def worker() -> None:
         for _ in todo:
             start = time.perf_counter()
-            async with session.post(url, json=BODY) as resp:
+            async with session.post(url, json=body) as resp:
                 await resp.read()
                 assert resp.status == 200, resp.status
             latencies.append(time.perf_counter() - start)

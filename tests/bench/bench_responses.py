@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import aiohttp
@@ -19,7 +18,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_proxy_overhead import cpu_seconds, pct  # noqa: E402
+from bench_proxy_overhead import cpu_seconds, pct, run_round  # noqa: E402
 from helpers import ProxyProcess  # noqa: E402
 from proxy.demo_model import write_tiny_gguf  # noqa: E402
 from proxy.llama_build import build_llama_server  # noqa: E402
@@ -30,27 +29,11 @@ RESPONSES = {"model": "tiny", "instructions": "Be brief.", "input": "Hi", "decod
 PATHS = {"chat": ("/v1/chat/completions", CHAT), "responses": ("/v1/responses", RESPONSES)}
 
 
-async def round_(session: aiohttp.ClientSession, url: str, body: dict, n: int, concurrency: int) -> list[float]:
-    out: list[float] = []
-    todo = iter(range(n))
-
-    async def worker() -> None:
-        for _ in todo:
-            start = time.perf_counter()
-            async with session.post(url, json=body) as resp:
-                await resp.read()
-                assert resp.status == 200
-            out.append(time.perf_counter() - start)
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return out
-
-
 async def bench(proxy: ProxyProcess, rounds: int, n: int) -> None:
     assert proxy.proc is not None
     async with aiohttp.ClientSession() as session:
         for path, body in PATHS.values():
-            await round_(session, proxy.url + path, body, 20, 2)
+            await run_round(session, proxy.url + path, 20, 2, body)
         for concurrency in (1, 8):
             lat: dict[str, list[float]] = {"chat": [], "responses": []}
             cpu = {"chat": 0.0, "responses": 0.0}
@@ -58,7 +41,7 @@ async def bench(proxy: ProxyProcess, rounds: int, n: int) -> None:
                 for mode in (("chat", "responses") if r % 2 == 0 else ("responses", "chat")):
                     path, body = PATHS[mode]
                     before = cpu_seconds(proxy.proc.pid)
-                    lat[mode] += await round_(session, proxy.url + path, body, n, concurrency)
+                    lat[mode] += (await run_round(session, proxy.url + path, n, concurrency, body))[0]
                     cpu[mode] += cpu_seconds(proxy.proc.pid) - before
             total = rounds * n
             c50, r50 = pct(lat["chat"], .5), pct(lat["responses"], .5)
