@@ -150,7 +150,7 @@ class FairScheduler:
         state = self._keys.get(key)
         if state is None:
             state = self._keys[key] = _Key(key, self.policy.weight(key))
-        must_wait = self.waiting > 0 or self.running >= self.capacity
+        must_wait = self.waiting > 0 or self.running + len(self._held) >= self.capacity
         if must_wait:
             if len(state.queue) >= self.policy.max_pending_per_key:
                 active_keys = sum(1 for k in self._keys.values() if k.active)

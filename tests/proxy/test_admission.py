@@ -113,3 +113,15 @@ async def test_close_fails_waiters_and_refuses_newcomers() -> None:
     with pytest.raises(Unavailable):
         await adm.acquire()
     assert adm.waiting == 0
+
+
+async def test_a_held_slot_is_released_by_its_timer_without_another_event() -> None:
+    adm = Admission(FairnessPolicy(anticipation_ms=20))
+    adm.set_capacity(1)
+    ui = await adm.acquire("ui")
+    batch = asyncio.create_task(adm.acquire("batch"))
+    await asyncio.sleep(0)
+    adm.release(ui)                     # held for ui, which does not come back
+    assert not batch.done()
+    await asyncio.wait_for(batch, timeout=10)  # the expiry timer hands the slot on
+    assert adm.active == 1
