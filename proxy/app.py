@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
+import time
+from typing import Any, AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -10,7 +11,7 @@ from aiohttp import web
 from proxy import managed, routes_admin, routes_public, routes_responses
 from proxy.config import Settings
 from proxy.errors import error_middleware
-from proxy.keys import HTTP, METRICS, POOL, SETTINGS
+from proxy.keys import HTTP, METRICS, MODEL, POOL, SETTINGS
 from proxy.metrics import ProxyMetrics
 from proxy.pool import Pool
 from proxy.supervisor import SupervisorClient
@@ -18,10 +19,29 @@ from proxy.supervisor import SupervisorClient
 log = logging.getLogger(__name__)
 
 
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Count and time every request that reached a served model, with its final status."""
+    started = time.perf_counter()
+    status = "cancelled"
+    try:
+        response = await handler(request)
+        status = str(response.status)
+        return response
+    finally:
+        model = request.get(MODEL)
+        if model is not None:
+            metrics = request.app[METRICS]
+            metrics.requests.labels(model, request.path, status).inc()
+            metrics.latency.labels(model, request.path).observe(time.perf_counter() - started)
+
+
 def create_app(settings: Settings, *, keep_models: bool = False) -> web.Application:
     """The proxy app. On cleanup it unloads every model and, in managed mode, stops supervisord,
     unless `keep_models`: then both keep running for the next proxy to adopt."""
-    app = web.Application(client_max_size=settings.service.max_body_bytes, middlewares=[error_middleware])
+    # metrics outside errors: it sees the status the error middleware rendered.
+    app = web.Application(client_max_size=settings.service.max_body_bytes,
+                          middlewares=[metrics_middleware, error_middleware])
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
     app.add_routes(routes_public.routes)

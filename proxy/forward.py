@@ -12,7 +12,7 @@ from aiohttp import web
 
 from proxy.errors import BackendError, BadRequest, Conflict, TooLarge, Unavailable, sse_error_event
 from proxy.fairness import normalize_key
-from proxy.keys import SETTINGS
+from proxy.keys import MODEL, SETTINGS
 from proxy.pool import Pool
 from proxy.replicas import ModelState, Replica
 from proxy.runtime import ModelRuntime
@@ -53,9 +53,10 @@ def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
     return normalize_key(key if key is not None else request.headers.get("X-Fairness-Key"))
 
 
-def servable(pool: Pool, name: str) -> ModelRuntime:
+def servable(request: web.Request, pool: Pool, name: str) -> ModelRuntime:
     """The model's runtime if requests may be sent to it now; otherwise the right error."""
     runtime = pool.get(name)
+    request[MODEL] = name
     if runtime.state == ModelState.LOADING:
         raise Unavailable(f"model {name!r} is loading", code="model_loading", retry_after=5)
     if runtime.state == ModelState.UNLOADING:

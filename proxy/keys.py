@@ -12,3 +12,6 @@ SETTINGS = web.AppKey("settings", Settings)
 POOL = web.AppKey("pool", Pool)
 HTTP = web.AppKey("http", aiohttp.ClientSession)
 METRICS = web.AppKey("metrics", ProxyMetrics)
+# The model a request was admitted for, set once it is known to be a served model (so metric
+# labels only ever hold configured model ids, never whatever a client typed).
+MODEL = web.RequestKey("model", str)

@@ -46,3 +46,4 @@ class ProxyMetrics:
 
     def watch(self, pool: Pool) -> None:
         self.registry.register(PoolCollector(pool))
+

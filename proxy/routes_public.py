@@ -1,8 +1,6 @@
 """The public OpenAI-compatible API."""
 from __future__ import annotations
 
-import time
-
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -16,20 +14,10 @@ PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
-    started = time.perf_counter()
     body = await read_json(request)
-    name = requested_model(body)
     pool = request.app[POOL]
-    runtime = servable(pool, name)
-    metrics = request.app[METRICS]
-    status = "error"
-    try:
-        response = await forward(request, pool, request.app[HTTP], runtime, request.path, body)
-        status = str(response.status)
-        return response
-    finally:
-        metrics.requests.labels(name, request.path, status).inc()
-        metrics.latency.labels(name, request.path).observe(time.perf_counter() - started)
+    runtime = servable(request, pool, requested_model(body))
+    return await forward(request, pool, request.app[HTTP], runtime, request.path, body)
 
 
 for _path in PASS_THROUGH:

@@ -53,7 +53,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse(body)
     pool = request.app[POOL]
-    runtime = servable(pool, req.model)
+    runtime = servable(request, pool, req.model)
     model = runtime.active or runtime.config
     caps = capabilities(model)
     validate_for_model(req, model, caps)

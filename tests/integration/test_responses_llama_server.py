@@ -185,3 +185,15 @@ def test_capabilities_are_advertised(proxy: ProxyProcess) -> None:
         "modalities": ["text"], "multi_turn": True, "file_inputs": False,
         "thinking_modes": ["default", "enabled", "disabled"]}
     assert proxy.admin_model("single")["capabilities"]["thinking_modes"] == ["default"]
+
+
+def test_prometheus_counts_requests_per_model_endpoint_and_status(proxy: ProxyProcess) -> None:
+    http("POST", proxy.url + "/v1/responses", body={"model": "tiny", "input": "x", "decoding": {"max_tokens": 2}})
+    http("POST", proxy.url + "/v1/responses", body={"model": "tiny"})
+    http("POST", proxy.url + "/v1/responses", body={"model": "no-such-model", "input": "x"})
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'llm_pool_requests_total{endpoint="/v1/responses",model="tiny",status="200"}' in text
+    assert 'llm_pool_requests_total{endpoint="/v1/responses",model="tiny",status="400"}' in text
+    assert "no-such-model" not in text  # labels hold configured model ids only
+    assert 'llm_pool_replicas_ready{model="tiny"} 1.0' in text
