@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 
 from launchers import launcher_for
 from proxy.config import ConfigError, Settings, load_settings
+from proxy.managed import StateDirBusy, claim_state_dir
 
 EXIT_CONFIG = 2
 
@@ -64,15 +66,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host = args.host or settings.service.host
     port = args.port or settings.service.port
-    app = create_app(settings, keep_models=args.keep_models)
+    # Claim the state folder and the port before anything starts: a second `serve` by mistake must
+    # fail at once, not adopt the first one's models and then unload them on its way out.
     try:
-        # handler_cancellation: a client that disconnects cancels its handler, which closes the
-        # upstream request so the backend stops generating for nobody.
-        web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None,
-                    print=lambda _msg: print(f"llm-pool serving on http://{host}:{port}", flush=True))
+        lock = claim_state_dir(settings.service.state_dir)
+    except StateDirBusy as exc:
+        print(f"llm-pool: {exc}", file=sys.stderr)
+        return 1
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family)
     except OSError as exc:
         print(f"llm-pool: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
         return 1
+    app = create_app(settings, keep_models=args.keep_models)
+    with lock, sock:
+        # handler_cancellation: a client that disconnects cancels its handler, which closes the
+        # upstream request so the backend stops generating for nobody.
+        web.run_app(app, sock=sock, handler_cancellation=True, access_log=None,
+                    print=lambda _msg: print(f"llm-pool serving on http://{host}:{port}", flush=True))
     return 0
 
 

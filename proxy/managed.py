@@ -6,10 +6,12 @@ upgraded while every model keeps running; a restarted proxy finds it by its sock
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import IO
 
 from proxy.config import Settings
 from proxy.supervisor import SupervisorClient, SupervisorError
@@ -44,6 +46,33 @@ def supervisord_conf(settings: Settings) -> str:
         f"files={settings.supervisor.programs_dir}/*.conf",
         "",
     ])
+
+
+class StateDirBusy(Exception):
+    """Another `llm-pool serve` holds this state folder."""
+
+
+def claim_state_dir(state_dir: Path) -> IO[str]:
+    """Hold an exclusive lock on the state folder for this process's life (close the file to let go).
+
+    One proxy per state folder: two would both drive the same replicas, and whichever stopped
+    first would unload the other's models.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(state_dir / "serve.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        owner = lock.read().strip() or "another process"
+        lock.close()
+        raise StateDirBusy(f"{state_dir} is in use by llm-pool serve (pid {owner}); stop it first, or give "
+                           "this one another service.state_dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 def conf_path(settings: Settings) -> Path:

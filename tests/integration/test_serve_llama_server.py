@@ -202,3 +202,21 @@ def test_bad_requests_get_the_openai_error_envelope(start_proxy, llama_model) ->
     status, _, body = http("POST", proxy.url + "/v1/admin/models/idle/load", body={"replicas": 5})
     assert (status, body["error"]["code"]) == (400, "invalid_load_request")
     assert proxy.admin_model("idle")["state"] == "unloaded"  # nothing changed
+
+
+def test_a_second_serve_on_the_same_state_dir_or_port_fails_and_touches_nothing(start_proxy, llama_model) -> None:
+    proxy = start_proxy({"tiny": llama_model()})
+    pid = proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"]
+    argv = [sys.executable, "-m", "proxy.cli", "--config", str(proxy.config_path), "serve"]
+    same_dir = subprocess.run(argv + ["--port", "0"], capture_output=True, text=True, timeout=60)
+    assert same_dir.returncode == 1 and "is in use by llm-pool serve" in same_dir.stderr
+
+    other = ProxyProcess({"tiny": llama_model()})
+    other.config["service"]["port"] = proxy.port
+    other.config_path.write_text(yaml.safe_dump(other.config))
+    same_port = subprocess.run([sys.executable, "-m", "proxy.cli", "--config", str(other.config_path), "serve"],
+                               capture_output=True, text=True, timeout=60)
+    assert same_port.returncode == 1 and f"cannot listen on 127.0.0.1:{proxy.port}" in same_port.stderr
+    assert not (other.state_dir / "supervisord.pid").exists()  # it started nothing
+
+    assert proxy.admin_model("tiny")["replicas"][0]["pid"] == pid and pid_alive(pid)
