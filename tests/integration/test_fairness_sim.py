@@ -58,6 +58,11 @@ async def test_lone_key_uses_every_slot_and_disconnects_free_them(start_proxy) -
                                          what="4 running and 4 waiting")
         assert counts["active"] == 4
         assert await asyncio.to_thread(wait_for, lambda: sim_running(proxy) == 4, what="the sim to run 4")
+        # The admin view carries the backend's own gauges, scraped from its /metrics for routing.
+        replica = await asyncio.to_thread(
+            wait_for, lambda: (r := proxy.admin_model("sim")["replicas"][0])["reported"].get("running") == 4 and r,
+            what="the scraped running gauge")
+        assert replica["inflight"] == 4 and replica["reported"]["waiting"] == 0
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

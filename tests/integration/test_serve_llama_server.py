@@ -220,3 +220,22 @@ def test_a_second_serve_on_the_same_state_dir_or_port_fails_and_touches_nothing(
     assert not (other.state_dir / "supervisord.pid").exists()  # it started nothing
 
     assert proxy.admin_model("tiny")["replicas"][0]["pid"] == pid and pid_alive(pid)
+
+
+def test_load_takes_a_replica_count_and_fails_a_server_that_never_gets_healthy(start_proxy, llama_model,
+                                                                               tmp_path) -> None:
+    silent = tmp_path / "silent-server"
+    silent.write_text("#!/bin/sh\necho 'loading forever'\nexec sleep 300\n")
+    silent.chmod(0o755)
+    proxy = start_proxy({"idle": llama_model(enabled=False, replica_max=2),
+                         "stuck": llama_model(enabled=False, llama_server_binary=str(silent),
+                                              llama_server_start_timeout_s=2)})
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/idle/load", body={"replicas": 2})
+    assert status == 200, body
+    assert [r["state"] for r in body["replicas"]] == ["ready", "ready"]
+    proxy.seen_pids.update(r["pid"] for r in body["replicas"])
+
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/stuck/load")
+    assert (status, body["error"]["code"]) == (502, "model_load_failed")
+    assert "not healthy within 2s" in body["error"]["message"] and "loading forever" in body["error"]["message"]
+    assert proxy.admin_model("stuck")["state"] == "failed"
