@@ -99,6 +99,7 @@ class ProxyProcess:
         }
         self.config_path.write_text(yaml.safe_dump(self.config))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.env: dict[str, str] = {}   # extra environment for the proxy process
         self.seen_pids: set[int] = set()
         self.log_path = self.state_dir / "proxy.log"
 
@@ -114,7 +115,7 @@ class ProxyProcess:
         argv = [sys.executable, "-m", "proxy.cli", "--config", str(self.config_path), "serve"]
         if keep_models:
             argv.append("--keep-models")
-        env = {**os.environ, "LLM_POOL_LOCAL_SETTINGS_PATH": str(self.state_dir / "no-local.yaml")}
+        env = {**os.environ, "LLM_POOL_LOCAL_SETTINGS_PATH": str(self.state_dir / "no-local.yaml"), **self.env}
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         wait_for(self._answers, what=f"the proxy on {self.url} (log: {self.log_path})")
