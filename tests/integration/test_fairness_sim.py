@@ -87,9 +87,9 @@ async def test_interactive_request_gets_the_next_slot_behind_100_queued(start_pr
         started = [s["id"] for s in sim_get(proxy, "/v1/sim/started")["started"]]
         results = await asyncio.gather(*batch)
     assert all(r[0] == 200 for r in results)
-    # The UI request started at most one slot after it arrived (one may free while it is in flight),
-    # not behind the 100 batch requests that were waiting before it.
-    assert started.index("ui-0") <= started_before + 1, (started_before, started.index("ui-0"))
+    # The UI request took one of the next slots to free (both slots may free together while its
+    # request is on the wire), not a place behind the 100 batch requests that were waiting before it.
+    assert started.index("ui-0") <= started_before + 2, (started_before, started.index("ui-0"))
     # The fairness key (body or header) is llm-pool's alone: the engine never sees it.
     assert all("fairness_key" not in s["fields"] for s in sim_get(proxy, "/v1/sim/started")["started"])
 
