@@ -94,12 +94,11 @@ async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntim
     never reached it, so another replica may take it. Leaving the block closes the response, which
     ends the backend's work on it if it is still generating.
     """
-    data = payload
     for _attempt in range(2):
         replica = runtime.pick_replica()
         if replica is None:
             break
-        body = json.dumps({**data, "model": replica.spec.served_model}).encode()
+        body = json.dumps({**payload, "model": replica.spec.served_model}).encode()
         replica.inflight += 1
         try:
             try:

@@ -46,4 +46,3 @@ class ProxyMetrics:
 
     def watch(self, pool: Pool) -> None:
         self.registry.register(PoolCollector(pool))
-

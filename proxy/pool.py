@@ -96,9 +96,7 @@ class Pool:
             await asyncio.gather(self._monitor, return_exceptions=True)
         for runtime in self.models.values():
             for replica in runtime.replicas:
-                for task in (replica.probe, replica.scrape):
-                    if task is not None:
-                        task.cancel()
+                replica.cancel_tasks()
 
     def get(self, name: str) -> ModelRuntime:
         try:
@@ -144,16 +142,14 @@ class Pool:
                 if isinstance(exc, SupervisorError):
                     raise Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=5) from exc
                 raise
-            failed = [r for r in runtime.replicas if r.state != ReplicaState.READY]
+            errors = "; ".join(f"replica {r.index}: {r.last_error}" for r in runtime.replicas
+                               if r.state != ReplicaState.READY)
+            runtime.last_error = errors or None
             if not runtime.ready():
-                errors = "; ".join(f"replica {r.index}: {r.last_error}" for r in failed)
-                runtime.last_error = errors
                 await self._teardown(runtime, drain=False)
                 runtime.state = ModelState.FAILED
                 raise BackendError(f"model {name!r} failed to load: {errors}", code="model_load_failed")
             runtime.state = ModelState.LOADED
-            if failed:
-                runtime.last_error = "; ".join(f"replica {r.index}: {r.last_error}" for r in failed)
             log.info("model %s loaded: %d of %d replicas ready", name, len(runtime.ready()), len(runtime.replicas))
             return runtime
 
@@ -269,9 +265,7 @@ class Pool:
             while runtime.admission.active > 0 and time.monotonic() < deadline:
                 await runtime.wait_changed(0.05)
         for replica in runtime.replicas:
-            for task in (replica.probe, replica.scrape):
-                if task is not None:
-                    task.cancel()
+            replica.cancel_tasks()
             runtime.set_replica_state(replica, ReplicaState.STOPPING)
         await self._remove_group(group_name(runtime.name))
         path = self._group_file(runtime.name)
@@ -415,8 +409,9 @@ class Pool:
                 text = await resp.text() if resp.status == 200 else ""
         except (aiohttp.ClientError, asyncio.TimeoutError):
             text = ""
-        replica.reported = read_gauges(text, replica.spec.metrics) if text else {}
         replica.scraped_at = time.monotonic()
+        if replica.state == ReplicaState.READY:  # it may have left READY while the scrape was in flight
+            replica.reported = read_gauges(text, replica.spec.metrics) if text else {}
 
     async def _log_tail(self, replica: Replica, length: int = 2000) -> str:
         try:

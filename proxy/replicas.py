@@ -66,6 +66,12 @@ class Replica:
         backend = self.reported.get("running", 0.0) + self.reported.get("waiting", 0.0)
         return max(float(self.inflight), backend), self.reported.get("kv_cache", 0.0)
 
+    def cancel_tasks(self) -> None:
+        """Stop its health probe and metrics scrape, if any is in flight."""
+        for task in (self.probe, self.scrape):
+            if task is not None:
+                task.cancel()
+
     def move(self, new: ReplicaState, error: str | None = None) -> bool:
         """Change state; False when already there. Raises on a transition the lifecycle forbids."""
         if new == self.state:

@@ -20,6 +20,7 @@ from proxy.errors import BackendError, PoolError, sse_error_event
 from proxy.forward import fairness_key, read_json, servable, slot, upstream
 from proxy.keys import HTTP, POOL, SETTINGS
 from proxy.responses import backend_request, parse, validate_for_model
+from proxy.runtime import ModelRuntime
 
 routes = web.RouteTableDef()
 
@@ -83,7 +84,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return web.json_response(_envelope(response_id, req.model, text, metrics), headers={"X-Request-Id": request_id})
 
 
-async def _stream(request: web.Request, timer: response_metrics.Timer, queued: Any, runtime: Any,
+async def _stream(request: web.Request, timer: response_metrics.Timer, queued: Any, runtime: ModelRuntime,
                   payload: dict[str, Any], request_id: str, response_id: str, model: str) -> web.StreamResponse:
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                       "X-Request-Id": request_id})
@@ -116,12 +117,10 @@ async def _stream(request: web.Request, timer: response_metrics.Timer, queued: A
                 timer.mark("received")
     except ConnectionResetError:
         return out  # the client left; its slot and the upstream request are already released
-    except PoolError as err:
+    except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        err = exc if isinstance(exc, PoolError) else \
+            BackendError(f"the backend broke off the stream: {type(exc).__name__}")
         await out.write(sse_error_event(err))
-        await out.write_eof()
-        return out
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-        await out.write(sse_error_event(BackendError(f"the backend broke off the stream: {type(exc).__name__}")))
         await out.write_eof()
         return out
     timer.mark("finished")
