@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from proxy.config import ModelConfig
+from proxy.config import REPO_ROOT, ModelConfig
 
 
 def library_env(model: ModelConfig, library_field: str | None,
@@ -28,3 +28,14 @@ def missing_file(where: str, key: str, value: Any) -> list[str]:
     if value and not Path(value).exists():
         return [f"{where}.{key}: {value} does not exist"]
     return []
+
+
+def shim_env(model: ModelConfig, library_field: str | None,
+             environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """library_env plus PYTHONPATH naming llm-pool's own source tree.
+
+    A shim runs `python -m shims.<engine>`, possibly under an interpreter of its own (`<engine>_python`)
+    that has its engine installed but not llm-pool; PYTHONPATH lets it import `shims` from the tree the
+    proxy runs from, never from whatever copy that interpreter might happen to have.
+    """
+    return tuple(sorted({**dict(library_env(model, library_field, environ)), "PYTHONPATH": str(REPO_ROOT)}.items()))

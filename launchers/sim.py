@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Mapping
 
-from launchers.common import library_env
+from launchers.common import shim_env
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.config import ModelConfig
 from shims.sim import SimParams
@@ -37,7 +37,7 @@ def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, envir
     return ProgramSpec(
         program=program_name(model.name, replica),
         argv=argv(model, host, port),
-        env=library_env(model, None, environ),
+        env=shim_env(model, None, environ),
         host=host,
         port=port,
         health_path="/health",

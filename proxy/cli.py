@@ -106,6 +106,9 @@ def cmd_setup(args: argparse.Namespace) -> int:
     else:
         write_tiny_gguf(target)
         print(f"demo model: wrote {target}")
+    if args.all_engines:
+        from proxy.engine_setup import prepare
+        prepare()
     return 0
 
 
@@ -123,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate the settings; print every problem and exit non-zero")
     check.set_defaults(func=cmd_check_config)
     setup = sub.add_parser("setup", help="build llama-server if not cached and write the demo model")
+    setup.add_argument("--all-engines", action="store_true",
+                       help="also prepare every other engine's environment in the cache (what the tests need)")
     setup.set_defaults(func=cmd_setup)
     for p in (serve, check, setup):
         p.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
