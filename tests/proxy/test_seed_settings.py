@@ -184,3 +184,13 @@ def test_check_config_fails_for_an_enabled_model_this_version_cannot_run(tmp_pat
     assert "engine.models.qwen2.5-vl-3b.backend: 'vllm' cannot be run by this version" in capsys.readouterr().err
     (tmp_path / "config" / "local.json").unlink()  # disabled, as the seed ships it: fine
     assert _check_config(base) == 0
+
+
+def test_the_seed_response_example_is_our_envelope_with_our_metric_names() -> None:
+    from proxy.response_metrics import METRIC_KEYS
+    from proxy.routes_responses import _envelope
+
+    example = seed("response_inference")
+    ours = _envelope(example["id"], example["model"], example["output_text"], example["metrics"])
+    assert ours == example
+    assert set(example["metrics"]) <= set(METRIC_KEYS)
