@@ -27,6 +27,14 @@ def slots(replica: dict[str, Any]) -> list[dict[str, Any]]:
         return json.load(resp)
 
 
+def token_count(replica: dict[str, Any], text: str) -> int:
+    req = urllib.request.Request(f"http://127.0.0.1:{replica['port']}/tokenize",
+                                 data=json.dumps({"content": text}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return len(json.load(resp)["tokens"])
+
+
 def cmdline(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
 
@@ -47,10 +55,11 @@ def test_n_ctx_is_each_requests_context_and_a_load_override_changes_it(start_pro
     proxy.seen_pids.add(body["replicas"][0]["pid"])
     assert [s["n_ctx"] for s in slots(body["replicas"][0])] == [2048] * 4
 
-    # A prompt of 1500 tokens fits one request's context with every other slot free to serve too.
-    reply = client(proxy).completions.create(model="tiny", prompt="a " * 1500, max_tokens=4,
+    # A prompt of about 1500 tokens fits one request's context (it would not fit 2048 / 4 slots).
+    prompt = "a " * int(1000 * 1500 / token_count(body["replicas"][0], "a " * 1000))
+    reply = client(proxy).completions.create(model="tiny", prompt=prompt, max_tokens=4,
                                              extra_body={"ignore_eos": True})
-    assert reply.usage.prompt_tokens > 1024 and reply.usage.completion_tokens == 4
+    assert 1024 < reply.usage.prompt_tokens < 2000 and reply.usage.completion_tokens == 4
 
 
 def test_completions_and_embeddings_through_the_proxy_with_the_openai_client(start_proxy, llama_model) -> None:
@@ -79,7 +88,8 @@ def test_completions_and_embeddings_through_the_proxy_with_the_openai_client(sta
 
 def test_the_seeds_spec_type_draft_starts_the_pinned_build(start_proxy, llama_model, tiny_gguf) -> None:
     # Before: `--spec-type draft` made llama-server exit ("unknown speculative type") and the load 502.
-    proxy = start_proxy({"spec": llama_model(llama_server_spec_type="draft", llama_server_draft_model_path=str(tiny_gguf),
+    proxy = start_proxy({"spec": llama_model(llama_server_spec_type="draft",
+                                             llama_server_draft_model_path=str(tiny_gguf),
                                              llama_server_spec_draft_n_max=4, llama_server_spec_draft_p_min=0.1)})
     replica = proxy.wait_state("spec", "loaded")["replicas"][0]
     argv = cmdline(replica["pid"])

@@ -101,7 +101,8 @@ def test_unset_fields_add_no_flags() -> None:
     assert spec.env == ()
 
 
-@pytest.mark.parametrize("n_ctx, slots, expected", [(2048, 4, ["--ctx-size", "8192"]), (4096, 1, ["--ctx-size", "4096"]),
+@pytest.mark.parametrize("n_ctx, slots, expected", [(2048, 4, ["--ctx-size", "8192"]),
+                                                     (4096, 1, ["--ctx-size", "4096"]),
                                                      (None, 4, ["--kv-unified"]), (0, 2, ["--kv-unified"])])
 def test_n_ctx_is_the_context_of_one_request(n_ctx: int | None, slots: int, expected: list[str]) -> None:
     # llama-server divides --ctx-size over its --parallel slots; the field is per request.

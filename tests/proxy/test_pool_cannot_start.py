@@ -21,7 +21,8 @@ def pool(tmp_path: Path) -> Pool:
         "vl: {backend: vllm, model_path: null, vllm_model: Qwen/Qwen2.5-VL-3B-Instruct, enabled: true}, "
         "gone: {backend: llama_server, model_path: /nonexistent/model.gguf, llama_server_binary: /bin/true}, "
         "ok: {backend: sim}}}\n")
-    return Pool(load_settings(tmp_path / "pool.yaml"), FakeSupervisor(), http=None, environ={})  # type: ignore[arg-type]
+    settings = load_settings(tmp_path / "pool.yaml")
+    return Pool(settings, FakeSupervisor(), http=None, environ={})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name, code, reason", [

@@ -194,3 +194,19 @@ def test_the_seed_response_example_is_our_envelope_with_our_metric_names() -> No
     ours = _envelope(example["id"], example["model"], example["output_text"], example["metrics"])
     assert ours == example
     assert set(example["metrics"]) <= set(METRIC_KEYS)
+
+
+@pytest.mark.parametrize("spec_type, code", [("draft", 0), ("draft-turbo", 2)])
+def test_check_config_judges_the_spec_type_by_the_binary(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch, tiny_gguf: Path,
+                                                         llama_server_bin: Path, spec_type: str, code: int) -> None:
+    # Before: `draft` passed check-config and then the pinned llama-server refused it at load (502).
+    monkeypatch.setenv("LLM_POOL_CACHE_DIR", str(tmp_path / "cache"))
+    base = write_pair(tmp_path, {"engine": {"models": {"g": {
+        "backend": "llama_server", "model_path": str(tiny_gguf), "llama_server_binary": str(llama_server_bin),
+        "llama_server_draft_model_path": str(tiny_gguf), "llama_server_spec_type": spec_type, "enabled": True}}}}, None)
+    assert _check_config(base) == code
+    if code:
+        err = capsys.readouterr().err
+        assert "engine.models.g.llama_server_spec_type: 'draft-turbo' is not accepted by" in err
+        assert "it accepts: " in err and "draft-simple" in err
