@@ -107,7 +107,7 @@ def test_a_replica_dying_mid_stream_sends_an_error_event_before_the_end(start_pr
         read_until(resp, first)
         os.kill(pid, signal.SIGKILL)
         rest = resp.read()
-    events = [block for block in rest.decode().split("\n\n") if block.strip()]
+    events = [block.strip() for block in rest.decode().split("\n\n") if block.strip()]
     assert events[-1].startswith("event: error\n"), events[-3:]
     error = json.loads(events[-1].split("data: ", 1)[1])
     assert error["error"]["type"] and error["error"]["message"]
