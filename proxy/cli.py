@@ -31,25 +31,24 @@ def startup_problems(settings: Settings) -> list[str]:
 
 def _load_or_exit(config: str | None, strict: bool = False) -> Settings:
     """The settings, or exit 2 naming every structural problem (a wrong type, a bad value; with
-    `strict`, unknown keys too). Unknown keys are otherwise warnings, printed here."""
+    `strict`, unknown keys too). Unknown keys are otherwise `settings.warnings`."""
     try:
-        settings = load_settings(config, strict=strict)
+        return load_settings(config, strict=strict)
     except ConfigError as exc:
         _report(exc.problems)
         raise SystemExit(EXIT_CONFIG) from None
-    for warning in settings.warnings:
-        print(f"llm-pool: warning: {warning}", file=sys.stderr)
-    return settings
 
 
-def _report(problems: list[str], what: str = "configuration problem(s)") -> None:
-    print(f"llm-pool: {len(problems)} {what}:", file=sys.stderr)
+def _report(problems: list[str]) -> None:
+    print(f"llm-pool: {len(problems)} configuration problem(s):", file=sys.stderr)
     for problem in problems:
         print(f"  {problem}", file=sys.stderr)
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     settings = _load_or_exit(args.config, strict=args.strict)
+    for warning in settings.warnings:
+        print(f"llm-pool: warning: {warning}", file=sys.stderr)
     problems = startup_problems(settings)
     if problems:
         _report(problems)
