@@ -29,17 +29,14 @@ def startup_problems(settings: Settings) -> list[str]:
     return problems
 
 
-def _load_or_exit(config: str | None) -> Settings:
+def _load_or_exit(config: str | None, strict: bool = False) -> Settings:
+    """The settings, or exit 2 naming every structural problem (a wrong type, a bad value; with
+    `strict`, unknown keys too). Unknown keys are otherwise `settings.warnings`."""
     try:
-        settings = load_settings(config)
+        return load_settings(config, strict=strict)
     except ConfigError as exc:
         _report(exc.problems)
         raise SystemExit(EXIT_CONFIG) from None
-    problems = startup_problems(settings)
-    if problems:
-        _report(problems)
-        raise SystemExit(EXIT_CONFIG)
-    return settings
 
 
 def _report(problems: list[str]) -> None:
@@ -49,10 +46,17 @@ def _report(problems: list[str]) -> None:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    settings = _load_or_exit(args.config)
+    settings = _load_or_exit(args.config, strict=args.strict)
+    for warning in settings.warnings:
+        print(f"llm-pool: warning: {warning}", file=sys.stderr)
+    problems = startup_problems(settings)
+    if problems:
+        _report(problems)
+        return EXIT_CONFIG
     enabled = sum(1 for m in settings.models.values() if m.enabled)
     sources = ", ".join(str(s) for s in settings.sources)
-    print(f"ok: {len(settings.models)} model(s), {enabled} enabled ({sources})")
+    warned = f", {len(settings.warnings)} warning(s)" if settings.warnings else ""
+    print(f"ok: {len(settings.models)} model(s), {enabled} enabled{warned} ({sources})")
     return 0
 
 
@@ -64,6 +68,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _load_or_exit(args.config)
     logging.basicConfig(level=settings.service.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("llm-pool")
+    for warning in settings.warnings:
+        log.warning("config: %s", warning)
+    # A model that cannot start costs that model, not the service: it ends FAILED with this reason
+    # when the pool tries to load it, and every other model serves.
+    for problem in startup_problems(settings):
+        log.error("config: %s (this model will not start; the others are served)", problem)
     host = args.host or settings.service.host
     port = args.port or settings.service.port
     # Claim the state folder and the port before anything starts: a second `serve` by mistake must
@@ -124,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on exit leave supervisord and the models running, for the next proxy to adopt")
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check-config", help="validate the settings; print every problem and exit non-zero")
+    check.add_argument("--strict", action="store_true",
+                       help="unknown keys are errors, not warnings (for an admin's CI)")
     check.set_defaults(func=cmd_check_config)
     setup = sub.add_parser("setup", help="build llama-server if not cached and write the demo model")
     setup.add_argument("--all-engines", action="store_true",

@@ -118,11 +118,13 @@ class Pool:
                                code="model_already_loaded")
             launcher = launcher_for(config.backend)
             if launcher is None:
-                raise Conflict(f"model {name!r}: backend {config.backend!r} cannot be run by this version "
-                               f"of llm-pool", code="backend_not_supported")
+                raise self._cannot_start(runtime, Conflict(
+                    f"model {name!r}: backend {config.backend!r} cannot be run by this version of llm-pool",
+                    code="backend_not_supported"))
             problems = launcher.check(config)
             if problems:
-                raise Conflict(f"model {name!r} cannot be loaded: " + "; ".join(problems), code="model_not_loadable")
+                raise self._cannot_start(runtime, Conflict(f"model {name!r} cannot be loaded: " + "; ".join(problems),
+                                                           code="model_not_loadable"))
             if config.replicas < 1:
                 raise Conflict(f"model {name!r}: replicas must be at least 1 to load", code="model_not_loadable")
             runtime.state = ModelState.LOADING
@@ -152,6 +154,14 @@ class Pool:
             runtime.state = ModelState.LOADED
             log.info("model %s loaded: %d of %d replicas ready", name, len(runtime.ready()), len(runtime.replicas))
             return runtime
+
+    @staticmethod
+    def _cannot_start(runtime: ModelRuntime, error: Conflict) -> Conflict:
+        """A model that cannot even be started is FAILED with the reason, for the admin view and
+        /health; every other model is unaffected."""
+        runtime.state = ModelState.FAILED
+        runtime.last_error = error.message
+        return error
 
     def _group_file(self, name: str) -> Path:
         return self.settings.supervisor.programs_dir / f"{group_name(name)}.conf"

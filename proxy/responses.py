@@ -3,6 +3,10 @@ backend's OpenAI chat request.
 
 Shape is checked by a JSON schema at the edge; the rules that depend on the model (capabilities,
 prompt format) are checked after. Each failure is a 400 with a stable `code` and the `param` at fault.
+
+Unknown fields, at the top level and in `decoding` alike, are ignored and named back to the client in
+the `X-Ignored-Fields` response header: a client written for another llm-pool version keeps working
+(the seed's service ignored them too), and a misspelt field does not go unnoticed.
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ REQUEST_SCHEMA: dict[str, Any] = {
         "stream": {"type": "boolean"},
         "thinking": {"enum": ["default", "enabled", "disabled"]},
         "decoding": {
-            "type": "object", "additionalProperties": False,
+            "type": "object",
             "properties": {"beam_size": {"type": "integer", "minimum": 1},
                            "top_k": {"type": "integer", "minimum": 0},
                            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
@@ -72,6 +76,7 @@ REQUEST_SCHEMA: dict[str, Any] = {
     },
 }
 _VALIDATOR = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
+IGNORED_HEADER = "X-Ignored-Fields"
 
 # Stop strings each prompt format's chat template ends a turn with.
 FORMAT_STOPS: Mapping[str, tuple[str, ...]] = {
@@ -92,10 +97,21 @@ BEAM_BACKENDS = {"ct2"}
 class ResponsesRequest:
     model: str
     body: Mapping[str, Any]
+    ignored: tuple[str, ...] = ()   # unknown fields, as paths (`decoding.min_p`), ignored
 
     @property
     def stream(self) -> bool:
         return bool(self.body.get("stream", False))
+
+
+def ignored_fields(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The unknown fields of a request at both levels, in the order given."""
+    known = REQUEST_SCHEMA["properties"]
+    ignored = [k for k in body if k not in known]
+    decoding = body.get("decoding")
+    if isinstance(decoding, Mapping):
+        ignored += [f"decoding.{k}" for k in decoding if k not in known["decoding"]["properties"]]
+    return tuple(ignored)
 
 
 def _param(error: jsonschema.ValidationError) -> str:
@@ -113,7 +129,7 @@ def parse(body: Mapping[str, Any]) -> ResponsesRequest:
             param = missing if param == "(body)" else f"{param}.{missing}"
         code = "missing_model" if param == "model" and err.validator == "required" else "invalid_request"
         raise BadRequest(f"{param}: {err.message}", code=code, param=param)
-    return ResponsesRequest(model=body["model"], body=body)
+    return ResponsesRequest(model=body["model"], body=body, ignored=ignored_fields(body))
 
 
 def _items(content: Any) -> list[dict[str, Any]]:

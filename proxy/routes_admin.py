@@ -53,6 +53,9 @@ async def _load_request(request: web.Request, name: str) -> dict[str, Any]:
             problems.append(f"replicas: must be an integer from 1 to replica_max ({model.replica_max})")
         else:
             overrides = {**overrides, "replicas": replicas}
+    option_problems = getattr(launcher, "option_problems", None)
+    if not problems and overrides and option_problems is not None:
+        problems = option_problems(model.with_overrides(overrides))  # values the binary would refuse
     if problems:
         raise BadRequest("; ".join(problems), code="invalid_load_request")
     return overrides

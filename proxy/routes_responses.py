@@ -19,7 +19,7 @@ from proxy.capabilities import capabilities
 from proxy.errors import BackendError, PoolError, sse_error_event
 from proxy.forward import fairness_key, read_json, servable, slot, upstream
 from proxy.keys import HTTP, POOL, SETTINGS
-from proxy.responses import backend_request, parse, validate_for_model
+from proxy.responses import IGNORED_HEADER, backend_request, parse, validate_for_model
 from proxy.runtime import ModelRuntime
 
 routes = web.RouteTableDef()
@@ -60,11 +60,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
     validate_for_model(req, model, caps)
     payload = backend_request(req, model, request.app[SETTINGS].decoding)
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
+    headers = {"X-Request-Id": request_id, **({IGNORED_HEADER: ", ".join(req.ignored)} if req.ignored else {})}
     response_id = f"resp_{uuid.uuid4().hex}"
     queued = runtime.admission.enqueue(fairness_key(request, body))  # a full queue is a plain 429
     timer.mark("enqueued")
     if req.stream:
-        return await _stream(request, timer, queued, runtime, payload, request_id, response_id, req.model)
+        return await _stream(request, timer, queued, runtime, payload, request_id, response_id, req.model, headers)
 
     async with slot(runtime, queued):
         timer.mark("admitted")
@@ -81,13 +82,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
         raise BackendError("backend answered with an unreadable chat completion") from None
     timer.mark("finished")
     metrics = response_metrics.build(timer, answer.get("usage"), answer.get("timings"))
-    return web.json_response(_envelope(response_id, req.model, text, metrics), headers={"X-Request-Id": request_id})
+    return web.json_response(_envelope(response_id, req.model, text, metrics), headers=headers)
 
 
 async def _stream(request: web.Request, timer: response_metrics.Timer, queued: Any, runtime: ModelRuntime,
-                  payload: dict[str, Any], request_id: str, response_id: str, model: str) -> web.StreamResponse:
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                      "X-Request-Id": request_id})
+                  payload: dict[str, Any], request_id: str, response_id: str, model: str,
+                  headers: Mapping[str, str]) -> web.StreamResponse:
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     try:
         await out.prepare(request)
         await out.write(_event("response.created", {"response": _envelope(response_id, model, "", None)}))
