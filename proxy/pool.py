@@ -458,7 +458,10 @@ async def probe(http: aiohttp.ClientSession, spec: ProgramSpec) -> tuple[bool, s
 
 
 def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on `port` now. SO_REUSEADDR as servers set it: sockets left in
+    TIME_WAIT by a replica that exited (an unload) must not make its port look taken."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
