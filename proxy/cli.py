@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
+from typing import Mapping
 
 from launchers import launcher_for
 from proxy.config import ConfigError, Settings, load_settings
@@ -14,9 +16,17 @@ from proxy.managed import StateDirBusy, claim_state_dir
 EXIT_CONFIG = 2
 
 
-def startup_problems(settings: Settings) -> list[str]:
-    """What would stop an enabled model from starting: unsupported backend, missing files."""
+def startup_problems(settings: Settings, environ: Mapping[str, str] | None = None) -> list[str]:
+    """What would stop the proxy or an enabled model from starting: an admin token variable that
+    is named but not set, an unsupported backend, missing files."""
+    environ = os.environ if environ is None else environ
     problems = []
+    env = settings.service.admin_token_env
+    if env and not environ.get(env, "").strip():
+        # Fail closed: serving with the admin API open because a variable was forgotten is worse
+        # than not serving. Name the variable, never a value.
+        problems.append(f"service.admin_token_env: {env} is unset or empty; set it to the admin token, "
+                        "or remove admin_token_env to leave the admin API without a token")
     for name, model in settings.models.items():
         if not model.enabled:
             continue
