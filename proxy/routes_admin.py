@@ -68,14 +68,15 @@ async def admin_load(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     pool.get(name)
     overrides = await _load_request(request, name)
-    runtime = await pool.load(name, overrides)
+    runtime = await pool.detached(pool.load(name, overrides))
     return web.json_response(runtime.describe())
 
 
 @routes.post("/v1/admin/models/{name}/unload")
 async def admin_unload(request: web.Request) -> web.Response:
     _authorize(request)
-    runtime = await request.app[POOL].unload(request.match_info["name"])
+    pool = request.app[POOL]
+    runtime = await pool.detached(pool.unload(request.match_info["name"]))
     return web.json_response(runtime.describe())
 
 

@@ -2,12 +2,18 @@
 finishes, ports come back, orphans of a dead supervisord are stopped, secrets stay with the proxy."""
 from __future__ import annotations
 
+import concurrent.futures
+import json
+import os
+import signal
+import threading
+import urllib.request
 from typing import Any
 
 import pytest
 import yaml
 
-from helpers import ProxyProcess, free_port_range, http
+from helpers import ProxyProcess, free_port_range, http, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -46,3 +52,55 @@ def test_unload_and_load_again_on_a_one_port_range(proxies) -> None:
         assert (status, body["state"]) == (200, "unloaded")
         status, _, body = http("POST", proxy.url + "/v1/admin/models/sim/load")
         assert status == 200, body
+
+
+def _stream_until_killed(proxy: ProxyProcess, started: threading.Event) -> None:
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000, "stream": True}
+    req = urllib.request.Request(proxy.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            resp.readline()
+            started.set()
+            while resp.readline():
+                pass
+    except OSError:
+        pass
+    finally:
+        started.set()
+
+
+def test_unload_while_a_replica_crashes_mid_stream_ends_unloaded(proxies) -> None:
+    proxy = start(proxies, {"sim": sim_model()}, drain_timeout_s=60)
+    model = proxy.wait_state("sim", "loaded")
+    pid = model["replicas"][0]["pid"]
+    started = threading.Event()
+    stream = threading.Thread(target=_stream_until_killed, args=(proxy, started))
+    stream.start()
+    assert started.wait(60)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        unload = pool.submit(http, "POST", proxy.url + "/v1/admin/models/sim/unload")
+        wait_for(lambda: proxy.admin_model("sim")["state"] == "unloading", what="the unload to start draining")
+        os.kill(pid, signal.SIGKILL)     # the replica crashes mid-stream; supervisord restarts it
+        status, _, body = unload.result(120)
+    stream.join(60)
+    assert (status, body.get("state")) == (200, "unloaded"), (body, proxy.log_path.read_text()[-3000:])
+    assert not proxy.supervisorctl("status").stdout.strip()   # no program left running
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/sim/load")
+    assert (status, body["state"]) == (200, "loaded"), body
+
+
+def test_an_unload_whose_client_leaves_still_finishes(proxies) -> None:
+    proxy = start(proxies, {"sim": sim_model()}, drain_timeout_s=3)
+    proxy.wait_state("sim", "loaded")
+    started = threading.Event()
+    stream = threading.Thread(target=_stream_until_killed, args=(proxy, started))
+    stream.start()
+    assert started.wait(60)
+    # The drain waits for the stream; the admin's client gives up long before.
+    req = urllib.request.Request(proxy.url + "/v1/admin/models/sim/unload", data=b"", method="POST")
+    with pytest.raises(OSError):
+        urllib.request.urlopen(req, timeout=0.5)
+    model = proxy.wait_state("sim", "unloaded")
+    assert model["replicas"] == [] and not proxy.supervisorctl("status").stdout.strip()
+    stream.join(60)
