@@ -21,7 +21,7 @@ DEFAULT_SETTINGS = REPO_ROOT / "conf" / "pool.yaml"
 DEFAULT_SERVICE = {"host": "127.0.0.1", "port": 8011, "log_level": "info", "max_body_bytes": 32 * 1024 * 1024,
                    "drain_timeout_s": 30.0, "admin_token_env": None}
 DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "port_range": [18100, 18999],
-                      "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15}
+                      "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15, "pass_env": []}
 DEFAULT_MODEL = {"enabled": False, "replicas": 1, "target_inflight": 1, "modalities": ["text"], "gpus": []}
 
 # Fields that name files: relative values resolve against the base settings file's folder, so a
@@ -61,6 +61,7 @@ class SupervisorSettings:
     poll_interval_s: float
     rpc_timeout_s: float
     stopwaitsecs: int
+    pass_env: tuple[str, ...] = ()       # variables passed to model servers besides the fixed few
 
 
 @dataclass(frozen=True)
@@ -212,11 +213,23 @@ def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_d
     )
 
 
+def secret_env_names(settings: Settings) -> set[str]:
+    """Variables that hold the proxy's secrets: the admin token's, and every variable a model names
+    in a `*_env` field (provider API keys). Model servers never see them."""
+    names = {settings.service.admin_token_env} if settings.service.admin_token_env else set()
+    for model in settings.models.values():
+        names.update(v for k, v in model.options.items() if k.endswith("_env") and isinstance(v, str) and v)
+    return names
+
+
 def semantic_problems(settings: Settings) -> list[str]:
     problems = []
     if len(str(settings.socket_path)) > MAX_SOCKET_PATH and settings.supervisor.mode == "managed":
         problems.append(f"service.state_dir: {settings.service.state_dir} is too long for a unix socket path; "
                         "choose a shorter folder")
+    for name in sorted(set(settings.supervisor.pass_env) & secret_env_names(settings)):
+        problems.append(f"supervisor.pass_env: {name} holds a secret of the proxy (named by admin_token_env "
+                        "or a *_env field); model servers never get it")
     lo, hi = settings.supervisor.port_range
     if lo > hi:
         problems.append(f"supervisor.port_range: start {lo} is above end {hi}")
@@ -254,7 +267,8 @@ def load_settings(config: str | os.PathLike[str] | None = None) -> Settings:
                                       port_range=(int(supervisor["port_range"][0]), int(supervisor["port_range"][1])),
                                       poll_interval_s=float(supervisor["poll_interval_s"]),
                                       rpc_timeout_s=float(supervisor["rpc_timeout_s"]),
-                                      stopwaitsecs=int(supervisor["stopwaitsecs"])),
+                                      stopwaitsecs=int(supervisor["stopwaitsecs"]),
+                                      pass_env=tuple(supervisor["pass_env"] or ())),
         decoding=dict(engine.get("decoding") or {}),
         fairness=dict(engine.get("fairness") or {}),
         models={name: _model(name, raw, engine.get("backend"), base_dir)

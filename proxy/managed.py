@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO
 
 from proxy.config import Settings
+from proxy.environment import model_server_environ
 from proxy.supervisor import SupervisorClient, SupervisorError
 
 START_TIMEOUT_S = 15.0
@@ -98,9 +99,11 @@ async def ensure_supervisord(settings: Settings, client: SupervisorClient) -> bo
     path = prepare_state_dir(settings)
     # A socket file left by a supervisord that died would make the new one refuse to start.
     settings.socket_path.unlink(missing_ok=True)
+    # supervisord passes its environment on to every model server: it gets only what those may see.
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "supervisor.supervisord", "-c", str(path),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        env=model_server_environ(settings, os.environ))
     # supervisord daemonizes: this parent returns at once; a non-zero exit means it refused to start.
     _, err = await proc.communicate()
     if proc.returncode != 0:

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -104,3 +105,39 @@ def test_an_unload_whose_client_leaves_still_finishes(proxies) -> None:
     model = proxy.wait_state("sim", "unloaded")
     assert model["replicas"] == [] and not proxy.supervisorctl("status").stdout.strip()
     stream.join(60)
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_model_servers_get_a_minimal_environment_without_the_proxys_secrets(proxies) -> None:
+    proxy = ProxyProcess({"sim": sim_model(),
+                          "remote": {"backend": "openai_remote", "remote_api_key_env": "LLM_POOL_TEST_PROVIDER_KEY",
+                                     "remote_base_url": "http://127.0.0.1:9/v1", "enabled": False}},
+                         service={"admin_token_env": "LLM_POOL_TEST_ADMIN_TOKEN"})
+    proxy.config["supervisor"]["pass_env"] = ["LLM_POOL_TEST_PASSED"]
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxy.env.update(LLM_POOL_TEST_ADMIN_TOKEN="admin-secret-4711", LLM_POOL_TEST_PROVIDER_KEY="provider-secret-4712",
+                     LLM_POOL_TEST_UNRELATED="not-for-models", LLM_POOL_TEST_PASSED="for-models",
+                     LC_ALL="C.UTF-8", PATH="/usr/bin:/bin")
+    proxies.append(proxy)
+    proxy.start()
+    headers = {"Authorization": "Bearer admin-secret-4711"}
+    status, _, body = http("GET", proxy.url + "/v1/admin/models", headers=headers)
+    assert status == 200
+    wait_for(lambda: any(m["state"] == "loaded" for m in http("GET", proxy.url + "/v1/admin/models",
+                                                              headers=headers)[2]["data"]), what="sim loaded")
+    (sim,) = [m for m in http("GET", proxy.url + "/v1/admin/models", headers=headers)[2]["data"] if m["id"] == "sim"]
+    pid = sim["replicas"][0]["pid"]
+    proxy.seen_pids.add(pid)
+    supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
+    for environ in (_environ_of(pid), _environ_of(supervisord)):
+        values = "\n".join(environ.values())
+        assert "admin-secret-4711" not in values and "provider-secret-4712" not in values
+        assert "LLM_POOL_TEST_UNRELATED" not in environ
+        assert environ["PATH"] == "/usr/bin:/bin" and environ["LC_ALL"] == "C.UTF-8"
+        assert environ["LLM_POOL_TEST_PASSED"] == "for-models"
+    # The shim's own setting, from its program's environment=.
+    assert _environ_of(pid)["PYTHONPATH"] == str(Path(__file__).resolve().parents[2])
