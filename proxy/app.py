@@ -13,6 +13,7 @@ from proxy.config import Settings
 from proxy.errors import error_middleware
 from proxy.keys import HTTP, METRICS, MODEL, POOL, SETTINGS
 from proxy.metrics import ProxyMetrics
+from proxy.orphans import PidRecord
 from proxy.pool import Pool
 from proxy.supervisor import SupervisorClient
 
@@ -57,7 +58,9 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
             if settings.supervisor.mode == "managed":
                 if await managed.ensure_supervisord(settings, supervisor):
                     log.info("started supervisord: supervisorctl -c %s status", managed.conf_path(settings))
-            pool = Pool(settings, supervisor, http)
+            managed_mode = settings.supervisor.mode == "managed"
+            pool = Pool(settings, supervisor, http,
+                        pid_record=PidRecord(settings.service.state_dir) if managed_mode else None)
             await pool.start()
         except BaseException:
             await supervisor.close()

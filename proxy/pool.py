@@ -24,6 +24,7 @@ from launchers.spec import ProgramSpec, group_name, ports_in_file, program_name,
 from proxy.admission import Admission
 from proxy.config import ModelConfig, Settings
 from proxy.fairness import FairnessPolicy
+from proxy.orphans import PidRecord
 from proxy.engine_metrics import read_gauges
 from proxy.errors import BackendError, Conflict, NotFound, Unavailable
 from proxy.replicas import ModelState, Replica, ReplicaState
@@ -45,7 +46,7 @@ PROBE_TIMEOUT_S = 2.0
 
 class Pool:
     def __init__(self, settings: Settings, supervisor: SupervisorClient, http: aiohttp.ClientSession,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, pid_record: PidRecord | None = None) -> None:
         self.settings = settings
         self.supervisor = supervisor
         self.http = http
@@ -58,6 +59,7 @@ class Pool:
         self._background: set[asyncio.Task[Any]] = set()
         self._processes: dict[str, ProcessInfo] = {}
         self.stop_grace_s = STOP_GRACE_S
+        self.pid_record = pid_record   # managed mode: what to stop should supervisord die (proxy/orphans.py)
 
     # -- lifecycle of the pool itself ------------------------------------------------------------
 
@@ -342,7 +344,10 @@ class Pool:
             self._wake.set()
 
     async def _snapshot(self) -> dict[str, ProcessInfo]:
-        return {i.fullname: i for i in await self.supervisor.all_process_info()}
+        infos = await self.supervisor.all_process_info()
+        if self.pid_record is not None:
+            self.pid_record.update(infos)
+        return {i.fullname: i for i in infos}
 
     async def _monitor_loop(self) -> None:
         interval = self.settings.supervisor.poll_interval_s

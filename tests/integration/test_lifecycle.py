@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from helpers import ProxyProcess, free_port_range, http, wait_for
+from helpers import ProxyProcess, free_port_range, http, pid_alive, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -141,3 +141,20 @@ def test_model_servers_get_a_minimal_environment_without_the_proxys_secrets(prox
         assert environ["LLM_POOL_TEST_PASSED"] == "for-models"
     # The shim's own setting, from its program's environment=.
     assert _environ_of(pid)["PYTHONPATH"] == str(Path(__file__).resolve().parents[2])
+
+
+def test_a_serve_stops_the_replicas_a_killed_supervisord_left_running(proxies) -> None:
+    proxy = start(proxies, {"sim": sim_model()})
+    before = proxy.wait_state("sim", "loaded")["replicas"][0]
+    supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
+    os.kill(supervisord, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(supervisord), what="supervisord to die")
+    assert pid_alive(before["pid"])            # its model server lives on, holding its port
+    proxy.stop()
+    assert pid_alive(before["pid"])
+    proxy.start()                              # same state folder, same settings
+    assert not pid_alive(before["pid"])        # stopped before the new supervisord started
+    after = proxy.wait_state("sim", "loaded")["replicas"][0]
+    assert after["pid"] != before["pid"] and after["port"] == before["port"]   # its port came back
+    assert chat(proxy)[0] == 200
+
