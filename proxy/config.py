@@ -50,6 +50,8 @@ class ServiceSettings:
     max_body_bytes: int
     drain_timeout_s: float
     admin_token_env: str | None
+    admin_host: str | None = None       # with admin_port: the admin API listens there, and only there
+    admin_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,9 @@ def semantic_problems(settings: Settings) -> list[str]:
     for name in sorted(set(settings.supervisor.pass_env) & secret_env_names(settings)):
         problems.append(f"supervisor.pass_env: {name} holds a secret of the proxy (named by admin_token_env "
                         "or a *_env field); model servers never get it")
+    if settings.service.admin_port is not None and settings.service.admin_port == settings.service.port:
+        problems.append(f"service.admin_port: {settings.service.admin_port} is service.port; the admin listener "
+                        "needs a port of its own")
     lo, hi = settings.supervisor.port_range
     if lo > hi:
         problems.append(f"supervisor.port_range: start {lo} is above end {hi}")
@@ -262,7 +267,8 @@ def load_settings(config: str | os.PathLike[str] | None = None) -> Settings:
                                 log_level=str(service["log_level"]).lower(), state_dir=state_dir,
                                 max_body_bytes=int(service["max_body_bytes"]),
                                 drain_timeout_s=float(service["drain_timeout_s"]),
-                                admin_token_env=service.get("admin_token_env")),
+                                admin_token_env=service.get("admin_token_env"),
+                                admin_host=service.get("admin_host"), admin_port=service.get("admin_port")),
         supervisor=SupervisorSettings(mode=supervisor["mode"], url=supervisor.get("url"), programs_dir=programs_dir,
                                       port_range=(int(supervisor["port_range"][0]), int(supervisor["port_range"][1])),
                                       poll_interval_s=float(supervisor["poll_interval_s"]),

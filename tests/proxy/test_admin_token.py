@@ -1,4 +1,5 @@
-"""The admin token fails closed: a named variable that is unset or empty stops serve and check-config."""
+"""Admin settings: the token fails closed (a named variable that is unset or empty stops serve and
+check-config), and a separate admin listener needs a port of its own."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from proxy.cli import EXIT_CONFIG, main
-from proxy.config import REPO_ROOT
+from proxy.config import REPO_ROOT, ConfigError, load_settings
 
 VAR = "LLM_POOL_TEST_ADMIN_TOKEN_UNIT"
 
@@ -57,3 +58,11 @@ def test_a_set_token_passes_and_is_never_printed(config: Path, monkeypatch: pyte
     assert main(["--config", str(config), "check-config"]) == 0
     out = capsys.readouterr()
     assert "s3cret-value" not in out.out + out.err
+
+
+def test_the_admin_listener_needs_a_port_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "a.yaml"
+    path.write_text(yaml.safe_dump({"service": {"port": 9000, "admin_port": 9000}}))
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    assert info.value.problems == ["service.admin_port: 9000 is service.port; the admin listener needs a port of its own"]
