@@ -322,7 +322,7 @@ class Pool:
                 except BadName:
                     return
                 except StillRunning:
-                    continue
+                    pass   # restarted between our look and the removal: another pass
             for info in live:
                 if info.state != ProcessState.STOPPING:
                     try:

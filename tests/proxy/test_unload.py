@@ -15,7 +15,7 @@ from proxy.config import load_settings
 from proxy.errors import Unavailable
 from proxy.pool import Pool
 from proxy.replicas import ModelState, Replica, ReplicaState
-from proxy.supervisor import BadName, ProcessState, SupervisorUnavailable
+from proxy.supervisor import BadName, ProcessState, StillRunning, SupervisorUnavailable
 
 RUNNING, STARTING, BACKOFF = ProcessState.RUNNING, ProcessState.STARTING, ProcessState.BACKOFF
 STOPPED, EXITED = ProcessState.STOPPED, ProcessState.EXITED
@@ -108,3 +108,11 @@ async def test_a_process_that_will_not_stop_fails_the_unload_instead_of_wedging_
     fake.set(R1, STOPPED, 0)                           # supervisord's SIGKILL got it in the end
     await pool.unload("m", drain=False)
     assert_unloaded(pool, fake)
+
+
+async def test_a_restart_between_the_last_look_and_the_removal_is_one_more_pass(world: Any) -> None:
+    pool, _, fake = world
+    fake.faults["remove_process_group"] = [StillRunning(91, "STILL_RUNNING: " + GROUP)]
+    await pool.unload("m", drain=False)
+    assert_unloaded(pool, fake)
+    assert fake.calls.count(("remove", GROUP)) == 2
