@@ -69,9 +69,13 @@ class PidRecord:
         self._known = known
         if sorted(known) == self._written:
             return
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps([known[p] for p in sorted(known)], indent=1))
-        tmp.replace(self.path)
+        try:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps([known[p] for p in sorted(known)], indent=1))
+            tmp.replace(self.path)
+        except OSError as exc:   # a record we cannot write must not stop the pool; it is tried again
+            log.warning("cannot record model-server PIDs in %s: %s", self.path, exc.strerror)
+            return
         self._written = sorted(known)
 
 
