@@ -23,7 +23,7 @@ another key takes its slot in that moment, so each of its requests waits for a s
 With anticipation, the slot of a key that finished below its soft max, while others wait, is held
 for that key for `anticipation_ms`; if it does not come back in time the slot goes to the others.
 
-Cost: an event costs O(G + log K) for K active keys, G being the number of distinct (running
+Cost: an event costs O(G + log K) (amortized) for K active keys, G being the number of distinct (running
 count, weight) pairs among them. A key's usage grows with time at the rate running/weight, so no
 single order by usage holds for long; but keys with the same running count and weight keep their
 order between events (usage = offset + rate * now, same rate), so each such group is a heap by
