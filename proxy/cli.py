@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
+from typing import Mapping
 
 from launchers import launcher_for
 from proxy.config import ConfigError, Settings, load_settings
@@ -14,9 +17,17 @@ from proxy.managed import StateDirBusy, claim_state_dir
 EXIT_CONFIG = 2
 
 
-def startup_problems(settings: Settings) -> list[str]:
-    """What would stop an enabled model from starting: unsupported backend, missing files."""
+def startup_problems(settings: Settings, environ: Mapping[str, str] | None = None) -> list[str]:
+    """What would stop the proxy or an enabled model from starting: an admin token variable that
+    is named but not set, an unsupported backend, missing files."""
+    environ = os.environ if environ is None else environ
     problems = []
+    env = settings.service.admin_token_env
+    if env and not environ.get(env, "").strip():
+        # Fail closed: serving with the admin API open because a variable was forgotten is worse
+        # than not serving. Name the variable, never a value.
+        problems.append(f"service.admin_token_env: {env} is unset or empty; set it to the admin token, "
+                        "or remove admin_token_env to leave the admin API without a token")
     for name, model in settings.models.items():
         if not model.enabled:
             continue
@@ -84,18 +95,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StateDirBusy as exc:
         print(f"llm-pool: {exc}", file=sys.stderr)
         return 1
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.create_server((host, port), family=family)
-    except OSError as exc:
-        print(f"llm-pool: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
-        return 1
+    listeners = [(host, port)]
+    if settings.service.admin_port is not None:
+        listeners.append((settings.service.admin_host or host, settings.service.admin_port))
+    socks: list[socket.socket] = []
+    for where in listeners:
+        try:
+            socks.append(socket.create_server(where, family=socket.AF_INET6 if ":" in where[0] else socket.AF_INET))
+        except OSError as exc:
+            print(f"llm-pool: cannot listen on {where[0]}:{where[1]}: {exc.strerror}", file=sys.stderr)
+            for sock in socks:
+                sock.close()
+            return 1
+    banner = f"llm-pool serving on http://{host}:{port}"
+    if len(listeners) > 1:
+        banner += f", admin API on http://{listeners[1][0]}:{listeners[1][1]}"
     app = create_app(settings, keep_models=args.keep_models)
-    with lock, sock:
+    with lock, contextlib.ExitStack() as stack:
+        for sock in socks:
+            stack.enter_context(sock)
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream request so the backend stops generating for nobody.
-        web.run_app(app, sock=sock, handler_cancellation=True, access_log=None,
-                    print=lambda _msg: print(f"llm-pool serving on http://{host}:{port}", flush=True))
+        web.run_app(app, sock=socks, handler_cancellation=True, access_log=None,
+                    print=lambda _msg: print(banner, flush=True))
     return 0
 
 

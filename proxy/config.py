@@ -25,7 +25,7 @@ DEFAULT_SETTINGS = REPO_ROOT / "conf" / "pool.yaml"
 DEFAULT_SERVICE = {"host": "127.0.0.1", "port": 8011, "log_level": "info", "max_body_bytes": 32 * 1024 * 1024,
                    "drain_timeout_s": 30.0, "admin_token_env": None}
 DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "port_range": [18100, 18999],
-                      "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15}
+                      "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15, "pass_env": []}
 DEFAULT_MODEL = {"enabled": False, "replicas": 1, "target_inflight": 1, "modalities": ["text"], "gpus": []}
 
 # Fields that name files: relative values resolve against the base settings file's folder, so a
@@ -54,6 +54,8 @@ class ServiceSettings:
     max_body_bytes: int
     drain_timeout_s: float
     admin_token_env: str | None
+    admin_host: str | None = None       # with admin_port: the admin API listens there, and only there
+    admin_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class SupervisorSettings:
     poll_interval_s: float
     rpc_timeout_s: float
     stopwaitsecs: int
+    pass_env: tuple[str, ...] = ()       # variables passed to model servers besides the fixed few
 
 
 @dataclass(frozen=True)
@@ -247,11 +250,26 @@ def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_d
     )
 
 
+def secret_env_names(settings: Settings) -> set[str]:
+    """Variables that hold the proxy's secrets: the admin token's, and every variable a model names
+    in a `*_env` field (provider API keys). Model servers never see them."""
+    names = {settings.service.admin_token_env} if settings.service.admin_token_env else set()
+    for model in settings.models.values():
+        names.update(v for k, v in model.options.items() if k.endswith("_env") and isinstance(v, str) and v)
+    return names
+
+
 def semantic_problems(settings: Settings) -> list[str]:
     problems = []
     if len(str(settings.socket_path)) > MAX_SOCKET_PATH and settings.supervisor.mode == "managed":
         problems.append(f"service.state_dir: {settings.service.state_dir} is too long for a unix socket path; "
                         "choose a shorter folder")
+    for name in sorted(set(settings.supervisor.pass_env) & secret_env_names(settings)):
+        problems.append(f"supervisor.pass_env: {name} holds a secret of the proxy (named by admin_token_env "
+                        "or a *_env field); model servers never get it")
+    if settings.service.admin_port is not None and settings.service.admin_port == settings.service.port:
+        problems.append(f"service.admin_port: {settings.service.admin_port} is service.port; the admin listener "
+                        "needs a port of its own")
     lo, hi = settings.supervisor.port_range
     if lo > hi:
         problems.append(f"supervisor.port_range: start {lo} is above end {hi}")
@@ -287,12 +305,14 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                 log_level=str(service["log_level"]).lower(), state_dir=state_dir,
                                 max_body_bytes=int(service["max_body_bytes"]),
                                 drain_timeout_s=float(service["drain_timeout_s"]),
-                                admin_token_env=service.get("admin_token_env")),
+                                admin_token_env=service.get("admin_token_env"),
+                                admin_host=service.get("admin_host"), admin_port=service.get("admin_port")),
         supervisor=SupervisorSettings(mode=supervisor["mode"], url=supervisor.get("url"), programs_dir=programs_dir,
                                       port_range=(int(supervisor["port_range"][0]), int(supervisor["port_range"][1])),
                                       poll_interval_s=float(supervisor["poll_interval_s"]),
                                       rpc_timeout_s=float(supervisor["rpc_timeout_s"]),
-                                      stopwaitsecs=int(supervisor["stopwaitsecs"])),
+                                      stopwaitsecs=int(supervisor["stopwaitsecs"]),
+                                      pass_env=tuple(supervisor["pass_env"] or ())),
         decoding=dict(engine.get("decoding") or {}),
         fairness=dict(engine.get("fairness") or {}),
         models={name: _model(name, raw, engine.get("backend"), base_dir)

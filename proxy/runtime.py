@@ -73,6 +73,7 @@ class ModelRuntime:
             "active": self.admission.active,
             "waiting": self.admission.waiting,
             "keys": self.admission.describe_keys(),
+            "key_counts": self.admission.key_counts(),
             "capabilities": capabilities(cfg).as_dict(),
             "gpus": list(cfg.gpus),
             "overrides": {k: v for k, v in cfg.options.items() if self.config.options.get(k) != v},
