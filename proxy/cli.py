@@ -17,17 +17,22 @@ from proxy.managed import StateDirBusy, claim_state_dir
 EXIT_CONFIG = 2
 
 
-def startup_problems(settings: Settings, environ: Mapping[str, str] | None = None) -> list[str]:
-    """What would stop the proxy or an enabled model from starting: an admin token variable that
-    is named but not set, an unsupported backend, missing files."""
+def service_problems(settings: Settings, environ: Mapping[str, str] | None = None) -> list[str]:
+    """What stops the proxy itself from starting: an admin token variable that is named but not set."""
     environ = os.environ if environ is None else environ
-    problems = []
     env = settings.service.admin_token_env
     if env and not environ.get(env, "").strip():
         # Fail closed: serving with the admin API open because a variable was forgotten is worse
         # than not serving. Name the variable, never a value.
-        problems.append(f"service.admin_token_env: {env} is unset or empty; set it to the admin token, "
-                        "or remove admin_token_env to leave the admin API without a token")
+        return [f"service.admin_token_env: {env} is unset or empty; set it to the admin token, "
+                "or remove admin_token_env to leave the admin API without a token"]
+    return []
+
+
+def startup_problems(settings: Settings) -> list[str]:
+    """What would stop an enabled model from starting: an unsupported backend, missing files.
+    Each costs only its model: `serve` goes on, `check-config` exits non-zero."""
+    problems = []
     for name, model in settings.models.items():
         if not model.enabled:
             continue
@@ -42,12 +47,18 @@ def startup_problems(settings: Settings, environ: Mapping[str, str] | None = Non
 
 def _load_or_exit(config: str | None, strict: bool = False) -> Settings:
     """The settings, or exit 2 naming every structural problem (a wrong type, a bad value; with
-    `strict`, unknown keys too). Unknown keys are otherwise `settings.warnings`."""
+    `strict`, unknown keys too; an admin token variable that is not set). Unknown keys are
+    otherwise `settings.warnings`."""
     try:
-        return load_settings(config, strict=strict)
+        settings = load_settings(config, strict=strict)
     except ConfigError as exc:
         _report(exc.problems)
         raise SystemExit(EXIT_CONFIG) from None
+    problems = service_problems(settings)
+    if problems:
+        _report(problems)
+        raise SystemExit(EXIT_CONFIG)
+    return settings
 
 
 def _report(problems: list[str]) -> None:
