@@ -16,7 +16,7 @@ PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 async def pass_through(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     pool = request.app[POOL]
-    runtime = servable(request, pool, requested_model(body))
+    runtime = servable(request, pool, requested_model(body), body)
     return await forward(request, pool, request.app[HTTP], runtime, request.path, body)
 
 
