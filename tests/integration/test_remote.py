@@ -16,6 +16,8 @@ import pytest
 from fakes import FakeProvider
 from helpers import ProxyProcess, http, wait_for
 
+pytestmark = pytest.mark.integration
+
 KEY = "sk-fake-SECRET-7f3a91c2d4"
 WRONG = "sk-wrong-SECRET-000000"
 PDF = "data:application/pdf;base64," + base64.b64encode(b"%PDF-1.4 the annual report").decode()
