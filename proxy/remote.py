@@ -146,9 +146,9 @@ class RemoteReach:
         """Map, resolve files, send; retry connection errors, 429 and 5xx within remote_timeout_s.
 
         The caller's timeout is for local programs; a provider gets remote_timeout_s for a whole
-        answer, or for each chunk of a stream. A response is returned only when it is a success or
-        an error the client's request caused (4xx other than 401, 403, 429): nothing has reached
-        the client before this returns, so every retry here happens before the first byte.
+        answer, or for each chunk of a stream. Only a success is returned; a provider's error
+        becomes a PoolError (its body, which could echo the key, is never relayed as is). Nothing
+        has reached the client before this returns, so every retry happens before the first byte.
         """
         body = self.map_body(payload)
         stream = bool(body.get("stream"))
@@ -175,10 +175,10 @@ class RemoteReach:
                 failure: PoolError = BackendError(f"remote provider of {self.model!r} at {self.base_url} could "
                                                   f"not be reached: {type(exc).__name__}")
             else:
-                if resp.status != 429 and resp.status < 500:
-                    if resp.status in (401, 403):
-                        raise self.error(resp.status, await _read_and_close(resp), resp.headers, "the request")
+                if 200 <= resp.status < 300:
                     return resp
+                if resp.status != 429 and resp.status < 500:
+                    raise self.error(resp.status, await _read_and_close(resp), resp.headers, "the request")
                 failure = self.error(resp.status, await _read_and_close(resp), resp.headers, "the request")
                 asked = retry_after_s(resp.headers)
                 wait = wait if asked is None else asked

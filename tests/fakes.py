@@ -50,7 +50,7 @@ class FakeProvider:
     name starts with "moonshot" and OpenAI's (`usage.prompt_tokens_details.cached_tokens`) otherwise,
     and speaks the Files API (upload, content, delete; `files` holds what is not deleted yet).
     Faults are scripted per remote model name, or per "files" for the Files API, one per request:
-    "429:<retry-after>", "500", "401", "slow" (no answer for `slow_s`), "slow_stream" (one chunk,
+    "429:<retry-after>", "500", "401", "400" (its message echoes the key), "slow" (no answer for `slow_s`), "slow_stream" (one chunk,
     then silence), "broken" (one chunk, then the connection drops); an empty script answers normally.
     """
 
@@ -150,6 +150,8 @@ class FakeProvider:
         if step == "500":
             return web.json_response({"error": {"message": "the fake provider is overloaded", "type": "server_error"}},
                                      status=500)
+        if step == "400":   # a careless provider that echoes the caller's key in its message
+            return web.json_response({"error": {"message": f"max_tokens too large for key {self.key}"}}, status=400)
         if step == "401":
             return web.json_response({"error": {"message": "Invalid Authentication"}}, status=401)
         if step == "slow":

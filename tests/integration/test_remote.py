@@ -385,3 +385,17 @@ def test_config_only_loads_without_calling_the_provider(proxy: ProxyProcess, fak
     assert http("POST", proxy.url + "/v1/admin/models/no-retry/load")[0] == 200
     assert proxy.admin_model("no-retry")["state"] == "loaded"
     assert fake.received() == []
+
+
+def test_a_providers_other_4xx_keeps_its_status_with_the_key_masked(proxy: ProxyProcess, fake: FakeProvider) -> None:
+    fake.script("gpt-no-retry", "400")
+    status, _, answer = http("POST", proxy.url + "/v1/chat/completions", chat("no-retry"))
+    assert status == 400 and "max_tokens too large for key ***" in answer["error"]["message"]
+    assert KEY not in json.dumps(answer)
+
+
+def test_files_extract_needs_file_data(proxy: ProxyProcess, fake: FakeProvider) -> None:
+    status, _, answer = http("POST", proxy.url + "/v1/chat/completions", chat(
+        "frontier-large", messages=[{"role": "user", "content": [{"type": "file", "file": {"file_id": "x"}}]}]))
+    assert status == 400 and answer["error"]["code"] == "invalid_file"
+    assert fake.received() == []
