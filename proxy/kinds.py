@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from proxy.runtime import ModelRuntime
 
 
+# Backends whose replica is a remote endpoint; every other runnable backend has a launcher.
+ENDPOINT_BACKENDS = frozenset({"openai_remote"})
+
+
 class Reach(Protocol):
     """How a request gets to one replica."""
 
@@ -120,7 +124,7 @@ def kinds_for(backends: set[str], environ: Mapping[str, str], pool: Pool | None 
     endpoint = EndpointKind(http, environ)  # type: ignore[arg-type]
     kinds: dict[str, Kind] = {}
     for backend in backends:
-        if backend == "openai_remote":
+        if backend in ENDPOINT_BACKENDS:
             kinds[backend] = endpoint
         elif launcher_for(backend) is not None:
             kinds[backend] = program

@@ -95,9 +95,9 @@ def upstream_chats(fake: FakeProvider) -> list[dict[str, Any]]:
 
 # -- the gate ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/embeddings"])
 def test_without_allow_remote_nothing_goes_upstream(proxy: ProxyProcess, fake: FakeProvider, path: str) -> None:
-    body = chat("frontier-large") if path.endswith("completions") else {"model": "frontier-large", "input": "Hi"}
+    body = {"model": "frontier-large", "input": "Hi"} if path == "/v1/responses" else chat("frontier-large")
     body.pop("allow_remote", None)
     for extra in ({}, {"allow_remote": False}):
         status, _, answer = http("POST", proxy.url + path, {**body, **extra})
