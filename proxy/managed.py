@@ -91,6 +91,13 @@ def prepare_state_dir(settings: Settings) -> Path:
     return path
 
 
+def supervisord_environ(settings: Settings) -> dict[str, str]:
+    """The proxy's environment without its secrets (remote API keys, the admin token): supervisord
+    passes its environment on to every program it starts, and no model server needs them."""
+    secrets = {m.get("remote_api_key_env") for m in settings.models.values()} | {settings.service.admin_token_env}
+    return {k: v for k, v in os.environ.items() if k not in secrets}
+
+
 async def ensure_supervisord(settings: Settings, client: SupervisorClient) -> bool:
     """Start supervisord unless its socket already answers; True when this call started it."""
     if await client.ping():
@@ -100,7 +107,7 @@ async def ensure_supervisord(settings: Settings, client: SupervisorClient) -> bo
     settings.socket_path.unlink(missing_ok=True)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "supervisor.supervisord", "-c", str(path),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=supervisord_environ(settings))
     # supervisord daemonizes: this parent returns at once; a non-zero exit means it refused to start.
     _, err = await proc.communicate()
     if proc.returncode != 0:

@@ -9,6 +9,7 @@ import base64
 import json
 import socket
 from http.client import HTTPConnection
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -178,6 +179,14 @@ def test_the_key_never_shows_in_the_log_admin_metrics_or_errors(proxy: ProxyProc
     for secret in (KEY, WRONG):
         assert secret not in text
         assert secret not in log
+
+
+def test_supervisord_and_its_programs_never_get_the_keys(proxy: ProxyProcess) -> None:
+    pid = int((proxy.state_dir / "supervisord.pid").read_text())
+    environ = (Path("/proc") / str(pid) / "environ").read_bytes()
+    assert b"LLM_POOL_LOCAL_SETTINGS_PATH=" in environ   # the rest of the proxy's environment is there
+    for secret in (KEY, WRONG):
+        assert secret.encode() not in environ
 
 
 def test_a_remote_model_is_no_supervisord_program(proxy: ProxyProcess) -> None:
