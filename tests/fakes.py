@@ -50,7 +50,8 @@ class FakeProvider:
     name starts with "moonshot" and OpenAI's (`usage.prompt_tokens_details.cached_tokens`) otherwise,
     and speaks the Files API (upload, content, delete; `files` holds what is not deleted yet).
     Faults are scripted per remote model name, or per "files" for the Files API, one per request:
-    "429:<retry-after>", "500", "401", "400" (its message echoes the key), "slow" (no answer for `slow_s`), "slow_stream" (one chunk,
+    "429:<retry-after>", "500", "401", "400" (its message echoes the key), "drop" (the connection
+    breaks before an answer), "slow" (no answer for `slow_s`), "slow_stream" (one chunk,
     then silence), "broken" (one chunk, then the connection drops); an empty script answers normally.
     """
 
@@ -141,7 +142,7 @@ class FakeProvider:
                                                 "type": "invalid_authentication_error"}}, status=401)
         return await handler(request)
 
-    async def _fault(self, step: str) -> web.Response | None:
+    async def _fault(self, request: web.Request, step: str) -> web.Response | None:
 
         if step.startswith("429"):
             retry_after = step.split(":", 1)[1] if ":" in step else "1"
@@ -156,6 +157,10 @@ class FakeProvider:
             return web.json_response({"error": {"message": "Invalid Authentication"}}, status=401)
         if step == "slow":
             await asyncio.sleep(self.slow_s)
+        if step == "drop":   # the connection breaks before any answer
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response(status=500)
         return None
 
     async def _list_models(self, request: web.Request) -> web.StreamResponse:
@@ -177,7 +182,7 @@ class FakeProvider:
         body = await request.json()
         model = str(body.get("model"))
         step = self._next(model)
-        fault = await self._fault(step)
+        fault = await self._fault(request, step)
         if fault is not None:
             return fault
         words = ["Hello", " from", " the", " fake", " provider"]
@@ -212,7 +217,7 @@ class FakeProvider:
 
     async def _upload(self, request: web.Request) -> web.StreamResponse:
 
-        fault = await self._fault(self._next("files"))
+        fault = await self._fault(request, self._next("files"))
         if fault is not None:
             return fault
         form = await request.post()
@@ -229,7 +234,7 @@ class FakeProvider:
     async def _content(self, request: web.Request) -> web.StreamResponse:
 
 
-        fault = await self._fault(self._next("files"))
+        fault = await self._fault(request, self._next("files"))
         if fault is not None:
             return fault
         file = self.files.get(request.match_info["id"])

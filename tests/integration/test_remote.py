@@ -341,6 +341,17 @@ def test_429_and_5xx_are_retried_honouring_retry_after(proxy: ProxyProcess, fake
     assert attempts[1]["at"] - attempts[0]["at"] >= 1.0   # waited what Retry-After asked
 
 
+def test_a_broken_connection_is_retried(proxy: ProxyProcess, fake: FakeProvider) -> None:
+    fake.script("gpt-fake", "drop")
+    status, _, answer = http("POST", proxy.url + "/v1/chat/completions", chat("openai-like"))
+    assert status == 200, answer
+    assert len(fake.received("/v1/chat/completions")) == 2
+    fake.script("gpt-no-retry", "drop")
+    status, _, answer = http("POST", proxy.url + "/v1/chat/completions", chat("no-retry"))
+    assert status == 502 and "could not be reached" in answer["error"]["message"]
+    assert proxy.admin_model("no-retry")["replicas"][0]["state"] == "ready"   # an endpoint is not ejected
+
+
 def test_a_retry_after_beyond_the_timeout_is_not_waited_for(proxy: ProxyProcess, fake: FakeProvider) -> None:
     fake.script("gpt-impatient", "429:30")
     status, headers, _ = http("POST", proxy.url + "/v1/chat/completions", chat("impatient"))
