@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
-from launchers import launcher_for
 from proxy.config import ConfigError, Settings, load_settings
+from proxy.kinds import kinds_for
 from proxy.managed import StateDirBusy, claim_state_dir
 
 EXIT_CONFIG = 2
@@ -33,15 +33,16 @@ def startup_problems(settings: Settings) -> list[str]:
     """What would stop an enabled model from starting: an unsupported backend, missing files.
     Each costs only its model: `serve` goes on, `check-config` exits non-zero."""
     problems = []
+    kinds = kinds_for({m.backend for m in settings.models.values()}, os.environ)
     for name, model in settings.models.items():
         if not model.enabled:
             continue
-        launcher = launcher_for(model.backend)
-        if launcher is None:
+        kind = kinds.get(model.backend)
+        if kind is None:
             problems.append(f"engine.models.{name}.backend: {model.backend!r} cannot be run by this version "
                             "of llm-pool (set enabled: false to keep it configured)")
         else:
-            problems += launcher.check(model)
+            problems += kind.check(model)
     return problems
 
 

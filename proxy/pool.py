@@ -19,7 +19,6 @@ from typing import Any, Awaitable, Mapping, TypeVar
 
 import aiohttp
 
-from launchers import launcher_for
 from launchers.spec import ProgramSpec, group_name, ports_in_file, program_name, render_group
 from proxy.admission import Admission
 from proxy.config import ModelConfig, Settings
@@ -27,6 +26,7 @@ from proxy.fairness import FairnessPolicy
 from proxy.orphans import PidRecord
 from proxy.engine_metrics import read_gauges
 from proxy.errors import BackendError, Conflict, NotFound, Unavailable
+from proxy.kinds import kinds_for
 from proxy.replicas import ModelState, Replica, ReplicaState
 from proxy.runtime import ModelRuntime
 from proxy.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning, SupervisorClient,
@@ -54,6 +54,9 @@ class Pool:
         policy = FairnessPolicy.from_settings(settings.fairness)
         self.models: dict[str, ModelRuntime] = {n: ModelRuntime(config=c, policy=policy)
                                                 for n, c in settings.models.items()}
+        kinds = kinds_for({c.backend for c in settings.models.values()}, self.environ, self, http)
+        for runtime in self.models.values():
+            runtime.kind = kinds.get(runtime.config.backend)
         self._monitor: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
@@ -123,12 +126,12 @@ class Pool:
                     return runtime
                 raise Conflict(f"model {name!r} is loaded with other settings; unload it first",
                                code="model_already_loaded")
-            launcher = launcher_for(config.backend)
-            if launcher is None:
+            kind = runtime.kind
+            if kind is None:
                 raise self._cannot_start(runtime, Conflict(
                     f"model {name!r}: backend {config.backend!r} cannot be run by this version of llm-pool",
                     code="backend_not_supported"))
-            problems = launcher.check(config)
+            problems = kind.check(config)
             if problems:
                 raise self._cannot_start(runtime, Conflict(f"model {name!r} cannot be loaded: " + "; ".join(problems),
                                                            code="model_not_loadable"))
@@ -139,7 +142,7 @@ class Pool:
             runtime.last_error = None
             runtime.admission = Admission(runtime.policy)
             try:
-                await self._start_group(runtime, config, launcher)
+                await kind.start(runtime, config)
                 await self._await_replicas(runtime)
             except asyncio.CancelledError:
                 raise  # the proxy is stopping: what runs is left for the next one to adopt or stop
@@ -239,11 +242,12 @@ class Pool:
                 taken.update(ports_in_file(path.read_text()).values())
         for runtime in self.models.values():
             if runtime.name != name:
-                taken.update(r.spec.port for r in runtime.replicas)
+                taken.update(r.spec.port for r in runtime.replicas if r.spec is not None)
         return taken
 
     async def _await_replicas(self, runtime: ModelRuntime) -> None:
-        deadline = time.monotonic() + max(r.spec.start_timeout_s for r in runtime.replicas)
+        # Endpoints are judged inside their kind's start; only programs take time to become healthy.
+        deadline = time.monotonic() + max((r.spec.start_timeout_s for r in runtime.replicas if r.spec), default=0.0)
         while True:
             starting = [r for r in runtime.replicas if r.state == ReplicaState.STARTING]
             if not starting:
@@ -299,17 +303,22 @@ class Pool:
         for replica in runtime.replicas:
             replica.cancel_tasks()
             runtime.set_replica_state(replica, ReplicaState.STOPPING)
-        # Should this raise, the replicas stay STOPPING (shown with the model's reason) and the
-        # group file stays, so that the next unload retries the same steps.
-        await self._remove_group(group_name(runtime.name))
-        path = self._group_file(runtime.name)
-        if path.exists():
-            path.unlink()
-            await self.supervisor.reload_config()
+        # Should this raise, the replicas stay STOPPING (shown with the model's reason) and a
+        # program group's file stays, so that the next unload retries the same steps.
+        if runtime.kind is not None:
+            await runtime.kind.stop(runtime)
         for replica in runtime.replicas:
             runtime.set_replica_state(replica, ReplicaState.STOPPED)
             replica.pid = 0
         runtime.replicas = []
+
+    async def _stop_group(self, name: str) -> None:
+        """Stop model `name`'s programs and remove its group and file (the program kind's stop)."""
+        await self._remove_group(group_name(name))
+        path = self._group_file(name)
+        if path.exists():
+            path.unlink()
+            await self.supervisor.reload_config()
 
     async def _remove_group(self, group: str) -> None:
         """Stop every program of `group`, wait until each has exited, then remove the group.
@@ -368,6 +377,8 @@ class Pool:
                 for runtime in self.models.values():
                     if runtime.state in (ModelState.LOADING, ModelState.LOADED):
                         for replica in runtime.replicas:
+                            if replica.spec is None:
+                                continue  # an endpoint: no program, nothing of supervisord's to judge
                             # A replica whose state changed while the snapshot was in flight (a load
                             # just started it) is judged on the next, fresher snapshot.
                             if replica.state_since <= taken:
@@ -449,7 +460,7 @@ class Pool:
     async def _scrape(self, replica: Replica) -> None:
         assert replica.spec.metrics is not None
         try:
-            async with self.http.get(replica.base_url + "/metrics",
+            async with self.http.get(replica.reach.url("/metrics"),
                                      timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
                 text = await resp.text() if resp.status == 200 else ""
         except (aiohttp.ClientError, asyncio.TimeoutError):

@@ -91,6 +91,11 @@ MIXED_SOURCE_NOTE = ("The text below may mix several source languages. Detect th
 # Backends whose sampling knob for repetition is named differently from the OpenAI-ish default.
 REPETITION_FIELD = {"llama_server": "repeat_penalty"}
 BEAM_BACKENDS = {"ct2"}
+# Backends that take only some decoding fields (besides stop); the rest are accepted and ignored.
+# The seed maps temperature, top_p, max_tokens and stop to a remote provider.
+DECODING_ONLY = {"openai_remote": ("max_tokens", "temperature", "top_p")}
+# Backends whose thinking switch is the provider's `thinking: {"type": ...}` field (Moonshot's shape).
+PROVIDER_THINKING_BACKENDS = {"openai_remote"}
 
 
 @dataclass(frozen=True)
@@ -220,10 +225,11 @@ def backend_request(req: ResponsesRequest, model: ModelConfig, engine_decoding: 
                          for m in body["messages"]]
     decoding = {**engine_decoding, **(body.get("decoding") or {})}
     out: dict[str, Any] = {"messages": messages}
+    only = DECODING_ONLY.get(model.backend)
     for key in ("max_tokens", "temperature", "top_p", "top_k"):
-        if decoding.get(key) is not None:
+        if decoding.get(key) is not None and (only is None or key in only):
             out[key] = decoding[key]
-    if decoding.get("repetition_penalty") is not None:
+    if decoding.get("repetition_penalty") is not None and only is None:
         out[REPETITION_FIELD.get(model.backend, "repetition_penalty")] = decoding["repetition_penalty"]
     if decoding.get("beam_size") is not None and model.backend in BEAM_BACKENDS:
         out["beam_size"] = decoding["beam_size"]
@@ -235,6 +241,8 @@ def backend_request(req: ResponsesRequest, model: ModelConfig, engine_decoding: 
     enable = {"enabled": True, "disabled": False}.get(thinking, model.get("enable_thinking"))
     if enable is not None and model.backend in ("llama_server", "vllm_serve", "vllm"):
         out["chat_template_kwargs"] = {"enable_thinking": bool(enable)}
+    if thinking != "default" and model.backend in PROVIDER_THINKING_BACKENDS:
+        out["thinking"] = {"type": thinking}   # else the model's remote_thinking applies
     if body.get("prompt_cache_key") and model.get("remote_prompt_cache_key_enabled"):
         out["prompt_cache_key"] = body["prompt_cache_key"]
     if req.stream:

@@ -18,7 +18,7 @@ PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 async def pass_through(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     pool = request.app[POOL]
-    runtime = servable(request, pool, requested_model(body))
+    runtime = servable(request, pool, requested_model(body), body)
     if request.path == "/v1/embeddings" and not capabilities(runtime.active or runtime.config).embeddings:
         # Without this the backend's own 501 would reach the client, after taking a slot.
         raise BadRequest(f"model {runtime.name!r} does not serve embeddings (capabilities.embeddings is false; "

@@ -54,7 +54,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse(body)
     pool = request.app[POOL]
-    runtime = servable(request, pool, req.model)
+    runtime = servable(request, pool, req.model, body)
     model = runtime.active or runtime.config
     caps = capabilities(model)
     validate_for_model(req, model, caps)
@@ -70,9 +70,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     async with slot(runtime, queued):
         timer.mark("admitted")
         timer.mark("sent")
-        async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id) as (_, resp):
+        async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id) as (replica, resp):
             raw = await resp.read()
             timer.mark("received")
+            own_timings = replica.reach.engine_timings
         if resp.status != 200:
             raise _upstream_error(resp.status, raw)
     try:
@@ -81,7 +82,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise BackendError("backend answered with an unreadable chat completion") from None
     timer.mark("finished")
-    metrics = response_metrics.build(timer, answer.get("usage"), answer.get("timings"))
+    metrics = response_metrics.build(timer, answer.get("usage"), answer.get("timings") if own_timings else None)
     return web.json_response(_envelope(response_id, req.model, text, metrics), headers=headers)
 
 
@@ -103,18 +104,21 @@ async def _stream(request: web.Request, timer: response_metrics.Timer, queued: A
             timer.mark("admitted")
             timer.mark("sent")
             async with upstream(request.app[POOL], request.app[HTTP], runtime, CHAT_PATH, payload,
-                                request_id) as (_, resp):
+                                request_id) as (replica, resp):
                 if resp.status != 200:
                     raise _upstream_error(resp.status, await resp.read())
                 async for chunk in _sse_data(resp):
                     for choice in chunk.get("choices") or []:
                         delta = (choice.get("delta") or {}).get("content")
                         if delta:
+                            if timer.first_token is None:
+                                timer.mark("first_token")
                             pieces.append(delta)
                             await out.write(_event("response.output_text.delta",
                                                    {"item_id": response_id, "delta": delta}))
                     usage = chunk.get("usage") or usage
-                    timings = chunk.get("timings") or timings
+                    if replica.reach.engine_timings:  # a provider's timings are not GPU times we measured
+                        timings = chunk.get("timings") or timings
                 timer.mark("received")
     except ConnectionResetError:
         return out  # the client left; its slot and the upstream request are already released

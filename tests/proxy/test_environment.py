@@ -15,7 +15,8 @@ def settings(tmp_path: Path, **supervisor: object):
     path.write_text(yaml.safe_dump({
         "service": {"admin_token_env": "ADMIN_TOKEN", "state_dir": str(tmp_path)},
         "supervisor": supervisor,
-        "engine": {"models": {"r": {"backend": "openai_remote", "remote_api_key_env": "PROVIDER_KEY"}}}}))
+        "engine": {"models": {"r": {"backend": "openai_remote", "remote_api_key_env": "PROVIDER_KEY",
+                                     "remote_base_url": "http://127.0.0.1:9/v1", "remote_model": "m"}}}}))
     return load_settings(path)
 
 
