@@ -220,7 +220,7 @@ class _Generation:
         return {"prompt_tokens": prompt, "completion_tokens": self.tokens, "total_tokens": prompt + self.tokens}
 
 
-def create_app(engine: Engine, default_max_tokens: int = 64) -> web.Application:
+def create_app(engine: Engine, default_max_tokens: int = 64, exit_on_load_failure: bool = True) -> web.Application:
     state = ServerState(ready=getattr(engine, "load", None) is None)
 
     async def health(_: web.Request) -> web.Response:
@@ -281,7 +281,7 @@ def create_app(engine: Engine, default_max_tokens: int = 64) -> web.Application:
     async def start_loading(app: web.Application) -> None:
         load = getattr(engine, "load", None)
         if load is not None:
-            app[_LOADER] = asyncio.create_task(_load(load, state))
+            app[_LOADER] = asyncio.create_task(_load(load, state, exit_on_load_failure))
 
     async def begin_drain(app: web.Application) -> None:
         state.draining = True
@@ -301,7 +301,7 @@ def create_app(engine: Engine, default_max_tokens: int = 64) -> web.Application:
 _LOADER = web.AppKey("shim_loader", asyncio.Task)
 
 
-async def _load(load: Any, state: ServerState) -> None:
+async def _load(load: Any, state: ServerState, exit_on_failure: bool) -> None:
     started = time.monotonic()
     try:
         await load()
@@ -311,7 +311,8 @@ async def _load(load: Any, state: ServerState) -> None:
         # Exit rather than serve 503 forever: supervisord and the proxy see the failure and its log.
         log.exception("loading the model failed")
         state.failed = f"{type(exc).__name__}: {exc}"
-        signal.raise_signal(signal.SIGTERM)
+        if exit_on_failure:
+            signal.raise_signal(signal.SIGTERM)
         return
     state.ready = True
     log.info("model loaded in %.2fs", time.monotonic() - started)
