@@ -357,12 +357,14 @@ async def _stream(request: web.Request, engine: Engine, run: _Generation, chat: 
         await out.write_eof()
         return out
     except ConnectionResetError:
-        raise  # the client left: nothing to tell it
+        return out  # the client left: nothing to tell it (closing `pieces` stops the engine)
     except Exception as exc:
         log.exception("generation failed after the stream began")
         await out.write(_error_event(f"engine error: {exc}", "engine_error"))
         await out.write_eof()
         return out
+    finally:
+        await pieces.aclose()  # now, not when the garbage collector gets to it
     await out.write(event(None, run.finish_reason, run.usage()))
     await out.write(b"data: [DONE]\n\n")
     await out.write_eof()

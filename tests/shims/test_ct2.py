@@ -125,9 +125,13 @@ async def test_concurrent_requests_run_together(serve: Any) -> None:
     body = {"prompt": "hello", "max_tokens": 100_000, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession() as s:
         streams = [await s.post(url + "/v1/completions", json=body) for _ in range(2)]
-        for resp in streams:
-            assert (await resp.content.readline()).startswith(b"data: ")
-        # Both decode at once (two CT2 workers), neither waits behind the other.
+        # Both decode at once (two CT2 workers): each stream keeps getting tokens while the other,
+        # far from done, runs too. Serialized, the second would get nothing until the first ended.
+        for _ in range(20):
+            for resp in streams:
+                line = await asyncio.wait_for(resp.content.readline(), 60)
+                assert line.startswith(b"data: ")
+                await asyncio.wait_for(resp.content.readline(), 60)
         text = await wait_metric(s, url, "vllm:num_requests_running", lambda v: v == 2)
         assert gauge(text, "vllm:num_requests_waiting") == 0
         for resp in streams:
