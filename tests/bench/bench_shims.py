@@ -1,10 +1,10 @@
 """Engines behind shims vs the same engine called in-process by its library, side by side in one run.
 
 For CT2 (tiny decoder) and llama-cpp-python (tiny GGUF): tokens/s and time to first token through
-`llm-pool serve` + supervisord + the shim (streamed /v1/completions, the proxy's path), against the
-library generating the same tokens in this process, at concurrency 1 and at the model's
-`target_inflight`. Rounds alternate library/proxy so drift hits both alike. The target is a ratio
-of at least 0.9 (proxy tokens/s over library tokens/s).
+`llm-pool serve` + supervisord + the shim (streamed /v1/completions, the proxy's path) and straight to
+the shim, against the library generating the same tokens in this process, at concurrency 1 and at the
+model's `target_inflight`. Rounds alternate their order so drift hits all alike. The target is a
+ratio of at least 0.9 (proxy+shim tokens/s over library tokens/s).
 
     .venv/bin/python tests/bench/bench_shims.py [--tokens 512] [--rounds 3] [--ct2-inflight 2]
 """
@@ -118,16 +118,17 @@ async def proxy_round(url: str, n: int, tokens: int) -> tuple[list[Run], float]:
         return list(runs), time.perf_counter() - start
 
 
-def report(name: str, concurrency: int, lib: list[tuple[list[Run], float]], prx: list[tuple[list[Run], float]]) -> None:
-    def rate(rounds: list[tuple[list[Run], float]]) -> float:
-        return sum(r.tokens for runs, _ in rounds for r in runs) / sum(wall for _, wall in rounds)
+def report(name: str, concurrency: int, rounds: dict[str, list[tuple[list[Run], float]]]) -> None:
+    def rate(mode: str) -> float:
+        return sum(r.tokens for runs, _ in rounds[mode] for r in runs) / sum(wall for _, wall in rounds[mode])
 
-    def ttft(rounds: list[tuple[list[Run], float]]) -> float:
-        return statistics.median(r.first for runs, _ in rounds for r in runs if r.first is not None) * 1e3
+    def ttft(mode: str) -> float:
+        return statistics.median(r.first for runs, _ in rounds[mode] for r in runs if r.first is not None) * 1e3
 
-    lib_rate, prx_rate = rate(lib), rate(prx)
-    print(f"{name:10s} concurrency {concurrency}: tokens/s library {lib_rate:8.0f}  proxy+shim {prx_rate:8.0f}  "
-          f"ratio {prx_rate / lib_rate:.3f} | TTFT p50 library {ttft(lib):6.2f} ms  proxy+shim {ttft(prx):6.2f} ms",
+    lib = rate("library")
+    print(f"{name:10s} concurrency {concurrency}: tokens/s library {lib:7.0f}  shim {rate('shim'):7.0f} "
+          f"(x{rate('shim') / lib:.3f})  proxy+shim {rate('proxy'):7.0f} (x{rate('proxy') / lib:.3f})  |  "
+          f"TTFT p50 library {ttft('library'):6.2f} ms  shim {ttft('shim'):6.2f} ms  proxy+shim {ttft('proxy'):6.2f} ms",
           flush=True)
 
 
@@ -137,18 +138,21 @@ def bench(name: str, model: dict[str, Any], library: Callable[[Run], None], infl
     try:
         proxy.start()
         replica = proxy.wait_state("m", "loaded", timeout=300)["replicas"][0]
-        assert replica["state"] == "ready"
-        asyncio.run(proxy_round(proxy.url, 1, 16))    # warm both paths
+        shim_url = f"http://127.0.0.1:{replica['port']}"
+        asyncio.run(proxy_round(proxy.url, 1, 16))    # warm every path
+        asyncio.run(proxy_round(shim_url, 1, 16))
         concurrent(library, 1)
         for concurrency in sorted({1, inflight}):
-            lib, prx = [], []
+            got: dict[str, list[tuple[list[Run], float]]] = {"library": [], "shim": [], "proxy": []}
             for r in range(rounds):
-                for mode in (("library", "proxy") if r % 2 == 0 else ("proxy", "library")):
+                modes = ("library", "shim", "proxy")
+                for mode in (modes if r % 2 == 0 else modes[::-1]):
                     if mode == "library":
-                        lib.append(concurrent(library, concurrency))
+                        got[mode].append(concurrent(library, concurrency))
                     else:
-                        prx.append(asyncio.run(proxy_round(proxy.url, concurrency, tokens)))
-            report(name, concurrency, lib, prx)
+                        url = shim_url if mode == "shim" else proxy.url
+                        got[mode].append(asyncio.run(proxy_round(url, concurrency, tokens)))
+            report(name, concurrency, got)
     finally:
         survivors = proxy.cleanup()
         if survivors:
