@@ -178,8 +178,11 @@ class LlamaCppEngine:
             steps.close()
 
     def metrics_text(self) -> str:
+        # The context holds the last request's tokens (kept for prefix reuse): its share of n_ctx.
+        kv = (self.llm.n_tokens / self.options.n_ctx) if self.llm is not None else 0.0
         return prometheus(self.model_name,
-                          {"vllm:num_requests_running": self.running, "vllm:num_requests_waiting": self.waiting},
+                          {"vllm:num_requests_running": self.running, "vllm:num_requests_waiting": self.waiting,
+                           "vllm:kv_cache_usage_perc": min(1.0, kv)},
                           {"vllm:prompt_tokens": self.counters["prompt_tokens"],
                            "vllm:generation_tokens": self.counters["generation_tokens"],
                            "vllm:request_success": self.counters["request_success"],
