@@ -194,7 +194,8 @@ class FakeExllamaV3:
                 return results
 
         root = types.ModuleType("exllamav3")
-        root.Config, root.Model, root.Cache, root.Tokenizer = Config, Model, Cache, Tokenizer  # type: ignore[attr-defined]
+        root.Config, root.Model = Config, Model  # type: ignore[attr-defined]
+        root.Cache, root.Tokenizer = Cache, Tokenizer  # type: ignore[attr-defined]
         cache = types.ModuleType("exllamav3.cache")
         cache.CacheLayer_fp16, cache.CacheLayer_quant = CacheLayer_fp16, CacheLayer_quant  # type: ignore[attr-defined]
         generator = types.ModuleType("exllamav3.generator")

@@ -128,7 +128,8 @@ def report(name: str, concurrency: int, rounds: dict[str, list[tuple[list[Run], 
     lib = rate("library")
     print(f"{name:10s} concurrency {concurrency}: tokens/s library {lib:7.0f}  shim {rate('shim'):7.0f} "
           f"(x{rate('shim') / lib:.3f})  proxy+shim {rate('proxy'):7.0f} (x{rate('proxy') / lib:.3f})  |  "
-          f"TTFT p50 library {ttft('library'):6.2f} ms  shim {ttft('shim'):6.2f} ms  proxy+shim {ttft('proxy'):6.2f} ms",
+          f"TTFT p50 library {ttft('library'):6.2f} ms  shim {ttft('shim'):6.2f} ms  "
+          f"proxy+shim {ttft('proxy'):6.2f} ms",
           flush=True)
 
 

@@ -58,23 +58,24 @@ def test_seed_example_loads_and_serves_both_apis(start_proxy, shim_model) -> Non
     replica = proxy.wait_state("tiny", "loaded")["replicas"][0]
     oai = client(proxy)
 
-    reply = oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)
+    reply = oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0)
     assert reply.model == "tiny" and reply.usage.completion_tokens > 0
     chunks = list(oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=32, stream=True,
                                               extra_body={"ignore_eos": True}))
     deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(deltas) >= 8  # streamed as made, not one blob at the end
-    completion = oai.completions.create(model="tiny", prompt="The weather", max_tokens=4)
+    completion = oai.completions.create(model="tiny", prompt="The weather", max_tokens=4, temperature=0)
     assert completion.usage.completion_tokens >= 1
 
     status, _, body = http("POST", proxy.url + "/v1/responses",
                            body={"model": "tiny", "input": "The weather is pleasant today.",
-                                 "instructions": "Translate to Dutch.", "decoding": {"max_tokens": 8}})
+                                 "instructions": "Translate to Dutch.",
+                                 "decoding": {"max_tokens": 8, "temperature": 0}})
     assert status == 200, body
     assert body["metrics"]["engine_output_tokens"] >= 1
     req = urllib.request.Request(proxy.url + "/v1/responses", headers={"Content-Type": "application/json"},
                                  data=json.dumps({"model": "tiny", "input": "Hello", "stream": True,
-                                                  "decoding": {"max_tokens": 8}}).encode())
+                                                  "decoding": {"max_tokens": 8, "temperature": 0}}).encode())
     with urllib.request.urlopen(req, timeout=60) as resp:
         events = resp.read().decode()
     assert "event: response.output_text.delta" in events and "event: response.completed" in events

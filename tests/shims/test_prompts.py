@@ -55,7 +55,8 @@ def test_gemma4_matches_its_turn_markers_with_thinking_on() -> None:
 
 
 def test_gemma4_default_is_googles_documented_dialogue() -> None:
-    # ai.google.dev "Gemma 4 Prompt Formatting": <|turn>system\nYou are a helpful assistant.<turn|>\n<|turn>user\nHello.<turn|>
+    # ai.google.dev "Gemma 4 Prompt Formatting":
+    # <|turn>system\nYou are a helpful assistant.<turn|>\n<|turn>user\nHello.<turn|>
     out = render([{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello."}],
                  "gemma4_template", multi_turn=False)
     assert out.prompt == ("<|turn>system\nYou are a helpful assistant.<turn|>\n<|turn>user\nHello.<turn|>\n"
