@@ -62,7 +62,8 @@ class Engine(Protocol):
 
     def count_tokens(self, text: str) -> int: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[str]: ...
+    # One token's text per item, or a list of them (the tokens made since the last item).
+    def generate(self, request: GenerationRequest) -> AsyncIterator[str | list[str]]: ...
 
     def metrics_text(self) -> str: ...
 
@@ -194,21 +195,28 @@ class _Generation:
         self.stopped = False
         self.matcher = StopMatcher(gen.stop)
 
-    async def pieces(self) -> AsyncIterator[str]:
+    async def pieces(self) -> AsyncIterator[list[str]]:
+        """Lists of text pieces, one piece per token with text, as the engine delivers them."""
         # aclosing: leaving early (a stop string, a client gone) closes the engine's generator at
         # once, which is what stops the engine's work.
         async with contextlib.aclosing(self.engine.generate(self.gen)) as tokens:
-            async for piece in tokens:
-                self.tokens += 1
-                text, hit = self.matcher.feed(piece)
-                if text:
-                    yield text
-                if hit:
-                    self.stopped = True
+            async for item in tokens:
+                texts = []
+                for piece in (item if isinstance(item, list) else [item]):
+                    self.tokens += 1
+                    text, hit = self.matcher.feed(piece)
+                    if text:
+                        texts.append(text)
+                    if hit:
+                        self.stopped = True
+                        break
+                if texts:
+                    yield texts
+                if self.stopped:
                     return
         rest = self.matcher.flush()
         if rest:
-            yield rest
+            yield [rest]
 
     @property
     def finish_reason(self) -> str:
@@ -261,7 +269,7 @@ def create_app(engine: Engine, default_max_tokens: int = 64, exit_on_load_failur
         if body.get("stream"):
             return await _stream(request, engine, run, chat, ident, created)
         try:
-            text = "".join([piece async for piece in run.pieces()])
+            text = "".join(["".join(texts) async for texts in run.pieces()])
         except RequestRejected as exc:
             return _error(exc.status, str(exc), exc.code)
         except EngineFault as exc:
@@ -348,10 +356,11 @@ async def _stream(request: web.Request, engine: Engine, run: _Generation, chat: 
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await out.prepare(request)
     try:
+        # Still one SSE event per token, but the tokens of one batch leave in one write.
         if first is not None:
-            await out.write(event(first, None))
-            async for piece in pieces:
-                await out.write(event(piece, None))
+            await out.write(b"".join(event(piece, None) for piece in first))
+            async for texts in pieces:
+                await out.write(b"".join(event(piece, None) for piece in texts))
     except EngineFault as exc:
         await out.write(_error_event(str(exc), "engine_fault"))
         await out.write_eof()

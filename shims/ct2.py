@@ -116,7 +116,7 @@ class CT2Engine:
             options["end_token"] = []
         return options
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[str]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[str]]:
         tokens = self.tokenizer.encode(request.prompt).tokens
         request.prompt_tokens = len(tokens)
         self.counters["prompt_tokens"] += len(tokens)
@@ -125,8 +125,8 @@ class CT2Engine:
         self.active += 1
         finished = False
         try:
-            async for piece in pipe.run(self.executor, lambda p: self._decode(p, tokens, request, options)):
-                yield piece
+            async for batch in pipe.run(self.executor, lambda p: self._decode(p, tokens, request, options)):
+                yield batch
             finished = True
         finally:
             self.active -= 1

@@ -191,7 +191,7 @@ class ExLlamaV3Engine:
         return self._sampler_cls(rep_p=request.repetition_penalty or 1.0, temperature=temperature,
                                  top_k=request.top_k or 0, top_p=1.0 if request.top_p is None else request.top_p)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[str]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[str]]:
         input_ids = self.tokenizer.encode(request.prompt, add_bos=True, encode_special_tokens=True)
         request.prompt_tokens = int(input_ids.shape[-1])
         if request.prompt_tokens + request.max_tokens > self.cache_tokens:
@@ -211,8 +211,8 @@ class ExLlamaV3Engine:
             self._inbox.append(_Request(job, pipe))
             self._wake.notify()
         try:
-            async for piece in pipe.stream():
-                yield piece
+            async for batch in pipe.stream():
+                yield batch
         finally:
             # Leaving early set pipe.stopped; wake the worker so it cancels the job now, not next round.
             with self._wake:

@@ -127,7 +127,7 @@ class LlamaCppEngine:
             tokens = tokens[1:]
         return tokens
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[str]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[str]]:
         self.waiting += 1
         try:
             await self.turn.acquire()
@@ -145,8 +145,8 @@ class LlamaCppEngine:
             self.counters["prompt_tokens"] += len(tokens)
             limit = min(request.max_tokens, room)
             pipe: TokenPipe[str] = TokenPipe(asyncio.get_running_loop())
-            async for piece in pipe.run(self.executor, lambda p: self._decode(p, tokens, request, limit)):
-                yield piece
+            async for batch in pipe.run(self.executor, lambda p: self._decode(p, tokens, request, limit)):
+                yield batch
             finished = True
         finally:
             self.running -= 1

@@ -63,8 +63,9 @@ class TokenPipe(Generic[T]):
                 waiter = self._waiter = self._loop.create_future()
             await waiter
 
-    async def run(self, executor: Executor | None, produce: Callable[["TokenPipe[T]"], None]) -> AsyncIterator[T]:
-        """Run `produce(self)` in `executor` and yield what it emits until it returns or raises.
+    async def run(self, executor: Executor | None,
+                  produce: Callable[["TokenPipe[T]"], None]) -> AsyncIterator[list[T]]:
+        """Run `produce(self)` in `executor` and yield what it emits, in batches, until it returns or raises.
 
         Leaving early (the reader closed or cancelled) sets `stopped` and waits for the producer to
         notice, so the engine is idle again when this generator is closed.
@@ -87,16 +88,25 @@ class TokenPipe(Generic[T]):
             # Shielded: a cancelled reader still waits for the engine to let go of the request.
             await asyncio.shield(future)
 
-    async def stream(self) -> AsyncIterator[T]:
-        """What the producer emits, until it finishes or fails; leaving early sets `stopped`."""
+    async def stream(self) -> AsyncIterator[list[T]]:
+        """What the producer emits, until it finishes or fails; leaving early sets `stopped`.
+
+        Each batch is everything emitted since the reader last looked, so a fast engine costs one
+        wake-up (and one socket write downstream) per batch rather than per token.
+        """
         try:
             while True:
+                batch: list[T] = []
                 for item in await self._drain():
-                    if item is _DONE:
+                    if item is _DONE or isinstance(item, _Failure):
+                        if batch:
+                            yield batch
+                        if isinstance(item, _Failure):
+                            raise item.exc
                         return
-                    if isinstance(item, _Failure):
-                        raise item.exc
-                    yield item  # type: ignore[misc]
+                    batch.append(item)  # type: ignore[arg-type]
+                if batch:
+                    yield batch
         finally:
             self.stopped.set()
 
