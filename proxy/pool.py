@@ -21,11 +21,12 @@ import aiohttp
 
 from launchers import launcher_for
 from launchers.spec import ProgramSpec, group_name, ports_in_file, program_name, render_group
-from proxy.admission import Admission
+from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from proxy.config import ModelConfig, Settings
 from proxy.fairness import FairnessPolicy
 from proxy.engine_metrics import read_gauges
 from proxy.errors import BackendError, Conflict, NotFound, Unavailable
+from proxy.health import HealthPolicy, note_failure, note_success, state_after_check
 from proxy.replicas import ModelState, Replica, ReplicaState
 from proxy.runtime import ModelRuntime
 from proxy.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, SupervisorClient,
@@ -46,6 +47,7 @@ class Pool:
         self.supervisor = supervisor
         self.http = http
         self.environ = dict(os.environ if environ is None else environ)
+        self.health = HealthPolicy.from_settings(settings.service)
         policy = FairnessPolicy.from_settings(settings.fairness)
         self.models: dict[str, ModelRuntime] = {n: ModelRuntime(config=c, policy=policy)
                                                 for n, c in settings.models.items()}
@@ -128,7 +130,8 @@ class Pool:
             runtime.state = ModelState.LOADING
             runtime.active = config
             runtime.last_error = None
-            runtime.admission = Admission(runtime.policy)
+            runtime.admission = Admission(runtime.policy, max_wait_s=self.settings.fairness.get(
+                "max_queue_wait_s", DEFAULT_MAX_QUEUE_WAIT_S))
             try:
                 await self._start_group(runtime, config, launcher)
                 await self._await_replicas(runtime)
@@ -305,11 +308,25 @@ class Pool:
     # -- monitoring ------------------------------------------------------------------------------
 
     def report_connection_failure(self, replica: Replica, error: str) -> None:
-        """A refused or reset connection on the data path: stop routing to the replica at once."""
+        """A refused connection on the data path (the request never reached the replica): its
+        process is gone or restarting, so stop routing to it at once; its health check brings it back."""
         runtime = self.models[replica.model]
-        if replica.state == ReplicaState.READY:
+        replica.failures += 1
+        if replica.state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
             runtime.set_replica_state(replica, ReplicaState.STARTING, error)
             self._wake.set()
+
+    def report_outcome(self, replica: Replica, error: str | None = None) -> None:
+        """How a request sent to `replica` ended: None when it answered, else why it failed (a 5xx,
+        a timeout, a broken connection). Failures in a row eject it (proxy/health.py); a single
+        failure never takes it out of rotation by itself."""
+        if error is None:
+            note_success(replica)
+            return
+        runtime = self.models.get(replica.model)
+        if runtime is not None and replica in runtime.replicas:
+            if note_failure(runtime, replica, error, self.health):
+                log.warning("model %s replica %d ejected: %s", replica.model, replica.index, replica.last_error)
 
     async def _snapshot(self) -> dict[str, ProcessInfo]:
         return {i.fullname: i for i in await self.supervisor.all_process_info()}
@@ -328,6 +345,7 @@ class Pool:
                             if replica.state_since <= taken:
                                 await self._observe(runtime, replica, self._processes.get(replica.fullname))
                             self._maybe_scrape(replica)
+                            self._maybe_check(runtime, replica)
             except SupervisorError as exc:
                 log.warning("monitor: %s", exc)
             except Exception:
@@ -349,19 +367,23 @@ class Pool:
         pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid)
         if pid_changed:
             replica.restarts += 1
+            replica.failures += 1  # a process that keeps crashing is ejected like one that keeps failing
         if info.pid:
             replica.pid = info.pid
-        if info.state == ProcessState.FATAL and state in (ReplicaState.READY, ReplicaState.STARTING):
+        if info.state == ProcessState.FATAL and state in (ReplicaState.READY, ReplicaState.STARTING,
+                                                          ReplicaState.UNHEALTHY):
             tail = await self._log_tail(replica)
             runtime.set_replica_state(replica, ReplicaState.FAILED, "supervisord gave up restarting it" + tail)
             return
-        if state == ReplicaState.READY:
+        if state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
             if info.state in DOWN_STATES:
                 # An admin's `supervisorctl stop`: respected, never undone by the pool.
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
             elif info.state != ProcessState.RUNNING or pid_changed:
                 runtime.set_replica_state(replica, ReplicaState.STARTING,
                                           f"process exited ({info.description or info.state.name}); restarting")
+            elif state == ReplicaState.UNHEALTHY:
+                self._maybe_recheck(runtime, replica)
             return
         if state == ReplicaState.STARTING:
             if runtime.state == ModelState.LOADING and (info.state in EXITED_STATES or pid_changed):
@@ -387,10 +409,49 @@ class Pool:
         if replica.state != ReplicaState.STARTING or replica.pid != pid:
             return
         if ok:
-            runtime.set_replica_state(replica, ReplicaState.READY)
-            replica.last_error = None
+            runtime.set_replica_state(replica, state_after_check(runtime, replica, self.health))
+            if replica.state == ReplicaState.READY:
+                replica.last_error = None
         elif error:
             replica.last_error = error
+
+    def _maybe_check(self, runtime: ModelRuntime, replica: Replica) -> None:
+        """Health-check a READY replica every health_interval_s: a frozen (SIGSTOPped) or failing
+        server leaves rotation instead of swallowing the requests routed to it."""
+        if replica.state != ReplicaState.READY or runtime.state != ModelState.LOADED:
+            return
+        if (replica.probe is not None and not replica.probe.done()) or \
+                time.monotonic() - replica.checked_at < self.health.interval_s:
+            return
+        replica.checked_at = time.monotonic()
+        replica.probe = asyncio.create_task(self._check(runtime, replica, replica.pid))
+
+    def _maybe_recheck(self, runtime: ModelRuntime, replica: Replica) -> None:
+        now = time.monotonic()
+        if now < replica.eject_until or (replica.probe is not None and not replica.probe.done()) or \
+                now - replica.checked_at < self.health.interval_s:
+            return
+        replica.checked_at = now
+        replica.probe = asyncio.create_task(self._recheck(runtime, replica, replica.pid))
+
+    async def _check(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
+        ok, error = await probe(self.http, replica.spec, self.health.timeout_s)
+        if ok or replica.state != ReplicaState.READY or replica.pid != pid:
+            return
+        reason = "health check failed while ready: " + \
+            (error or f"no healthy answer within {self.health.timeout_s:g}s (service.health_timeout_s)")
+        log.warning("model %s replica %d: %s", replica.model, replica.index, reason)
+        runtime.set_replica_state(replica, ReplicaState.UNHEALTHY, reason)
+
+    async def _recheck(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
+        """An UNHEALTHY replica whose ejection (if any) is over: back to READY once a check passes."""
+        ok, _error = await probe(self.http, replica.spec, self.health.timeout_s)
+        if not ok or replica.state != ReplicaState.UNHEALTHY or replica.pid != pid:
+            return
+        if state_after_check(runtime, replica, self.health) == ReplicaState.READY:
+            runtime.set_replica_state(replica, ReplicaState.READY)
+            log.info("model %s replica %d is back in rotation", replica.model, replica.index)
+            replica.last_error = None
 
     def _maybe_scrape(self, replica: Replica) -> None:
         """Refresh the backend's load gauges in the background, at most every METRICS_INTERVAL_S."""
@@ -439,9 +500,10 @@ class Pool:
         task.add_done_callback(self._background.discard)
 
 
-async def probe(http: aiohttp.ClientSession, spec: ProgramSpec) -> tuple[bool, str | None]:
+async def probe(http: aiohttp.ClientSession, spec: ProgramSpec,
+                timeout_s: float = PROBE_TIMEOUT_S) -> tuple[bool, str | None]:
     """Healthy when the health path answers 200 and the server serves the expected model."""
-    timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with http.get(spec.base_url + spec.health_path, timeout=timeout) as resp:
             if resp.status != 200:

@@ -5,6 +5,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.forward import forward, read_json, requested_model, servable
+from proxy.image_urls import check_image_urls
 from proxy.keys import HTTP, METRICS, POOL
 from proxy.replicas import ModelState
 
@@ -17,6 +18,7 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     pool = request.app[POOL]
     runtime = servable(request, pool, requested_model(body))
+    await check_image_urls(body, runtime.active or runtime.config)
     return await forward(request, pool, request.app[HTTP], runtime, request.path, body)
 
 
