@@ -94,9 +94,9 @@ def _private(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | No
     """Why `address` is not public, or None."""
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
-    for test, name in ((address.is_loopback, "a loopback"), (address.is_link_local, "a link-local (metadata)"),
-                       (address.is_private, "a private"), (address.is_multicast, "a multicast"),
-                       (address.is_unspecified, "an unspecified"), (address.is_reserved, "a reserved"),
+    for test, name in ((address.is_unspecified, "an unspecified"), (address.is_loopback, "a loopback"),
+                       (address.is_link_local, "a link-local (metadata)"), (address.is_private, "a private"),
+                       (address.is_multicast, "a multicast"), (address.is_reserved, "a reserved"),
                        (not address.is_global, "a non-public")):
         if test:
             return name
