@@ -133,10 +133,10 @@ async def sse_data(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str)
             chunk = json.loads(data)
         except (ValueError, RecursionError):
             raise BackendError(f"{label} sent a malformed stream chunk: {excerpt(data)!r}") from None
-        if error_event:
-            raise backend_error(500, data, label, mid_stream=True)
         if not isinstance(chunk, dict):
             raise BackendError(f"{label} sent a stream chunk that is not a JSON object: {excerpt(data)!r}")
+        if error_event or "error" in chunk:  # llama-server sends `data: {"error": ...}` and ends the stream
+            raise backend_error(500, data, label, mid_stream=True)
         yield chunk
 
 

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from fakes import FakeSSEResponse
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable
 from proxy.forward import MAX_JSON_DEPTH, _deeper_than
-from proxy.relay import backend_error
+from proxy.relay import Timeouts, backend_error, sse_data
 
 
 def test_an_html_error_page_becomes_502_backend_error_with_an_excerpt() -> None:
@@ -43,3 +46,16 @@ def test_depth_is_measured_without_recursion() -> None:
         deep = [deep]
     assert _deeper_than({"a": deep}, MAX_JSON_DEPTH)
     assert not _deeper_than({"messages": [{"content": [{"type": "text"}]}]}, MAX_JSON_DEPTH)
+
+
+
+async def _collect(lines: list[bytes]) -> list[dict]:
+    return [c async for c in sse_data(FakeSSEResponse(lines), Timeouts(1, 1), "r")]  # type: ignore[arg-type]
+
+
+async def test_an_error_chunk_in_a_stream_is_the_backends_error() -> None:
+    ok = b'data: {"choices": [{"delta": {"content": "a"}}]}\n'
+    error = b'data: {"error": {"code": 500, "message": "KV cache full", "type": "server_error"}}\n'
+    with pytest.raises(BackendError, match="KV cache full"):
+        await _collect([ok, b"\n", error, b"\n"])
+    assert len(await _collect([ok, b"\n", b": ping\n", b"data: [DONE]\n"])) == 1
