@@ -140,6 +140,8 @@ async def _stream(request: web.Request, timer: response_metrics.Timer, queued: A
                                                    {"item_id": response_id, "delta": delta}))
                         usage = _numbers(chunk.get("usage")) or usage
                         timings = _numbers(chunk.get("timings")) or timings
+                except ConnectionResetError:
+                    raise  # the client left (aiohttp's reset error is a ClientConnectionError too)
                 except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
                     resp.close()
                     pool.report_outcome(replica, exc.message if isinstance(exc, PoolError) else type(exc).__name__)
