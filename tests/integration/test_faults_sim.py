@@ -23,7 +23,7 @@ FAST = {"first_byte_timeout_s": 1, "stream_idle_timeout_s": 1}
 
 def sim(replicas: int = 1, target: int = 2, modalities: tuple[str, ...] = ("text",), options: Any = None,
         **faults: Any) -> dict[str, Any]:
-    return {"backend": "sim", "enabled": True, "replicas": replicas, "replica_max": max(1, replicas),
+    return {"backend": "sim", "enabled": False, "replicas": replicas, "replica_max": max(1, replicas),
             "target_inflight": target, "modalities": list(modalities),
             "sim": {"max_seqs": 8, "decode_tokens_per_s": 200, "ttft_ms": 1, **faults}, **(options or {})}
 
@@ -47,17 +47,29 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def proxy() -> Iterator[ProxyProcess]:
-    service = {"max_response_bytes": 100_000, "health_interval_s": 0.2, "health_timeout_s": 0.5,
+    service = {"max_response_bytes": 100_000, "health_interval_s": 0.2, "health_timeout_s": 2,
                "eject_after_failures": 3, "eject_base_s": 60, "drain_timeout_s": 0}
     proc = ProxyProcess(MODELS, service=service, engine={"fairness": {"max_queue_wait_s": 1}})
     try:
         proc.start()
         for name in MODELS:
-            proc.wait_state(name, "loaded", timeout=120)
+            load_all_replicas(proc, name)
         yield proc
     finally:
         survivors = proc.cleanup()
         assert not survivors, f"processes outlived their test and were killed: {survivors}"
+
+
+def load_all_replicas(proxy: ProxyProcess, name: str) -> None:
+    """Load one model at a time (a busy machine starts many at once slowly); once more if a replica
+    lost its port to another process while it started."""
+    for _attempt in range(2):
+        status, _, body = http("POST", proxy.url + f"/v1/admin/models/{name}/load")
+        if status == 200 and all(r["state"] == "ready" for r in proxy.admin_model(name)["replicas"]):
+            return
+        if proxy.admin_model(name)["state"] == "loaded":
+            http("POST", proxy.url + f"/v1/admin/models/{name}/unload")
+    raise AssertionError(f"{name} did not load with every replica ready: {proxy.admin_model(name)}")
 
 
 def chat(model: str, stream: bool = False, **extra: Any) -> dict[str, Any]:
