@@ -5,16 +5,26 @@ replica's process. After `eject_after` in a row a READY replica is ejected (UNHE
 `eject_base_s`, doubled for each ejection in a row up to `eject_max_s`; it comes back only once
 that time is over and its health check passes. A success clears the count and the back-off. The
 last READY replica of a model is never ejected: a model that answers some errors beats one that
-answers none at all. Pure decisions on the replica and its model's runtime; the pool calls them.
+answers none at all. The functions are pure decisions on a replica and its model's runtime;
+`ReadyChecks` runs the periodic health checks of replicas in rotation and of those taken out.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
+from launchers.spec import ProgramSpec
 from proxy.config import ServiceSettings
-from proxy.replicas import Replica, ReplicaState
+from proxy.replicas import ModelState, Replica, ReplicaState
 from proxy.runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+# A replica's health check: (healthy, why not when known), within the given seconds.
+Probe = Callable[[ProgramSpec, float], Awaitable[tuple[bool, "str | None"]]]
 
 
 @dataclass(frozen=True)
@@ -78,3 +88,49 @@ def _eject(runtime: ModelRuntime, replica: Replica, reason: str, policy: HealthP
     runtime.set_replica_state(replica, ReplicaState.UNHEALTHY,
                               f"ejected for {backoff:g}s after {failures} failures in a row (last: {reason})")
     return True
+
+
+class ReadyChecks:
+    """Health checks while a model is loaded: each READY replica every `interval_s`, so a frozen
+    (SIGSTOPped) or failing server leaves rotation instead of swallowing the requests routed to it;
+    each UNHEALTHY one, once its ejection is over, until a check passes and it is READY again.
+    The pool's monitor calls `maybe_check` and `maybe_recheck` on every pass."""
+
+    def __init__(self, policy: HealthPolicy, probe: Probe) -> None:
+        self.policy = policy
+        self.probe = probe
+
+    def maybe_check(self, runtime: ModelRuntime, replica: Replica) -> None:
+        if replica.state == ReplicaState.READY and runtime.state == ModelState.LOADED and self._due(replica):
+            replica.probe = asyncio.create_task(self.check(runtime, replica, replica.pid))
+
+    def maybe_recheck(self, runtime: ModelRuntime, replica: Replica) -> None:
+        if replica.state == ReplicaState.UNHEALTHY and time.monotonic() >= replica.eject_until and \
+                self._due(replica):
+            replica.probe = asyncio.create_task(self.recheck(runtime, replica, replica.pid))
+
+    def _due(self, replica: Replica) -> bool:
+        now = time.monotonic()
+        busy = replica.probe is not None and not replica.probe.done()
+        if busy or now - replica.checked_at < self.policy.interval_s:
+            return False
+        replica.checked_at = now
+        return True
+
+    async def check(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
+        ok, error = await self.probe(replica.spec, self.policy.timeout_s)
+        if ok or replica.state != ReplicaState.READY or replica.pid != pid:
+            return
+        reason = "health check failed while ready: " + \
+            (error or f"no healthy answer within {self.policy.timeout_s:g}s (service.health_timeout_s)")
+        log.warning("model %s replica %d: %s", replica.model, replica.index, reason)
+        runtime.set_replica_state(replica, ReplicaState.UNHEALTHY, reason)
+
+    async def recheck(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
+        ok, _error = await self.probe(replica.spec, self.policy.timeout_s)
+        if not ok or replica.state != ReplicaState.UNHEALTHY or replica.pid != pid:
+            return
+        if state_after_check(runtime, replica, self.policy) == ReplicaState.READY:
+            runtime.set_replica_state(replica, ReplicaState.READY)
+            replica.last_error = None
+            log.info("model %s replica %d is back in rotation", replica.model, replica.index)

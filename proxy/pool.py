@@ -26,7 +26,7 @@ from proxy.config import ModelConfig, Settings
 from proxy.fairness import FairnessPolicy
 from proxy.engine_metrics import read_gauges
 from proxy.errors import BackendError, Conflict, NotFound, Unavailable
-from proxy.health import HealthPolicy, note_failure, note_success, state_after_check
+from proxy.health import HealthPolicy, ReadyChecks, note_failure, note_success, state_after_check
 from proxy.replicas import ModelState, Replica, ReplicaState
 from proxy.runtime import ModelRuntime
 from proxy.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, SupervisorClient,
@@ -48,6 +48,7 @@ class Pool:
         self.http = http
         self.environ = dict(os.environ if environ is None else environ)
         self.health = HealthPolicy.from_settings(settings.service)
+        self.checks = ReadyChecks(self.health, lambda spec, timeout_s: probe(self.http, spec, timeout_s))
         policy = FairnessPolicy.from_settings(settings.fairness)
         self.models: dict[str, ModelRuntime] = {n: ModelRuntime(config=c, policy=policy)
                                                 for n, c in settings.models.items()}
@@ -345,7 +346,7 @@ class Pool:
                             if replica.state_since <= taken:
                                 await self._observe(runtime, replica, self._processes.get(replica.fullname))
                             self._maybe_scrape(replica)
-                            self._maybe_check(runtime, replica)
+                            self.checks.maybe_check(runtime, replica)
             except SupervisorError as exc:
                 log.warning("monitor: %s", exc)
             except Exception:
@@ -383,7 +384,7 @@ class Pool:
                 runtime.set_replica_state(replica, ReplicaState.STARTING,
                                           f"process exited ({info.description or info.state.name}); restarting")
             elif state == ReplicaState.UNHEALTHY:
-                self._maybe_recheck(runtime, replica)
+                self.checks.maybe_recheck(runtime, replica)
             return
         if state == ReplicaState.STARTING:
             if runtime.state == ModelState.LOADING and (info.state in EXITED_STATES or pid_changed):
@@ -414,44 +415,6 @@ class Pool:
                 replica.last_error = None
         elif error:
             replica.last_error = error
-
-    def _maybe_check(self, runtime: ModelRuntime, replica: Replica) -> None:
-        """Health-check a READY replica every health_interval_s: a frozen (SIGSTOPped) or failing
-        server leaves rotation instead of swallowing the requests routed to it."""
-        if replica.state != ReplicaState.READY or runtime.state != ModelState.LOADED:
-            return
-        if (replica.probe is not None and not replica.probe.done()) or \
-                time.monotonic() - replica.checked_at < self.health.interval_s:
-            return
-        replica.checked_at = time.monotonic()
-        replica.probe = asyncio.create_task(self._check(runtime, replica, replica.pid))
-
-    def _maybe_recheck(self, runtime: ModelRuntime, replica: Replica) -> None:
-        now = time.monotonic()
-        if now < replica.eject_until or (replica.probe is not None and not replica.probe.done()) or \
-                now - replica.checked_at < self.health.interval_s:
-            return
-        replica.checked_at = now
-        replica.probe = asyncio.create_task(self._recheck(runtime, replica, replica.pid))
-
-    async def _check(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
-        ok, error = await probe(self.http, replica.spec, self.health.timeout_s)
-        if ok or replica.state != ReplicaState.READY or replica.pid != pid:
-            return
-        reason = "health check failed while ready: " + \
-            (error or f"no healthy answer within {self.health.timeout_s:g}s (service.health_timeout_s)")
-        log.warning("model %s replica %d: %s", replica.model, replica.index, reason)
-        runtime.set_replica_state(replica, ReplicaState.UNHEALTHY, reason)
-
-    async def _recheck(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
-        """An UNHEALTHY replica whose ejection (if any) is over: back to READY once a check passes."""
-        ok, _error = await probe(self.http, replica.spec, self.health.timeout_s)
-        if not ok or replica.state != ReplicaState.UNHEALTHY or replica.pid != pid:
-            return
-        if state_after_check(runtime, replica, self.health) == ReplicaState.READY:
-            runtime.set_replica_state(replica, ReplicaState.READY)
-            log.info("model %s replica %d is back in rotation", replica.model, replica.index)
-            replica.last_error = None
 
     def _maybe_scrape(self, replica: Replica) -> None:
         """Refresh the backend's load gauges in the background, at most every METRICS_INTERVAL_S."""

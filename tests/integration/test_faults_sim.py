@@ -13,8 +13,9 @@ from typing import Any, Iterator
 
 import aiohttp
 import pytest
+import yaml
 
-from helpers import ProxyProcess, http, wait_for
+from helpers import ProxyProcess, free_port_range, http, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -50,6 +51,9 @@ def proxy() -> Iterator[ProxyProcess]:
     service = {"max_response_bytes": 100_000, "health_interval_s": 0.2, "health_timeout_s": 2,
                "eject_after_failures": 3, "eject_base_s": 60, "drain_timeout_s": 0}
     proc = ProxyProcess(MODELS, service=service, engine={"fairness": {"max_queue_wait_s": 1}})
+    # 16 replicas, and room for the ports a replica may lose to another process while it starts.
+    proc.config["supervisor"]["port_range"] = free_port_range(60)
+    proc.config_path.write_text(yaml.safe_dump(proc.config))
     try:
         proc.start()
         for name in MODELS:
@@ -63,7 +67,7 @@ def proxy() -> Iterator[ProxyProcess]:
 def load_all_replicas(proxy: ProxyProcess, name: str) -> None:
     """Load one model at a time (a busy machine starts many at once slowly); once more if a replica
     lost its port to another process while it started."""
-    for _attempt in range(2):
+    for _attempt in range(3):
         status, _, body = http("POST", proxy.url + f"/v1/admin/models/{name}/load")
         if status == 200 and all(r["state"] == "ready" for r in proxy.admin_model(name)["replicas"]):
             return

@@ -107,7 +107,7 @@ async def test_a_ready_replica_that_fails_its_health_check_leaves_rotation_until
         return healthy["now"], None
 
     monkeypatch.setattr("proxy.pool.probe", probe)
-    await pool._check(runtime, replica, replica.pid)
+    await pool.checks.check(runtime, replica, replica.pid)
     assert replica.state == ReplicaState.UNHEALTHY and runtime.admission.capacity == 0
     assert "health check failed while ready" in replica.last_error
     assert await observe(world, RUNNING, 100) == ReplicaState.UNHEALTHY   # same process, still out
@@ -115,7 +115,7 @@ async def test_a_ready_replica_that_fails_its_health_check_leaves_rotation_until
         await replica.probe   # the recheck the monitor started: still failing
     assert replica.state == ReplicaState.UNHEALTHY
     healthy["now"] = True
-    await pool._recheck(runtime, replica, replica.pid)
+    await pool.checks.recheck(runtime, replica, replica.pid)
     assert replica.state == ReplicaState.READY and runtime.admission.capacity == 2
 
 
