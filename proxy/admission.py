@@ -4,7 +4,8 @@ A request takes a slot before it is sent to a replica. Capacity is the sum of `t
 over READY replicas and changes as replicas come and go. Waiters are futures: a client that goes
 away while waiting leaves its queue, one that goes away while running frees its slot (its running
 time still counts to its key), and a waiter cancelled just after it was handed a slot gives the
-slot back to the scheduler instead of stranding it.
+slot back to the scheduler instead of stranding it. A waiter that has waited `max_wait_s` gives up
+its place the same way and fails with 503 `queue_timeout`.
 """
 from __future__ import annotations
 
@@ -13,13 +14,19 @@ import itertools
 import time
 from typing import Callable, Hashable, Iterable
 
-from proxy.errors import PoolError, TooManyRequests
+from proxy.errors import PoolError, TooManyRequests, Unavailable
 from proxy.fairness import ANONYMOUS, FairnessPolicy, FairScheduler, QueueFull
 
 
+# engine.fairness.max_queue_wait_s when unset; null in the settings waits forever.
+DEFAULT_MAX_QUEUE_WAIT_S = 120.0
+
+
 class Admission:
-    def __init__(self, policy: FairnessPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, policy: FairnessPolicy | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_wait_s: float | None = None) -> None:
         self.scheduler = FairScheduler(policy or FairnessPolicy(), clock)
+        self.max_wait_s = max_wait_s
         self._granted: dict[Hashable, asyncio.Future[None]] = {}
         self._ids = itertools.count()
         self._closed: PoolError | None = None
@@ -57,7 +64,17 @@ class Admission:
     async def wait(self, queued: tuple[Hashable, "asyncio.Future[None]"]) -> Hashable:
         ticket, fut = queued
         try:
-            await fut
+            if self.max_wait_s is None or fut.done():
+                await fut
+            else:
+                # shield: the timeout must not cancel the future itself, so that a slot granted in
+                # the same instant is seen (and passed on) by `abandon` below.
+                await asyncio.wait_for(asyncio.shield(fut), self.max_wait_s)
+        except asyncio.TimeoutError:
+            self.abandon(queued)
+            raise Unavailable(f"no slot freed within {self.max_wait_s:g}s (engine.fairness.max_queue_wait_s)",
+                              code="queue_timeout",
+                              retry_after=self.scheduler.retry_after(self.scheduler.waiting)) from None
         except BaseException:
             # Cancelled while waiting (the client left) or failed by `close`: whether still queued or
             # already handed a slot, the scheduler forgets it and passes any slot on.

@@ -24,6 +24,11 @@ DEFAULT_SETTINGS = REPO_ROOT / "conf" / "pool.yaml"
 
 DEFAULT_SERVICE = {"host": "127.0.0.1", "port": 8011, "log_level": "info", "max_body_bytes": 32 * 1024 * 1024,
                    "drain_timeout_s": 30.0, "admin_token_env": None}
+# Reliability defaults (README: Timeouts, health and ejection). A long prefill on a big model is
+# legitimate, so the first byte gets minutes; a stream that goes quiet mid-answer does not.
+DEFAULT_RELIABILITY = {"first_byte_timeout_s": 600.0, "stream_idle_timeout_s": 120.0,
+                       "max_response_bytes": 64 * 1024 * 1024, "health_interval_s": 5.0, "health_timeout_s": 5.0,
+                       "eject_after_failures": 5, "eject_base_s": 30.0, "eject_max_s": 300.0}
 DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "port_range": [18100, 18999],
                       "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15, "pass_env": []}
 DEFAULT_MODEL = {"enabled": False, "replicas": 1, "target_inflight": 1, "modalities": ["text"], "gpus": []}
@@ -56,6 +61,14 @@ class ServiceSettings:
     admin_token_env: str | None
     admin_host: str | None = None       # with admin_port: the admin API listens there, and only there
     admin_port: int | None = None
+    first_byte_timeout_s: float = DEFAULT_RELIABILITY["first_byte_timeout_s"]
+    stream_idle_timeout_s: float = DEFAULT_RELIABILITY["stream_idle_timeout_s"]
+    max_response_bytes: int = DEFAULT_RELIABILITY["max_response_bytes"]
+    health_interval_s: float = DEFAULT_RELIABILITY["health_interval_s"]
+    health_timeout_s: float = DEFAULT_RELIABILITY["health_timeout_s"]
+    eject_after_failures: int = DEFAULT_RELIABILITY["eject_after_failures"]
+    eject_base_s: float = DEFAULT_RELIABILITY["eject_base_s"]
+    eject_max_s: float = DEFAULT_RELIABILITY["eject_max_s"]
 
 
 @dataclass(frozen=True)
@@ -306,7 +319,8 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                 max_body_bytes=int(service["max_body_bytes"]),
                                 drain_timeout_s=float(service["drain_timeout_s"]),
                                 admin_token_env=service.get("admin_token_env"),
-                                admin_host=service.get("admin_host"), admin_port=service.get("admin_port")),
+                                admin_host=service.get("admin_host"), admin_port=service.get("admin_port"),
+                                **{k: type(v)(service.get(k, v)) for k, v in DEFAULT_RELIABILITY.items()}),
         supervisor=SupervisorSettings(mode=supervisor["mode"], url=supervisor.get("url"), programs_dir=programs_dir,
                                       port_range=(int(supervisor["port_range"][0]), int(supervisor["port_range"][1])),
                                       poll_interval_s=float(supervisor["poll_interval_s"]),

@@ -10,6 +10,9 @@ from aiohttp import web
 
 log = logging.getLogger(__name__)
 
+# Every 429 and 503 tells the client when to come back, even where nothing better is known.
+DEFAULT_RETRY_AFTER_S = 2.0
+
 
 class PoolError(Exception):
     """An error the proxy answers with: an HTTP status, an OpenAI `type` and a stable `code`."""
@@ -33,9 +36,12 @@ class PoolError(Exception):
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after is None:
+        retry_after = self.retry_after
+        if retry_after is None and self.status in (429, 503):
+            retry_after = DEFAULT_RETRY_AFTER_S
+        if retry_after is None:
             return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+        return {"Retry-After": str(max(1, math.ceil(retry_after)))}
 
 
 class BadRequest(PoolError):
@@ -92,6 +98,14 @@ class BackendError(PoolError):
     status = 502
     type = "server_error"
     code = "backend_error"
+
+
+class BackendTimeout(PoolError):
+    """The model server did not answer, or went silent, within the model's timeouts."""
+
+    status = 504
+    type = "server_error"
+    code = "backend_timeout"
 
 
 def error_response(err: PoolError) -> web.Response:

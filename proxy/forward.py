@@ -4,23 +4,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from typing import Any, AsyncIterator, Hashable
 
 import aiohttp
 from aiohttp import web
 
-from proxy.errors import BackendError, BadRequest, Conflict, TooLarge, Unavailable, sse_error_event
+from proxy.errors import (BackendError, BackendTimeout, BadRequest, Conflict, PoolError, TooLarge, Unavailable,
+                          sse_error_event)
 from proxy.fairness import normalize_key
 from proxy.keys import MODEL, SETTINGS
 from proxy.pool import Pool
+from proxy.relay import Timeouts, backend_error, chunks, read_capped, within
 from proxy.replicas import ModelState, Replica
 from proxy.runtime import ModelRuntime
 
+log = logging.getLogger(__name__)
+
 # Fields only llm-pool reads; a backend must never see them (the fairness key least of all).
 PROXY_ONLY_FIELDS = ("fairness_key", "allow_remote")
-# Generation can run for minutes; only connecting is bounded here.
+# Only connecting is bounded here; waiting for the answer is bounded by the model's Timeouts.
 UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)
+# Deeper bodies are refused before anything walks them (schema checks, re-encoding recurse).
+MAX_JSON_DEPTH = 128
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -31,11 +38,31 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise TooLarge(f"request body is over the limit of {limit} bytes (service.max_body_bytes)") from None
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
+    if _deeper_than(body, MAX_JSON_DEPTH):
+        raise _too_deep()
     return body
+
+
+def _too_deep() -> BadRequest:
+    return BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Iterative, so a deep document cannot exhaust the stack while it is measured."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def requested_model(body: dict[str, Any]) -> str:
@@ -87,35 +114,59 @@ async def slot(runtime: ModelRuntime, queued: tuple[Hashable, "asyncio.Future[No
         runtime.admission.release(ticket, completed)
 
 
+def label(replica: Replica) -> str:
+    return f"replica {replica.index} of {replica.model!r}"
+
+
+def timeouts_of(pool: Pool, runtime: ModelRuntime) -> Timeouts:
+    return Timeouts.of(pool.settings.service, runtime.active or runtime.config)
+
+
 @contextlib.asynccontextmanager
 async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
                    payload: dict[str, Any], request_id: str) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
-    """POST `payload` to the least loaded READY replica and yield its response.
+    """POST `payload` to the least loaded READY replica that has room and yield its response once
+    its headers arrive (within first_byte_timeout_s, else 504 `backend_timeout`).
 
-    One retry: a replica that refuses the connection has died since it was picked; the request
-    never reached it, so another replica may take it. Leaving the block closes the response, which
-    ends the backend's work on it if it is still generating.
+    Retried on another replica only when the connection was refused: the request never reached
+    the replica. A request dropped after it was sent is not replayed (it may be what brings
+    replicas down) and does not take its replica out of rotation by itself: it counts toward
+    ejection, and the health check decides. Leaving the block closes the response, which ends the
+    backend's work on it if it is still generating.
     """
-    for _attempt in range(2):
+    timeouts = timeouts_of(pool, runtime)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeouts.first_byte_s
+    for _attempt in range(len(runtime.replicas) + 1):
         replica = runtime.pick_replica()
+        while replica is None and runtime.ready() and loop.time() < deadline:
+            # Every READY replica already has target_inflight requests (one left READY with its
+            # requests still running there): wait for a place rather than overload one.
+            await runtime.wait_changed(deadline - loop.time())
+            replica = runtime.pick_replica()
         if replica is None:
             break
         assert replica.reach is not None
         replica.inflight += 1
         try:
             try:
-                resp = await replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT)
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionResetError) as exc:
+                resp = await within(replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT),
+                                    max(0.0, deadline - loop.time()))
+            except aiohttp.ClientConnectorError as exc:
                 pool.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
                 continue
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                raise BackendError(f"replica {replica.index} of {replica.model!r} failed: "
-                                   f"{type(exc).__name__}") from exc
+            except asyncio.TimeoutError:
+                pool.report_outcome(replica, "no answer within first_byte_timeout_s")
+                raise BackendTimeout(f"{label(replica)} sent no answer within {timeouts.first_byte_s:g}s "
+                                     "(first_byte_timeout_s)") from None
+            except (aiohttp.ClientError, OSError) as exc:
+                pool.report_outcome(replica, f"dropped the request: {type(exc).__name__}")
+                raise BackendError(f"{label(replica)} dropped the request: {type(exc).__name__}") from exc
             async with resp:
                 yield replica, resp
             return
         finally:
-            replica.inflight -= 1
+            runtime.release(replica)
     raise Unavailable(f"model {runtime.name!r} has no healthy replica right now", code="model_unavailable",
                       retry_after=2)
 
@@ -127,34 +178,58 @@ async def forward(request: web.Request, pool: Pool, http: aiohttp.ClientSession,
     payload = {k: v for k, v in body.items() if k not in PROXY_ONLY_FIELDS}
     async with slot(runtime, runtime.admission.enqueue(fairness_key(request, body))), \
             upstream(pool, http, runtime, path, payload, request_id) as (replica, resp):
-        return await _relay(request, replica, resp, request_id)
+        return await _relay(request, pool, replica, resp, request_id, timeouts_of(pool, runtime))
 
 
-async def _relay(request: web.Request, replica: Replica, upstream: aiohttp.ClientResponse,
-                 request_id: str) -> web.StreamResponse:
+async def read_answer(pool: Pool, replica: Replica, resp: aiohttp.ClientResponse, timeouts: Timeouts) -> bytes:
+    """A non-streamed answer, whole, within service.max_response_bytes; a backend error (5xx, or an
+    answer that is not JSON) is raised as an OpenAI error and counted against the replica."""
+    try:
+        raw = await read_capped(resp, timeouts, pool.settings.service.max_response_bytes, label(replica))
+    except (PoolError, aiohttp.ClientError) as exc:
+        reason = exc.message if isinstance(exc, PoolError) else f"broke off its answer: {type(exc).__name__}"
+        pool.report_outcome(replica, reason)
+        if isinstance(exc, PoolError):
+            raise
+        raise BackendError(f"{label(replica)} {reason}") from exc
+    content_type = resp.headers.get("Content-Type", "")
+    if resp.status >= 400 or "json" not in content_type:
+        pool.report_outcome(replica, f"HTTP {resp.status}" if resp.status >= 500 else None)
+        raise backend_error(resp.status if resp.status >= 400 else 502, raw, label(replica),
+                            retry_after=resp.headers.get("Retry-After"))
+    pool.report_outcome(replica, None)
+    return raw
+
+
+async def _relay(request: web.Request, pool: Pool, replica: Replica, upstream: aiohttp.ClientResponse,
+                 request_id: str, timeouts: Timeouts) -> web.StreamResponse:
     content_type = upstream.headers.get("Content-Type", "application/json")
-    if not content_type.startswith("text/event-stream"):
-        try:
-            body = await upstream.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise BackendError(f"replica {replica.index} of {replica.model!r} broke off its answer") from exc
+    if not content_type.startswith("text/event-stream") or upstream.status != 200:
+        body = await read_answer(pool, replica, upstream, timeouts)
         return web.Response(status=upstream.status, body=body,
                             headers={"Content-Type": content_type, "X-Request-Id": request_id})
     out = web.StreamResponse(status=upstream.status, headers={
         "Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id})
     await out.prepare(request)
     try:
-        # iter_any yields whatever bytes arrived, so each token reaches the client as it is made.
-        async for chunk in upstream.content.iter_any():
+        # Whatever bytes arrived, so each token reaches the client as it is made.
+        async for chunk in chunks(upstream, timeouts, label(replica)):
             try:
                 await out.write(chunk)
             except ConnectionResetError:
                 # The client left: closing the upstream connection makes the backend stop generating.
                 upstream.close()
                 return out
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-        err = BackendError(f"replica {replica.index} of {replica.model!r} broke off the stream: "
-                           f"{type(exc).__name__}")
-        await out.write(sse_error_event(err))
+    except (BackendTimeout, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        upstream.close()
+        err = exc if isinstance(exc, PoolError) else \
+            BackendError(f"{label(replica)} broke off the stream: {type(exc).__name__}")
+        log.warning("%s %s: %s", request.method, request.path, err.message)
+        pool.report_outcome(replica, err.message)
+        with contextlib.suppress(ConnectionResetError):
+            await out.write(sse_error_event(err))
+            await out.write_eof()
+        return out
+    pool.report_outcome(replica, None)
     await out.write_eof()
     return out

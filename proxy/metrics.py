@@ -23,6 +23,10 @@ class PoolCollector(Collector):
         waiting = GaugeMetricFamily("llm_pool_requests_waiting", "Requests queued per model", labels=["model"])
         restarts = GaugeMetricFamily("llm_pool_replica_restarts", "Restarts seen per replica",
                                      labels=["model", "replica"])
+        healthy = GaugeMetricFamily("llm_pool_replica_ready", "1 when the replica is READY (in rotation)",
+                                    labels=["model", "replica", "state"])
+        ejections = GaugeMetricFamily("llm_pool_replica_ejections", "Outlier ejections per replica",
+                                      labels=["model", "replica"])
         for name, runtime in self.pool.models.items():
             ready.add_metric([name], len(runtime.ready()))
             capacity.add_metric([name], runtime.admission.capacity)
@@ -30,7 +34,10 @@ class PoolCollector(Collector):
             waiting.add_metric([name], runtime.admission.waiting)
             for replica in runtime.replicas:
                 restarts.add_metric([name, str(replica.index)], replica.restarts)
-        yield from (ready, capacity, active, waiting, restarts)
+                healthy.add_metric([name, str(replica.index), replica.state.value],
+                                   1 if replica.state.value == "ready" else 0)
+                ejections.add_metric([name, str(replica.index)], replica.ejected_total)
+        yield from (ready, capacity, active, waiting, restarts, healthy, ejections)
 
 
 class ProxyMetrics:

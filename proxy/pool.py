@@ -20,13 +20,14 @@ from typing import Any, Awaitable, Mapping, TypeVar
 import aiohttp
 
 from launchers.spec import ProgramSpec, group_name, ports_in_file, program_name, render_group
-from proxy.admission import Admission
+from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from proxy.config import ModelConfig, Settings
 from proxy.fairness import FairnessPolicy
 from proxy.orphans import PidRecord
 from proxy.engine_metrics import read_gauges
 from proxy.errors import BackendError, Conflict, NotFound, Unavailable
 from proxy.kinds import kinds_for
+from proxy.health import HealthPolicy, ReadyChecks, note_failure, note_success, state_after_check
 from proxy.replicas import ModelState, Replica, ReplicaState
 from proxy.runtime import ModelRuntime
 from proxy.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning, SupervisorClient,
@@ -51,6 +52,8 @@ class Pool:
         self.supervisor = supervisor
         self.http = http
         self.environ = dict(os.environ if environ is None else environ)
+        self.health = HealthPolicy.from_settings(settings.service)
+        self.checks = ReadyChecks(self.health, lambda spec, timeout_s: probe(self.http, spec, timeout_s))
         policy = FairnessPolicy.from_settings(settings.fairness)
         self.models: dict[str, ModelRuntime] = {n: ModelRuntime(config=c, policy=policy)
                                                 for n, c in settings.models.items()}
@@ -140,7 +143,8 @@ class Pool:
             runtime.state = ModelState.LOADING
             runtime.active = config
             runtime.last_error = None
-            runtime.admission = Admission(runtime.policy)
+            runtime.admission = Admission(runtime.policy, max_wait_s=self.settings.fairness.get(
+                "max_queue_wait_s", DEFAULT_MAX_QUEUE_WAIT_S))
             try:
                 await kind.start(runtime, config)
                 await self._await_replicas(runtime)
@@ -356,11 +360,25 @@ class Pool:
     # -- monitoring ------------------------------------------------------------------------------
 
     def report_connection_failure(self, replica: Replica, error: str) -> None:
-        """A refused or reset connection on the data path: stop routing to the replica at once."""
+        """A refused connection on the data path (the request never reached the replica): its
+        process is gone or restarting, so stop routing to it at once; its health check brings it back."""
         runtime = self.models[replica.model]
-        if replica.state == ReplicaState.READY:
+        replica.failures += 1
+        if replica.state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
             runtime.set_replica_state(replica, ReplicaState.STARTING, error)
             self._wake.set()
+
+    def report_outcome(self, replica: Replica, error: str | None = None) -> None:
+        """How a request sent to `replica` ended: None when it answered, else why it failed (a 5xx,
+        a timeout, a broken connection). Failures in a row eject it (proxy/health.py); a single
+        failure never takes it out of rotation by itself."""
+        if error is None:
+            note_success(replica)
+            return
+        runtime = self.models.get(replica.model)
+        if runtime is not None and replica in runtime.replicas:
+            if note_failure(runtime, replica, error, self.health):
+                log.warning("model %s replica %d ejected: %s", replica.model, replica.index, replica.last_error)
 
     async def _snapshot(self) -> dict[str, ProcessInfo]:
         infos = await self.supervisor.all_process_info()
@@ -384,6 +402,7 @@ class Pool:
                             if replica.state_since <= taken:
                                 await self._observe(runtime, replica, self._processes.get(replica.fullname))
                             self._maybe_scrape(replica)
+                            self.checks.maybe_check(runtime, replica)
             except SupervisorError as exc:
                 log.warning("monitor: %s", exc)
             except Exception:
@@ -405,19 +424,23 @@ class Pool:
         pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid)
         if pid_changed:
             replica.restarts += 1
+            replica.failures += 1  # a process that keeps crashing is ejected like one that keeps failing
         if info.pid:
             replica.pid = info.pid
-        if info.state == ProcessState.FATAL and state in (ReplicaState.READY, ReplicaState.STARTING):
+        if info.state == ProcessState.FATAL and state in (ReplicaState.READY, ReplicaState.STARTING,
+                                                          ReplicaState.UNHEALTHY):
             tail = await self._log_tail(replica)
             runtime.set_replica_state(replica, ReplicaState.FAILED, "supervisord gave up restarting it" + tail)
             return
-        if state == ReplicaState.READY:
+        if state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
             if info.state in DOWN_STATES:
                 # An admin's `supervisorctl stop`: respected, never undone by the pool.
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
             elif info.state != ProcessState.RUNNING or pid_changed:
                 runtime.set_replica_state(replica, ReplicaState.STARTING,
                                           f"process exited ({info.description or info.state.name}); restarting")
+            elif state == ReplicaState.UNHEALTHY:
+                self.checks.maybe_recheck(runtime, replica)
             return
         if state == ReplicaState.STARTING:
             if runtime.state == ModelState.LOADING and (info.state in EXITED_STATES or pid_changed):
@@ -443,8 +466,9 @@ class Pool:
         if replica.state != ReplicaState.STARTING or replica.pid != pid:
             return
         if ok:
-            runtime.set_replica_state(replica, ReplicaState.READY)
-            replica.last_error = None
+            runtime.set_replica_state(replica, state_after_check(runtime, replica, self.health))
+            if replica.state == ReplicaState.READY:
+                replica.last_error = None
         elif error:
             replica.last_error = error
 
@@ -504,9 +528,10 @@ class Pool:
         return await asyncio.shield(task)
 
 
-async def probe(http: aiohttp.ClientSession, spec: ProgramSpec) -> tuple[bool, str | None]:
+async def probe(http: aiohttp.ClientSession, spec: ProgramSpec,
+                timeout_s: float = PROBE_TIMEOUT_S) -> tuple[bool, str | None]:
     """Healthy when the health path answers 200 and the server serves the expected model."""
-    timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with http.get(spec.base_url + spec.health_path, timeout=timeout) as resp:
             if resp.status != 200:

@@ -17,6 +17,9 @@ class ReplicaState(str, enum.Enum):
     STOPPED = "stopped"      # no process, or an admin stopped it with supervisorctl
     STARTING = "starting"    # process starting or restarting; not routed to until its health check passes
     READY = "ready"          # supervisord says RUNNING and the health check passed
+    # Running but out of rotation: its health check failed while READY, or it was ejected for
+    # consecutive failed requests (until `eject_until`). Back to READY only by passing a check again.
+    UNHEALTHY = "unhealthy"
     STOPPING = "stopping"    # being unloaded
     FAILED = "failed"        # did not become healthy, or supervisord gave up on it
 
@@ -24,9 +27,11 @@ class ReplicaState(str, enum.Enum):
 _TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
     ReplicaState.STOPPED: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING}),
     ReplicaState.STARTING: frozenset({ReplicaState.READY, ReplicaState.FAILED, ReplicaState.STOPPING,
-                                      ReplicaState.STOPPED}),
+                                      ReplicaState.STOPPED, ReplicaState.UNHEALTHY}),
     ReplicaState.READY: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED,
-                                   ReplicaState.FAILED}),
+                                   ReplicaState.FAILED, ReplicaState.UNHEALTHY}),
+    ReplicaState.UNHEALTHY: frozenset({ReplicaState.READY, ReplicaState.STARTING, ReplicaState.STOPPING,
+                                       ReplicaState.STOPPED, ReplicaState.FAILED}),
     ReplicaState.STOPPING: frozenset({ReplicaState.STOPPED}),
     ReplicaState.FAILED: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED}),
 }
@@ -65,6 +70,13 @@ class Replica:
     reported: dict[str, float] = field(default_factory=dict)
     scrape: asyncio.Task[None] | None = None
     scraped_at: float = 0.0
+    checked_at: float = 0.0           # when its last health check while READY began
+    # Outlier ejection (proxy/health.py): failed requests in a row, ejections in a row (for the
+    # back-off), ejections ever, and until when the current one lasts.
+    failures: int = 0
+    ejections: int = 0
+    ejected_total: int = 0
+    eject_until: float = 0.0
 
     def __post_init__(self) -> None:
         if self.reach is None:
@@ -105,4 +117,6 @@ class Replica:
         return {"index": self.index, "state": self.state.value, "pid": self.pid or None,
                 "port": self.spec.port if self.spec else None, "program": self.fullname or None,
                 "restarts": self.restarts, "inflight": self.inflight, "reported": dict(self.reported),
-                "last_error": self.last_error, **self.reach.describe()}
+                "last_error": self.last_error, "consecutive_failures": self.failures,
+                "ejections": self.ejected_total,
+                "ejected_for_s": round(max(0.0, self.eject_until - time.monotonic()), 1), **self.reach.describe()}

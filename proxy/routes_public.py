@@ -7,6 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.capabilities import capabilities
 from proxy.errors import BadRequest
 from proxy.forward import forward, read_json, requested_model, servable
+from proxy.image_urls import check_image_urls
 from proxy.keys import HTTP, METRICS, POOL
 from proxy.replicas import ModelState
 
@@ -24,6 +25,7 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
         raise BadRequest(f"model {runtime.name!r} does not serve embeddings (capabilities.embeddings is false; "
                          "for llama_server set llama_server_embeddings: true)", code="embeddings_unsupported",
                          param="model")
+    await check_image_urls(body, runtime.active or runtime.config)
     return await forward(request, pool, request.app[HTTP], runtime, request.path, body)
 
 

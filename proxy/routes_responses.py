@@ -2,12 +2,14 @@
 
 JSON in one envelope, or SSE: `response.created` at once, `response.output_text.delta` for each
 backend chunk as it arrives, then `response.metrics` and `response.completed`. A failure after the
-stream began is an `error` event and then the end of the stream.
+stream began is an `error` event and then the end of the stream: a backend that breaks its
+stream (a malformed chunk, no `[DONE]`, a timeout) is never reported as `response.completed`.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from typing import Any, Mapping
 
@@ -17,11 +19,14 @@ from aiohttp import web
 from proxy import response_metrics
 from proxy.capabilities import capabilities
 from proxy.errors import BackendError, PoolError, sse_error_event
-from proxy.forward import fairness_key, read_json, servable, slot, upstream
+from proxy.forward import fairness_key, label, read_answer, read_json, servable, slot, timeouts_of, upstream
+from proxy.image_urls import check_image_urls
 from proxy.keys import HTTP, POOL, SETTINGS
+from proxy.relay import sse_data
 from proxy.responses import IGNORED_HEADER, backend_request, parse, validate_for_model
 from proxy.runtime import ModelRuntime
 
+log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 
 CHAT_PATH = "/v1/chat/completions"
@@ -35,13 +40,29 @@ def _envelope(response_id: str, model: str, text: str, metrics: Mapping[str, Any
     return envelope
 
 
-def _upstream_error(status: int, raw: bytes) -> PoolError:
-    """The backend's own error, passed on with its status."""
-    try:
-        message = json.loads(raw)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = raw.decode(errors="replace")[:500] or f"HTTP {status}"
-    return BackendError(f"backend: {message}", code="backend_error", status=status)
+def _numbers(value: Any) -> dict[str, Any] | None:
+    """A backend's usage or timings object, keeping numbers only (and usage's token details), so
+    that garbage there cannot break the metrics."""
+    if not isinstance(value, dict):
+        return None
+    kept: dict[str, Any] = {}
+    for key, item in value.items():
+        if isinstance(item, (int, float)) and not isinstance(item, bool):
+            kept[key] = item
+        elif key == "prompt_tokens_details" and isinstance(item, dict):
+            kept[key] = _numbers(item)
+    return kept
+
+
+def _text_of_chunk(chunk: dict[str, Any]) -> str:
+    choices = chunk.get("choices")
+    pieces = []
+    for choice in choices if isinstance(choices, list) else []:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        content = delta.get("content") if isinstance(delta, dict) else None
+        if isinstance(content, str):
+            pieces.append(content)
+    return "".join(pieces)
 
 
 def _event(name: str, data: Mapping[str, Any]) -> bytes:
@@ -58,6 +79,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     model = runtime.active or runtime.config
     caps = capabilities(model)
     validate_for_model(req, model, caps)
+    await check_image_urls(body, model)
     payload = backend_request(req, model, request.app[SETTINGS].decoding)
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
     headers = {"X-Request-Id": request_id, **({IGNORED_HEADER: ", ".join(req.ignored)} if req.ignored else {})}
@@ -71,18 +93,21 @@ async def responses(request: web.Request) -> web.StreamResponse:
         timer.mark("admitted")
         timer.mark("sent")
         async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id) as (replica, resp):
-            raw = await resp.read()
+            raw = await read_answer(pool, replica, resp, timeouts_of(pool, runtime))
             timer.mark("received")
             own_timings = replica.reach.engine_timings
-        if resp.status != 200:
-            raise _upstream_error(resp.status, raw)
     try:
         answer = json.loads(raw)
         text = answer["choices"][0]["message"].get("content") or ""
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        raise BackendError("backend answered with an unreadable chat completion") from None
+        if not isinstance(text, str):
+            raise TypeError("content is not a string")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):
+        pool.report_outcome(replica, "unreadable chat completion")
+        log.warning("POST /v1/responses: %s answered an unreadable chat completion", label(replica))
+        raise BackendError(f"{label(replica)} answered with an unreadable chat completion") from None
     timer.mark("finished")
-    metrics = response_metrics.build(timer, answer.get("usage"), answer.get("timings") if own_timings else None)
+    metrics = response_metrics.build(timer, _numbers(answer.get("usage")),
+                                     _numbers(answer.get("timings")) if own_timings else None)
     return web.json_response(_envelope(response_id, req.model, text, metrics), headers=headers)
 
 
@@ -99,35 +124,47 @@ async def _stream(request: web.Request, timer: response_metrics.Timer, queued: A
     pieces: list[str] = []
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
+    pool = request.app[POOL]
     try:
         async with slot(runtime, queued):
             timer.mark("admitted")
             timer.mark("sent")
-            async with upstream(request.app[POOL], request.app[HTTP], runtime, CHAT_PATH, payload,
-                                request_id) as (replica, resp):
-                if resp.status != 200:
-                    raise _upstream_error(resp.status, await resp.read())
-                async for chunk in _sse_data(resp):
-                    for choice in chunk.get("choices") or []:
-                        delta = (choice.get("delta") or {}).get("content")
+            async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id) as (replica, resp):
+                timeouts = timeouts_of(pool, runtime)
+                if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    await read_answer(pool, replica, resp, timeouts)
+                    raise BackendError(f"{label(replica)} did not answer with an event stream")
+                try:
+                    async for chunk in sse_data(resp, timeouts, label(replica)):
+                        delta = _text_of_chunk(chunk)
                         if delta:
                             if timer.first_token is None:
                                 timer.mark("first_token")
                             pieces.append(delta)
                             await out.write(_event("response.output_text.delta",
                                                    {"item_id": response_id, "delta": delta}))
-                    usage = chunk.get("usage") or usage
-                    if replica.reach.engine_timings:  # a provider's timings are not GPU times we measured
-                        timings = chunk.get("timings") or timings
+                        usage = _numbers(chunk.get("usage")) or usage
+                        if replica.reach.engine_timings:  # a provider's timings are not GPU times we measured
+                            timings = _numbers(chunk.get("timings")) or timings
+                except ConnectionResetError:
+                    raise  # the client left (aiohttp's reset error is a ClientConnectionError too)
+                except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                    resp.close()
+                    pool.report_outcome(replica, exc.message if isinstance(exc, PoolError) else type(exc).__name__)
+                    raise
+                pool.report_outcome(replica, None)
                 timer.mark("received")
     except ConnectionResetError:
         return out  # the client left; its slot and the upstream request are already released
     except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
         err = exc if isinstance(exc, PoolError) else \
             BackendError(f"the backend broke off the stream: {type(exc).__name__}")
-        await out.write(sse_error_event(err))
-        await out.write_eof()
-        return out
+        log.warning("POST /v1/responses stream ended with an error: %s", err.message)
+        return await _end_with(out, err)
+    except Exception:
+        # A bug of ours: the client still gets an error event, never a silent close.
+        log.exception("POST /v1/responses stream failed")
+        return await _end_with(out, PoolError("internal error in llm-pool; see the proxy log"))
     timer.mark("finished")
     metrics = response_metrics.build(timer, usage, timings)
     await out.write(_event("response.metrics", {"metrics": metrics}))
@@ -136,17 +173,10 @@ async def _stream(request: web.Request, timer: response_metrics.Timer, queued: A
     return out
 
 
-async def _sse_data(resp: aiohttp.ClientResponse) -> Any:
-    """The JSON payloads of an upstream SSE stream, one per `data:` line, as they arrive."""
-    async for line in resp.content:
-        if not line.startswith(b"data:"):
-            if line.startswith(b"event: error"):
-                raise BackendError("the backend reported an error in its stream")
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return
-        try:
-            yield json.loads(data)
-        except ValueError:
-            continue
+async def _end_with(out: web.StreamResponse, err: PoolError) -> web.StreamResponse:
+    try:
+        await out.write(sse_error_event(err))
+        await out.write_eof()
+    except ConnectionResetError:
+        pass  # the client left as well
+    return out

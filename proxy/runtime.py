@@ -48,6 +48,12 @@ class ModelRuntime:
             self._changed.set()
             self._changed = asyncio.Event()
 
+    def release(self, replica: Replica) -> None:
+        """A request sent to `replica` ended: its place there is free for one that waits for it."""
+        replica.inflight -= 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     async def wait_changed(self, timeout: float) -> None:
         try:
             await asyncio.wait_for(self._changed.wait(), timeout)
@@ -55,9 +61,11 @@ class ModelRuntime:
             pass
 
     def pick_replica(self) -> Replica | None:
-        """The least loaded READY replica (see Replica.load); ties rotate, so idle replicas share
-        sequential traffic."""
-        ready = self.ready()
+        """The least loaded READY replica (see Replica.load) with fewer than `target_inflight`
+        requests from the proxy: gauges steer, but never past a replica's own cap. Ties rotate,
+        so idle replicas share sequential traffic. None when every READY replica is full."""
+        cap = self.target_inflight
+        ready = [r for r in self.ready() if r.inflight < cap]
         if not ready:
             return None
         self._turn += 1

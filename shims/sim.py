@@ -7,16 +7,23 @@ every decoding sequence. A step lasts 1/decode_tokens_per_s, longer by `batch_sl
 sequence beyond the first. `/metrics` speaks vLLM's names, and `fault_rate` fails that share of
 requests (before or during their output). Its text is filler; its timing is the point.
 
+Fault modes, for reliability tests and the chaos benchmark (all off by default): `hang_before_headers`
+never answers, `stall_after_tokens` goes silent mid-answer with the connection open, `garbage`
+breaks the SSE stream (a non-JSON chunk, no `[DONE]`, or a JSON chunk cut off), `error_rate` answers
+`error_status` with a JSON or HTML body, `drop_rate` closes the connection after reading the
+request, and `response_bytes` pads non-streamed answers.
+
     python -m shims.sim --port 8000 --model sim --max-seqs 32 --decode-tokens-per-s 50
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from aiohttp import web
 
@@ -40,6 +47,14 @@ class SimParams:
     kv_cache_tokens: int = 65536
     fault_rate: float = 0.0
     seed: int | None = None
+    hang_before_headers: bool = False
+    stall_after_tokens: int = -1
+    garbage: str = ""                 # "", "malformed", "no_done" or "truncated"
+    error_rate: float = 0.0
+    error_status: int = 500
+    error_body: str = "json"          # or "html"
+    drop_rate: float = 0.0
+    response_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -57,7 +72,8 @@ class SimEngine:
         self.waiting: deque[tuple[_Seq, asyncio.Future[None]]] = deque()
         self.started: deque[dict[str, object]] = deque(maxlen=100_000)
         self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0,
-                         "requests_finished": 0, "requests_failed": 0}
+                         "requests_finished": 0, "requests_failed": 0, "requests_received": 0,
+                         "requests_dropped": 0}
         self._cache: OrderedDict[bytes, None] = OrderedDict()
         self._rng = random.Random(params.seed)
         self._wake = asyncio.Event()
@@ -152,6 +168,8 @@ class SimEngine:
                 if produced == fail_at:
                     self.counters["requests_failed"] += 1
                     raise EngineFault(f"simulated fault after {produced} tokens")
+                if produced == self.params.stall_after_tokens:
+                    await asyncio.Event().wait()  # silent with the connection open, until the client leaves
                 piece = await seq.out.get()
                 self.counters["generation_tokens"] += 1
                 yield piece
@@ -177,12 +195,78 @@ class SimEngine:
             f"vllm:request_success_total{label} {self.counters['requests_finished']}",
             "# TYPE llm_pool_sim_faults counter",
             f"llm_pool_sim_faults_total{label} {self.counters['requests_failed']}",
+            "# TYPE llm_pool_sim_requests_received counter",
+            f"llm_pool_sim_requests_received_total{label} {self.counters['requests_received']}",
+            "# TYPE llm_pool_sim_drops counter",
+            f"llm_pool_sim_drops_total{label} {self.counters['requests_dropped']}",
         ]
         return "\n".join(lines) + "\n"
 
 
+_HTML_ERROR = "<html><head><title>{status}</title></head><body><h1>{status} Internal Server Error</h1></body></html>"
+
+
+def _fault_middleware(engine: SimEngine) -> Any:
+    """The HTTP-level fault modes of SimParams, in front of the shared server core."""
+    params = engine.params
+    rng = random.Random(None if params.seed is None else params.seed + 1)
+
+    @web.middleware
+    async def faults(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method != "POST" or not request.path.endswith("completions"):
+            return await handler(request)
+        engine.counters["requests_received"] += 1
+        if params.hang_before_headers:
+            await asyncio.Event().wait()  # until the client leaves (handler cancellation)
+        if params.drop_rate and rng.random() < params.drop_rate:
+            await request.read()
+            engine.counters["requests_dropped"] += 1
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.Event().wait()
+        if params.error_rate and rng.random() < params.error_rate:
+            status = params.error_status
+            if params.error_body == "html":
+                return web.Response(status=status, text=_HTML_ERROR.format(status=status), content_type="text/html")
+            return web.json_response({"error": {"message": "simulated error", "type": "server_error",
+                                                "code": "sim_error", "param": None}}, status=status)
+        body = await request.json()
+        if params.garbage and isinstance(body, dict) and body.get("stream"):
+            return await _garbage_stream(request, params.garbage)
+        response = await handler(request)
+        if params.response_bytes and isinstance(response, web.Response) and response.status == 200 \
+                and response.body is not None:
+            answer = json.loads(bytes(response.body))  # type: ignore[arg-type]
+            pad = max(0, params.response_bytes - len(bytes(response.body)))  # type: ignore[arg-type]
+            choice = answer["choices"][0]
+            if "message" in choice:
+                choice["message"]["content"] += "x" * pad
+            else:
+                choice["text"] += "x" * pad
+            return web.json_response(answer)
+        return response
+
+    return faults
+
+
+async def _garbage_stream(request: web.Request, mode: str) -> web.StreamResponse:
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await out.prepare(request)
+    good = b'data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "ok"}}]}\n\n'
+    await out.write(good)
+    if mode == "malformed":
+        await out.write(b"data: {this is not json\n\n" + good + b"data: [DONE]\n\n")
+    elif mode == "truncated":
+        await out.write(b'data: {"object": "chat.completion.chunk", "choices": [{"ind')
+    elif mode == "no_done":
+        await out.write(good)
+    await out.write_eof()
+    return out
+
+
 def build_app(engine: SimEngine) -> web.Application:
     app = create_app(engine)
+    app.middlewares.append(_fault_middleware(engine))
 
     async def started(_: web.Request) -> web.Response:
         # Requests in the order they began (X-Request-Id and body field names): how tests see

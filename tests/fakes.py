@@ -480,3 +480,17 @@ class FakeExllamaV3:
         self.modules = {"exllamav3": root, "exllamav3.cache": cache, "exllamav3.generator": generator,
                         "exllamav3.generator.sampler": sampler}
         self.CacheLayer_quant = CacheLayer_quant
+class FakeSSEResponse:
+    """FAKE upstream aiohttp response: `content.readline()` hands out the given lines, then EOF.
+    For parsing a stream exactly as a misbehaving backend sent it, without a server."""
+
+    def __init__(self, lines: list[bytes]) -> None:
+        self.content = self
+        self._lines = list(lines)
+        self.closed = False
+
+    async def readline(self) -> bytes:
+        return self._lines.pop(0) if self._lines else b""
+
+    def close(self) -> None:
+        self.closed = True

@@ -125,3 +125,20 @@ async def test_a_held_slot_is_released_by_its_timer_without_another_event() -> N
     assert not batch.done()
     await asyncio.wait_for(batch, timeout=10)  # the expiry timer hands the slot on
     assert adm.active == 1
+
+
+async def test_a_waiter_past_max_wait_gets_queue_timeout_and_leaves_the_queue() -> None:
+    adm = Admission(max_wait_s=0.01)
+    adm.set_capacity(1)
+    held = await adm.acquire("a")
+    with pytest.raises(Unavailable) as info:
+        await adm.acquire("b")
+    assert info.value.code == "queue_timeout" and info.value.status == 503
+    assert info.value.headers()["Retry-After"]
+    assert adm.waiting == 0
+    # The slot it waited for still goes to whoever comes next.
+    nxt = asyncio.create_task(adm.acquire("c"))
+    await asyncio.sleep(0)
+    adm.release(held)
+    await nxt
+    assert adm.active == 1

@@ -96,3 +96,37 @@ async def test_the_lifecycle_refuses_transitions_it_does_not_allow(world: Any) -
     runtime.set_replica_state(replica, ReplicaState.STOPPING)
     with pytest.raises(InvalidTransition, match="stopping -> ready"):
         runtime.set_replica_state(replica, ReplicaState.READY)
+
+
+async def test_a_ready_replica_that_fails_its_health_check_leaves_rotation_until_it_passes(
+        world: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, runtime, replica, _ = world
+    healthy = {"now": False}
+
+    async def probe(*_: Any) -> tuple[bool, str | None]:
+        return healthy["now"], None
+
+    monkeypatch.setattr("proxy.pool.probe", probe)
+    await pool.checks.check(runtime, replica, replica.pid)
+    assert replica.state == ReplicaState.UNHEALTHY and runtime.admission.capacity == 0
+    assert "health check failed while ready" in replica.last_error
+    assert await observe(world, RUNNING, 100) == ReplicaState.UNHEALTHY   # same process, still out
+    if replica.probe is not None:
+        await replica.probe   # the recheck the monitor started: still failing
+    assert replica.state == ReplicaState.UNHEALTHY
+    healthy["now"] = True
+    await pool.checks.recheck(runtime, replica, replica.pid)
+    assert replica.state == ReplicaState.READY and runtime.admission.capacity == 2
+
+
+async def test_an_unhealthy_replica_whose_process_dies_is_restarting(world: Any) -> None:
+    _, runtime, replica, _ = world
+    runtime.set_replica_state(replica, ReplicaState.UNHEALTHY, "health check failed")
+    assert await observe(world, BACKOFF, 0) == ReplicaState.STARTING
+    assert await observe(world, FATAL, 0) == ReplicaState.FAILED
+
+
+async def test_a_request_dropped_after_it_was_sent_does_not_take_the_replica_out(world: Any) -> None:
+    pool, _, replica, _ = world
+    pool.report_outcome(replica, "dropped the request: ServerDisconnectedError")
+    assert replica.state == ReplicaState.READY and replica.failures == 1

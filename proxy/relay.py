@@ -1,0 +1,171 @@
+"""Reading a replica's answer under the model's timeouts and the proxy's size bound.
+
+Timeouts (per model, service defaults): `first_byte_timeout_s` bounds the wait for the answer's
+headers and then for a stream's first chunk, since a long prefill on a big model is legitimate;
+`stream_idle_timeout_s` bounds the silence between two chunks. A stream has no total timeout.
+On expiry the upstream connection is closed, so the backend stops working for nobody.
+
+What the proxy holds in memory (error bodies, non-streamed answers) is bounded by
+`service.max_response_bytes`. A backend's error answer becomes an OpenAI error: its own envelope
+and status when it sent one, else 502 `backend_error` with a short excerpt.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+import aiohttp
+
+from proxy.config import ModelConfig, ServiceSettings
+from proxy.errors import BackendError, BackendTimeout, PoolError
+
+T = TypeVar("T")
+EXCERPT_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    first_byte_s: float
+    idle_s: float
+
+    @classmethod
+    def of(cls, service: ServiceSettings, model: ModelConfig) -> "Timeouts":
+        return cls(first_byte_s=float(model.get("first_byte_timeout_s", service.first_byte_timeout_s)),
+                   idle_s=float(model.get("stream_idle_timeout_s", service.stream_idle_timeout_s)))
+
+
+async def within(awaitable: Awaitable[T], seconds: float) -> T:
+    """`awaitable`, or TimeoutError after `seconds` (asyncio.timeout where there is one: no task
+    per call, which matters once per stream chunk)."""
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:
+        return await asyncio.wait_for(awaitable, seconds)
+    async with timeout(seconds):
+        return await awaitable
+
+
+def excerpt(raw: bytes) -> str:
+    text = raw[:EXCERPT_CHARS * 4].decode(errors="replace").strip()
+    text = " ".join(text.split())
+    return text[:EXCERPT_CHARS] + ("..." if len(text) > EXCERPT_CHARS or len(raw) > EXCERPT_CHARS * 4 else "")
+
+
+def timed_out(replica_label: str, seconds: float, setting: str) -> BackendTimeout:
+    return BackendTimeout(f"{replica_label} sent nothing for {seconds:g}s ({setting})")
+
+
+async def read_capped(resp: aiohttp.ClientResponse, timeouts: Timeouts, limit: int, label: str) -> bytes:
+    """The whole body of a non-streamed answer, at most `limit` bytes; the connection is closed on
+    a timeout or past the limit."""
+    if resp.content_length is not None and resp.content_length > limit:
+        resp.close()
+        raise too_large(label, limit)
+    buf = bytearray()
+    while True:
+        try:
+            chunk = await within(resp.content.readany(), timeouts.idle_s)
+        except asyncio.TimeoutError:
+            resp.close()
+            raise timed_out(label, timeouts.idle_s, "stream_idle_timeout_s") from None
+        if not chunk:
+            return bytes(buf)
+        buf += chunk
+        if len(buf) > limit:
+            resp.close()
+            raise too_large(label, limit)
+
+
+def too_large(label: str, limit: int) -> BackendError:
+    return BackendError(f"{label} answered more than service.max_response_bytes ({limit} bytes)",
+                        code="backend_response_too_large")
+
+
+async def chunks(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str) -> AsyncIterator[bytes]:
+    """A stream's bytes as they arrive, the first within first_byte_timeout_s and each next one
+    within stream_idle_timeout_s."""
+    first = True
+    while True:
+        seconds, setting = (timeouts.first_byte_s, "first_byte_timeout_s") if first else \
+            (timeouts.idle_s, "stream_idle_timeout_s")
+        try:
+            chunk = await within(resp.content.readany(), seconds)
+        except asyncio.TimeoutError:
+            resp.close()
+            raise timed_out(label, seconds, setting) from None
+        if not chunk:
+            return
+        first = False
+        yield chunk
+
+
+async def sse_data(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of an upstream OpenAI SSE stream, one per `data:` line, as they arrive.
+
+    The stream's contract is checked: a chunk that is not a JSON object, an `error` event, or an
+    end without `data: [DONE]` raises BackendError, so a broken stream is never taken for a
+    finished one."""
+    first = True
+    error_event = False
+    while True:
+        seconds, setting = (timeouts.first_byte_s, "first_byte_timeout_s") if first else \
+            (timeouts.idle_s, "stream_idle_timeout_s")
+        try:
+            line = await within(resp.content.readline(), seconds)
+        except asyncio.TimeoutError:
+            resp.close()
+            raise timed_out(label, seconds, setting) from None
+        except ValueError:  # a line over aiohttp's limit
+            raise BackendError(f"{label} sent a stream line too long to be an SSE event") from None
+        if not line:
+            raise BackendError(f"{label} ended its stream without [DONE]")
+        first = False
+        if line.startswith(b"event:"):
+            error_event = line[6:].strip() == b"error"
+            continue
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        try:
+            chunk = json.loads(data)
+        except (ValueError, RecursionError):
+            raise BackendError(f"{label} sent a malformed stream chunk: {excerpt(data)!r}") from None
+        if not isinstance(chunk, dict):
+            raise BackendError(f"{label} sent a stream chunk that is not a JSON object: {excerpt(data)!r}")
+        if error_event or "error" in chunk:  # llama-server sends `data: {"error": ...}` and ends the stream
+            raise backend_error(500, data, label, mid_stream=True)
+        yield chunk
+
+
+def backend_error(status: int, raw: bytes, label: str, retry_after: str | None = None,
+                  mid_stream: bool = False) -> PoolError:
+    """A backend's error answer as an OpenAI error. Its own envelope passes on with its status;
+    anything else (an HTML page, a bare string) becomes 502 `backend_error` with an excerpt."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        doc = None
+    err = doc.get("error") if isinstance(doc, dict) else None
+    message = err.get("message") if isinstance(err, dict) else err
+    if isinstance(message, str) and message:
+        out = BackendError(message, status=502 if mid_stream else status)
+        assert isinstance(err, dict) or isinstance(err, str)
+        if isinstance(err, dict):
+            if isinstance(err.get("code"), str) and err["code"]:
+                out.code = err["code"]
+            if isinstance(err.get("type"), str) and err["type"]:
+                out.type = err["type"]
+            if isinstance(err.get("param"), str):
+                out.param = err["param"]
+    else:
+        what = "an error event" if mid_stream else f"HTTP {status}"
+        out = BackendError(f"{label} answered {what} that is not an OpenAI error: {excerpt(raw)!r}")
+    if retry_after is not None:
+        try:
+            out.retry_after = float(retry_after)
+        except ValueError:
+            pass  # an HTTP date; the default Retry-After applies
+    return out
