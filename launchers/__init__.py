@@ -3,13 +3,16 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from launchers import llama_server, sim
+from launchers import llama_server, sim, vllm_serve
 
 # Backends whose replicas run as supervisord programs. A backend in the schema but not here is
 # configurable (so existing settings files load) but cannot be loaded by this version.
 LAUNCHERS: dict[str, ModuleType] = {
     "llama_server": llama_server,
     "sim": sim,
+    "vllm_serve": vllm_serve,
+    # The seed's in-process vLLM runs as a `vllm serve` process here: same fields, own CUDA stack.
+    "vllm": vllm_serve,
 }
 
 

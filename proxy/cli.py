@@ -48,8 +48,19 @@ def _report(problems: list[str]) -> None:
         print(f"  {problem}", file=sys.stderr)
 
 
+def startup_warnings(settings: Settings) -> list[str]:
+    """Settings of enabled models that load but work against the pool (a launcher's `warnings`)."""
+    found: list[str] = []
+    for model in settings.models.values():
+        launcher = launcher_for(model.backend) if model.enabled else None
+        found += getattr(launcher, "warnings", lambda _m: [])(model) if launcher else []
+    return found
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     settings = _load_or_exit(args.config)
+    for warning in startup_warnings(settings):
+        print(f"warning: {warning}", file=sys.stderr)
     enabled = sum(1 for m in settings.models.values() if m.enabled)
     sources = ", ".join(str(s) for s in settings.sources)
     print(f"ok: {len(settings.models)} model(s), {enabled} enabled ({sources})")

