@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 from typing import Any, Mapping
 
 from launchers.common import library_env, missing_file
@@ -60,8 +59,8 @@ FLASHINFER_SAMPLER = "VLLM_USE_FLASHINFER_SAMPLER"
 
 
 def binary(model: ModelConfig) -> str:
-    """The configured `vllm` command, else `vllm` on PATH (a bare name if there is none)."""
-    return model.get("vllm_serve_binary") or shutil.which("vllm") or "vllm"
+    """The configured `vllm` command, else `vllm`, which supervisord looks up on its PATH."""
+    return model.get("vllm_serve_binary") or "vllm"
 
 
 def _extra_flag(model: ModelConfig, flag: str) -> str | None:
@@ -115,8 +114,9 @@ def check(model: ModelConfig) -> list[str]:
     where = f"engine.models.{model.name}"
     problems = option_problems(model)
     exe = binary(model)
-    if not (Path(exe).is_file() and os.access(exe, os.X_OK)):
-        hint = "" if model.get("vllm_serve_binary") else " (set vllm_serve_binary to a vLLM environment's `vllm`)"
+    if shutil.which(exe) is None:
+        hint = "" if model.get("vllm_serve_binary") else \
+            " (`vllm` is not on PATH: set vllm_serve_binary to a vLLM environment's `vllm`)"
         problems.append(f"{where}.vllm_serve_binary: {exe} does not exist or is not executable{hint}")
     vllm_model = model.get("vllm_model")
     # A path-like vllm_model must exist; anything else is a Hugging Face id vLLM resolves itself.

@@ -102,12 +102,12 @@ def process_group(pid: int) -> set[int]:
     return members
 
 
-def vllm_metric(replica: dict[str, Any], name: str) -> float:
-    """A sample summed over labels, read straight from the replica's own /metrics."""
+def vllm_metric(replica: dict[str, Any], name: str, label: str = "") -> float:
+    """A sample summed over labels (those containing `label`), read straight from the replica's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{replica['port']}/metrics", timeout=30) as resp:
         text = resp.read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(f"vllm:{name}{{") or line.startswith(f"vllm:{name} ")]
+              if (line.startswith(f"vllm:{name}{{") or line.startswith(f"vllm:{name} ")) and label in line]
     assert values, f"vllm:{name} not in the replica's metrics"
     return sum(values)
 
@@ -155,6 +155,7 @@ def test_streamed_responses_api(proxy: ProxyProcess) -> None:
 def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> None:
     replica = ready_replica(proxy)
     generated = vllm_metric(replica, "generation_tokens_total")
+    aborted = vllm_metric(replica, "request_success_total", 'finished_reason="abort"')
     body = {"model": MODEL, "messages": CHAT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
     req = urllib.request.Request(proxy.url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -170,6 +171,7 @@ def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> 
         resp.close()   # the client goes away mid-stream
     wait_for(lambda: vllm_metric(replica, "num_requests_running") == 0, timeout=120,
              what="vLLM to stop the abandoned request")
+    assert vllm_metric(replica, "request_success_total", 'finished_reason="abort"') == aborted + 1
     assert vllm_metric(replica, "generation_tokens_total") - generated < LONG - 1
     wait_for(lambda: proxy.admin_model(MODEL)["replicas"][0]["reported"].get("running") == 0, timeout=120,
              what="the proxy to read the running count back at 0")

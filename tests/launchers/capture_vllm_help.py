@@ -24,17 +24,21 @@ ENUMS = HERE / "vllm_serve_enums.json"
 
 # Runs under the vLLM environment's interpreter: flattens the Literal and Enum types vLLM declares.
 _DUMP_ENUMS = r"""
-import json, typing
+import enum, json, typing
 from vllm.config import speculative as s
 def flat(t):
-    args = typing.get_args(t)
-    return [v for a in args for v in flat(a)] if args else ([t] if isinstance(t, str) else [m.name for m in t])
-hints = typing.get_type_hints(s.SpeculativeConfig, include_extras=False)
-out = {"version": __import__("vllm").__version__,
-       "method": sorted(set(flat(s.SpeculativeMethod))),
-       "moe_backend": sorted({v for v in flat(hints["moe_backend"]) if v != "NoneType"}),
-       "attention_backend": sorted({v.lower() for v in flat(hints["attention_backend"])})}
-print(json.dumps(out, indent=1))
+    if isinstance(t, str):
+        return [t]
+    if isinstance(t, type) and issubclass(t, enum.Enum):
+        return [m.name for m in t]
+    return [v for a in typing.get_args(t) for v in flat(a)]
+def field_type(name):
+    t = s.SpeculativeConfig.__dataclass_fields__[name].type
+    return eval(t, vars(s)) if isinstance(t, str) else t
+print(json.dumps({"version": __import__("vllm").__version__,
+                  "method": sorted(set(flat(s.SpeculativeMethod))),
+                  "moe_backend": sorted(set(flat(field_type("moe_backend")))),
+                  "attention_backend": sorted({v.lower() for v in flat(field_type("attention_backend"))})}, indent=1))
 """
 
 
