@@ -133,6 +133,9 @@ def warnings(model: ModelConfig) -> list[str]:
     if max_num_seqs is not None and max_num_seqs.isdigit() and model.target_inflight > int(max_num_seqs):
         found.append(f"{where}.target_inflight: {model.target_inflight} is above --max-num-seqs {max_num_seqs} "
                      "in vllm_serve_extra_args; vLLM queues the excess where the pool's fairness cannot see it")
+    if model.get("vllm_kv_cache_memory_bytes") is None and _extra_flag(model, "--kv-cache-memory-bytes") is None:
+        found.append(f"{where}.vllm_kv_cache_memory_bytes: not set, so vLLM sizes its KV cache from "
+                     "vllm_gpu_memory_utilization (0.9 of the GPU by default); set the budget explicitly")
     return found
 
 

@@ -203,6 +203,11 @@ def test_warns_when_target_inflight_exceeds_max_num_seqs() -> None:
     assert vllm_serve.warnings(seed("qwen2.5-vl-3b")) == []            # no --max-num-seqs given
 
 
+def test_warns_when_the_kv_cache_budget_is_left_to_vllm() -> None:
+    (warning,) = vllm_serve.warnings(seed("qwen2.5-vl-3b", vllm_kv_cache_memory_bytes=None))
+    assert warning.startswith("engine.models.qwen2.5-vl-3b.vllm_kv_cache_memory_bytes: not set")
+
+
 # -- pinned to vLLM 0.32.0: every flag and enumerated value exists there ----------------------------
 
 def _help_flags() -> set[str]:
