@@ -52,8 +52,9 @@ def startup_warnings(settings: Settings) -> list[str]:
     """Settings of enabled models that load but work against the pool (a launcher's `warnings`)."""
     found: list[str] = []
     for model in settings.models.values():
-        launcher = launcher_for(model.backend) if model.enabled else None
-        found += getattr(launcher, "warnings", lambda _m: [])(model) if launcher else []
+        launcher = launcher_for(model.backend)
+        if model.enabled and launcher is not None and hasattr(launcher, "warnings"):
+            found += launcher.warnings(model)
     return found
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# tests/ for the helpers, and the source tree this file belongs to ahead of any installed copy.
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parents[2])]
 
 from bench_proxy_overhead import cpu_seconds, pct, run_round  # noqa: E402
 from helpers import ProxyProcess  # noqa: E402
