@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from launchers import ct2, exllamav3, llama_cpp, llama_server, sim
+from launchers import ct2, exllamav3, llama_cpp, llama_server, sim, vllm_serve
 
 # Backends whose replicas run as supervisord programs. A backend in the schema but not here is
 # configurable (so existing settings files load) but cannot be loaded by this version.
@@ -13,6 +13,9 @@ LAUNCHERS: dict[str, ModuleType] = {
     "ct2": ct2,
     "llama_cpp": llama_cpp,
     "exllamav3": exllamav3,
+    "vllm_serve": vllm_serve,
+    # The seed's in-process vLLM runs as a `vllm serve` process here: same fields, own CUDA stack.
+    "vllm": vllm_serve,
 }
 
 

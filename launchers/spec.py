@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HEADER = "; written by llm-pool: do not edit, it is rewritten on every load"
@@ -40,6 +40,9 @@ class ProgramSpec:
     start_timeout_s: float
     stopwaitsecs: int
     metrics: EngineMetrics | None = None   # None: the engine reports no load gauges
+    # Sent with every request the proxy makes to the replica (an API key): never rendered, never logged.
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    request_timeout_s: float | None = None  # longest wait for an answer's next bytes; None: no limit
 
     @property
     def base_url(self) -> str:

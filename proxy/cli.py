@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
+from launchers import launcher_for
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.kinds import kinds_for
 from proxy.managed import StateDirBusy, claim_state_dir
@@ -68,9 +69,21 @@ def _report(problems: list[str]) -> None:
         print(f"  {problem}", file=sys.stderr)
 
 
+def startup_warnings(settings: Settings) -> list[str]:
+    """Settings of enabled models that load but work against the pool (a launcher's `warnings`)."""
+    found: list[str] = []
+    for model in settings.models.values():
+        launcher = launcher_for(model.backend)
+        if model.enabled and launcher is not None and hasattr(launcher, "warnings"):
+            found += launcher.warnings(model)
+    return found
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     settings = _load_or_exit(args.config, strict=args.strict)
     for warning in settings.warnings:
+        print(f"llm-pool: warning: {warning}", file=sys.stderr)
+    for warning in startup_warnings(settings):
         print(f"llm-pool: warning: {warning}", file=sys.stderr)
     problems = startup_problems(settings)
     if problems:

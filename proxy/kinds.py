@@ -75,6 +75,9 @@ class ProgramReach:
     def __init__(self, spec: ProgramSpec) -> None:
         self.base_url = spec.base_url
         self.served_model = spec.served_model
+        self.headers = dict(spec.headers)   # e.g. vLLM's bearer key: sent, never logged
+        # A backend's own bound on the wait for an answer's next bytes (vllm_serve_timeout_s).
+        self.read_timeout_s = spec.request_timeout_s
 
     def url(self, path: str) -> str:
         return self.base_url + path
@@ -82,8 +85,11 @@ class ProgramReach:
     async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
         body = json.dumps({**payload, "model": self.served_model}).encode()
+        if self.read_timeout_s is not None:
+            timeout = aiohttp.ClientTimeout(total=timeout.total, sock_connect=timeout.sock_connect,
+                                            sock_read=self.read_timeout_s)
         return await http.post(self.url(path), data=body, timeout=timeout,
-                               headers={"Content-Type": "application/json", "X-Request-Id": request_id})
+                               headers={**self.headers, "Content-Type": "application/json", "X-Request-Id": request_id})
 
     def describe(self) -> dict[str, object]:
         return {}

@@ -484,7 +484,7 @@ class Pool:
     async def _scrape(self, replica: Replica) -> None:
         assert replica.spec.metrics is not None
         try:
-            async with self.http.get(replica.reach.url("/metrics"),
+            async with self.http.get(replica.reach.url("/metrics"), headers=dict(replica.spec.headers),
                                      timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
                 text = await resp.text() if resp.status == 200 else ""
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -533,11 +533,11 @@ async def probe(http: aiohttp.ClientSession, spec: ProgramSpec,
     """Healthy when the health path answers 200 and the server serves the expected model."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with http.get(spec.base_url + spec.health_path, timeout=timeout) as resp:
+        async with http.get(spec.base_url + spec.health_path, timeout=timeout, headers=dict(spec.headers)) as resp:
             if resp.status != 200:
                 return False, None  # llama-server answers 503 while it loads
         if spec.models_path:
-            async with http.get(spec.base_url + spec.models_path, timeout=timeout) as resp:
+            async with http.get(spec.base_url + spec.models_path, timeout=timeout, headers=dict(spec.headers)) as resp:
                 data = await resp.json(content_type=None)
             ids = {m.get("id") for m in data.get("data", [])} if isinstance(data, dict) else set()
             if spec.served_model not in ids:

@@ -50,6 +50,10 @@ async def _load_request(request: web.Request, name: str) -> dict[str, Any]:
     model = request.app[POOL].get(name).config
     launcher = launcher_for(model.backend)
     problems = override_problems(model, overrides, getattr(launcher, "LOAD_OVERRIDES", ()))
+    combined = getattr(launcher, "option_problems", None)
+    if not problems and combined is not None:
+        # Each override may be valid alone and still clash with the configured fields.
+        problems = combined(model.with_overrides(overrides))
     if "replicas" in body:
         replicas = body["replicas"]
         if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= model.replica_max:

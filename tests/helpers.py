@@ -80,12 +80,12 @@ async def until_healthy(session: Any, url: str, timeout: float = DEADLINE_S) -> 
 
 
 def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+         headers: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, dict[str, str], Any]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             payload = resp.read()
             status, hdrs = resp.status, dict(resp.headers)
     except urllib.error.HTTPError as err:

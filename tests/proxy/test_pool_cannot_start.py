@@ -1,4 +1,4 @@
-"""A model that cannot start (a backend this version cannot run, a missing file) ends FAILED with its
+"""A model that cannot start (a binary or model file that is missing) ends FAILED with its
 reason; the pool and its other models are untouched. Against the fake supervisord driver."""
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def pool(tmp_path: Path) -> Pool:
     (tmp_path / "pool.yaml").write_text(
         f"service: {{state_dir: {tmp_path}}}\n"
         "engine: {models: {"
-        "vl: {backend: vllm, model_path: null, vllm_model: Qwen/Qwen2.5-VL-3B-Instruct, enabled: true}, "
+        "vl: {backend: vllm, model_path: null, vllm_model: Qwen/Qwen2.5-VL-3B-Instruct, enabled: true, "
+        "vllm_serve_binary: /nonexistent/vllm}, "
         "gone: {backend: llama_server, model_path: /nonexistent/model.gguf, llama_server_binary: /bin/true}, "
         "ok: {backend: sim}}}\n")
     settings = load_settings(tmp_path / "pool.yaml")
@@ -26,7 +27,7 @@ def pool(tmp_path: Path) -> Pool:
 
 
 @pytest.mark.parametrize("name, code, reason", [
-    ("vl", "backend_not_supported", "backend 'vllm' cannot be run by this version of llm-pool"),
+    ("vl", "model_not_loadable", "engine.models.vl.vllm_serve_binary: /nonexistent/vllm does not exist"),
     ("gone", "model_not_loadable", "engine.models.gone.model_path: /nonexistent/model.gguf does not exist"),
 ])
 async def test_a_model_that_cannot_start_ends_failed_with_its_reason(pool: Pool, name: str, code: str,

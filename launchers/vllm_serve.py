@@ -1,0 +1,218 @@
+"""vLLM's `vllm serve`: every `vllm_*` field mapped to the flag of the pinned vLLM version.
+
+Serves both `backend: vllm_serve` and the seed's in-process `backend: vllm`: here vLLM always runs
+as its own process, with its own CUDA/PyTorch stack, and unloading is a process exit that frees
+its VRAM. Flags and enumerated values are checked by tests against `vllm serve --help` of vLLM
+0.32.0 (tests/launchers/vllm_serve_help.txt, captured by tests/launchers/capture_vllm_help.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Mapping
+
+from launchers.common import library_env, missing_file
+from launchers.spec import EngineMetrics, ProgramSpec, program_name
+from proxy.config import ModelConfig
+
+# (config field, flag): scalar fields that map one to one, in the order they are emitted.
+FLAGS = (
+    ("vllm_dtype", "--dtype"),
+    ("vllm_gpu_memory_utilization", "--gpu-memory-utilization"),
+    ("vllm_kv_cache_memory_bytes", "--kv-cache-memory-bytes"),
+    ("vllm_kv_cache_dtype", "--kv-cache-dtype"),
+    ("vllm_max_model_len", "--max-model-len"),
+    ("vllm_tensor_parallel_size", "--tensor-parallel-size"),
+)
+JSON_FLAGS = (
+    ("vllm_limit_mm_per_prompt", "--limit-mm-per-prompt"),
+    ("vllm_mm_processor_kwargs", "--mm-processor-kwargs"),
+)
+# Config field -> key of vLLM's speculative config, all serialized into one --speculative-config.
+SPECULATIVE_KEYS = (
+    ("vllm_speculative_method", "method"),
+    ("vllm_speculative_model", "model"),
+    ("vllm_speculative_moe_backend", "moe_backend"),
+    ("vllm_speculative_attention_backend", "attention_backend"),
+    ("vllm_num_speculative_tokens", "num_speculative_tokens"),
+)
+# The seed's speculative paths; each needs its own checkpoints, so they are never combined.
+DRAFT_METHODS = ("draft_model", "mlp_speculator")   # need a separate draft checkpoint
+MTP = "mtp"                                          # an assistant checkpoint, or the target's own MTP
+# Enumerated values the schema accepts; tests check each against the pinned `vllm serve --help`.
+DTYPES = ("auto", "bfloat16", "float", "float16", "float32", "half")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3", "fp8_e5m2", "fp8_inc",
+                   "fp8_per_token_head", "int4_per_token_head", "int8_per_token_head", "nvfp4", "nvfp4_4over6",
+                   "nvfp4_ds_mla", "turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                   "turboquant_k8v4", "ultraquant_4bit")
+# Runtime knobs an admin may change for one load without editing files (seed: "Live admin overrides").
+LOAD_OVERRIDES = ("vllm_max_model_len", "vllm_kv_cache_dtype", "vllm_kv_cache_memory_bytes", "vllm_max_pixels",
+                  "vllm_speculative_method", "vllm_speculative_model", "vllm_speculative_moe_backend",
+                  "vllm_speculative_attention_backend", "vllm_num_speculative_tokens")
+PORT_FIELD = "vllm_serve_port"
+DEFAULT_START_TIMEOUT_S = 600.0   # vLLM imports torch, loads weights and profiles before it serves
+METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_requests_waiting",
+                        kv_cache="vllm:kv_cache_usage_perc")
+# Blackwell with an older CUDA toolkit: flashinfer's JIT sampler targets an unsupported architecture.
+FLASHINFER_SAMPLER = "VLLM_USE_FLASHINFER_SAMPLER"
+
+
+def binary(model: ModelConfig) -> str:
+    """The configured `vllm` command, else `vllm`, which supervisord looks up on its PATH."""
+    return model.get("vllm_serve_binary") or "vllm"
+
+
+def _extra_flag(model: ModelConfig, flag: str) -> str | None:
+    """The value `vllm_serve_extra_args` gives `flag` (`--flag v` or `--flag=v`; the last wins)."""
+    args = [str(a) for a in model.get("vllm_serve_extra_args", [])]
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def option_problems(model: ModelConfig) -> list[str]:
+    """Field combinations vLLM would reject or misread, each naming the fields (no file checks)."""
+    where = f"engine.models.{model.name}"
+    problems = []
+    if not model.get("vllm_model"):
+        problems.append(f"{where}.vllm_model: required for backend {model.backend!r} (a model folder or id)")
+    dtype = model.get("vllm_dtype")
+    if dtype is not None and dtype not in DTYPES:
+        problems.append(f"{where}.vllm_dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    kv_dtype = model.get("vllm_kv_cache_dtype")
+    if kv_dtype is not None and kv_dtype not in KV_CACHE_DTYPES:
+        problems.append(f"{where}.vllm_kv_cache_dtype: {kv_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    set_fields = [f for f, _ in SPECULATIVE_KEYS if model.get(f) is not None]
+    method = model.get("vllm_speculative_method")
+    if set_fields and method is None:
+        problems.append(f"{where}.vllm_speculative_method: required when {', '.join(set_fields)} "
+                        f"{'is' if len(set_fields) == 1 else 'are'} set")
+    if method is not None and not method.replace("_", "").isalnum():
+        problems.append(f"{where}.vllm_speculative_method: {method!r} names more than one method; "
+                        f"{', '.join(DRAFT_METHODS + (MTP,))} are separate paths and are never mixed")
+    if method in DRAFT_METHODS:
+        if not model.get("vllm_speculative_model"):
+            problems.append(f"{where}.vllm_speculative_model: method {method!r} needs its draft checkpoint")
+        backends = [f for f in ("vllm_speculative_moe_backend", "vllm_speculative_attention_backend")
+                    if model.get(f) is not None]
+        if backends:
+            problems.append(f"{where}.{backends[0]}: {', '.join(backends)} configure the target's own MTP "
+                            f"(method 'mtp'), not method {method!r}; the methods are never mixed")
+    if set_fields and _extra_flag(model, "--speculative-config") is not None:
+        problems.append(f"{where}.vllm_serve_extra_args: --speculative-config there and {', '.join(set_fields)} "
+                        "would mix two speculative configurations; use one")
+    return problems
+
+
+def check(model: ModelConfig) -> list[str]:
+    """Problems that would stop this model from starting, each naming the field and the path."""
+    where = f"engine.models.{model.name}"
+    problems = option_problems(model)
+    exe = binary(model)
+    if shutil.which(exe) is None:
+        hint = "" if model.get("vllm_serve_binary") else \
+            " (`vllm` is not on PATH: set vllm_serve_binary to a vLLM environment's `vllm`)"
+        problems.append(f"{where}.vllm_serve_binary: {exe} does not exist or is not executable{hint}")
+    vllm_model = model.get("vllm_model")
+    # A path-like vllm_model must exist; anything else is a Hugging Face id vLLM resolves itself.
+    if isinstance(vllm_model, str) and vllm_model.startswith(("/", "./", "../", "~")):
+        problems += missing_file(where, "vllm_model", os.path.expanduser(vllm_model))
+    return problems
+
+
+def warnings(model: ModelConfig) -> list[str]:
+    """Settings that load but work against the pool, for `check-config` to print."""
+    where = f"engine.models.{model.name}"
+    found = []
+    max_num_seqs = _extra_flag(model, "--max-num-seqs")
+    if max_num_seqs is not None and max_num_seqs.isdigit() and model.target_inflight > int(max_num_seqs):
+        found.append(f"{where}.target_inflight: {model.target_inflight} is above --max-num-seqs {max_num_seqs} "
+                     "in vllm_serve_extra_args; vLLM queues the excess where the pool's fairness cannot see it")
+    if model.get("vllm_kv_cache_memory_bytes") is None and _extra_flag(model, "--kv-cache-memory-bytes") is None:
+        found.append(f"{where}.vllm_kv_cache_memory_bytes: not set, so vLLM sizes its KV cache from "
+                     "vllm_gpu_memory_utilization (0.9 of the GPU by default); set the budget explicitly")
+    return found
+
+
+def speculative_config(model: ModelConfig) -> dict[str, Any] | None:
+    """vLLM's speculative config from the `vllm_speculative_*` fields, None when none is set.
+
+    With method "mtp", `model` is an assistant checkpoint (Gemma 4) when set; without it vLLM uses
+    the target's own MTP layers (Qwen 3.6), tuned by the MoE and attention backends.
+    """
+    config = {key: model.get(field) for field, key in SPECULATIVE_KEYS if model.get(field) is not None}
+    return config or None
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _flag_value(value: object) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
+    args = [binary(model), "serve", str(model.get("vllm_model")), "--host", host, "--port", str(port),
+            "--served-model-name", model.name]
+    for key, flag in FLAGS:
+        value = model.get(key)
+        if value is not None:
+            args += [flag, _flag_value(value)]
+    if model.get("vllm_trust_remote_code"):
+        args.append("--trust-remote-code")
+    limits = model.get("vllm_limit_mm_per_prompt")
+    if limits is not None:
+        args += ["--limit-mm-per-prompt", _json(limits)]
+    processor = dict(model.get("vllm_mm_processor_kwargs", {}))
+    if model.get("vllm_max_pixels") is not None:
+        processor["max_pixels"] = model.get("vllm_max_pixels")  # the live override of the image budget
+    if processor or model.get("vllm_mm_processor_kwargs") is not None:
+        args += ["--mm-processor-kwargs", _json(processor)]
+    speculative = speculative_config(model)
+    if speculative is not None:
+        args += ["--speculative-config", _json(speculative)]
+    # Extra args come last so that, as argparse keeps the last value, they can override a field.
+    args += [str(a) for a in model.get("vllm_serve_extra_args", [])]
+    return tuple(args)
+
+
+def environment(model: ModelConfig, environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """GPUs, library path, the configured `vllm_serve_env`, the API key, the sampler default."""
+    env = dict(library_env(model, "vllm_serve_library_path", environ))
+    env.update(model.get("vllm_serve_env", {}))
+    if FLASHINFER_SAMPLER not in env and FLASHINFER_SAMPLER not in environ:
+        env[FLASHINFER_SAMPLER] = "0"
+    api_key = model.get("vllm_serve_api_key")
+    if api_key:
+        # The environment, not --api-key: a command line is visible to every user in `ps`.
+        env["VLLM_API_KEY"] = api_key
+    return tuple(sorted(env.items()))
+
+
+def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
+    host = model.get("vllm_serve_host", "127.0.0.1")
+    api_key = model.get("vllm_serve_api_key")
+    return ProgramSpec(
+        program=program_name(model.name, replica),
+        argv=argv(model, host, port),
+        env=environment(model, environ),
+        host=host,
+        port=port,
+        # /health answers once the engine is up; /v1/models then proves it serves this model.
+        health_path="/health",
+        models_path="/v1/models",
+        served_model=model.name,
+        start_timeout_s=float(model.get("vllm_serve_start_timeout_s", DEFAULT_START_TIMEOUT_S)),
+        stopwaitsecs=stopwaitsecs,
+        metrics=METRICS,
+        headers=(("Authorization", f"Bearer {api_key}"),) if api_key else (),
+        request_timeout_s=model.get("vllm_serve_timeout_s"),
+    )

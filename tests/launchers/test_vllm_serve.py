@@ -1,0 +1,246 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from launchers import launcher_for, vllm_serve
+from launchers.spec import render_group
+from proxy.config import ModelConfig
+from seed_vllm_examples import SEED_EXAMPLES
+
+HERE = Path(__file__).parent
+GOLDEN = HERE / "golden"
+HELP = (HERE / "vllm_serve_help.txt").read_text()
+ENUMS = json.loads((HERE / "vllm_serve_enums.json").read_text())
+ENVIRON = {"LD_LIBRARY_PATH": "/usr/local/lib"}
+
+
+def model(name: str, raw: dict[str, object], **options: object) -> ModelConfig:
+    opts = {**raw, **options}
+    return ModelConfig(name=name, backend=str(opts["backend"]), enabled=True, replicas=1, replica_max=1,
+                       target_inflight=int(opts.get("target_inflight", 1)),  # type: ignore[call-overload]
+                       modalities=tuple(opts.get("modalities", ("text",))), gpus=(0,),  # type: ignore[arg-type]
+                       options=opts)
+
+
+def seed(name: str, **options: object) -> ModelConfig:
+    return model(name, SEED_EXAMPLES[name], **options)
+
+
+def render(cfg: ModelConfig) -> str:
+    return render_group(cfg.name, [vllm_serve.launch(cfg, 0, 18100, 15, ENVIRON)], Path("/state/logs"))
+
+
+def pairs(argv: tuple[str, ...]) -> dict[str, str]:
+    return dict(zip(argv, argv[1:]))
+
+
+@pytest.mark.parametrize("name", sorted(SEED_EXAMPLES))
+def test_seed_example_renders_to_its_golden_program(name: str) -> None:
+    golden = GOLDEN / f"vllm_{name}.conf"
+    text = render(seed(name))
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()
+    assert render(seed(name)) == text
+
+
+def test_both_vllm_backends_use_this_launcher() -> None:
+    assert launcher_for("vllm_serve") is vllm_serve
+    assert launcher_for("vllm") is vllm_serve
+
+
+def test_every_engine_field_maps_to_its_flag() -> None:
+    argv = vllm_serve.argv(seed("qwen3.6-35b-a3b-nvfp4-vllm-serve", vllm_tensor_parallel_size=2), "127.0.0.1", 18100)
+    assert argv[:3] == ("/opt/vllm-qwen/bin/vllm", "serve", "/models/nvidia/Qwen3.6-35B-A3B-NVFP4")
+    p = pairs(argv)
+    assert p["--served-model-name"] == "qwen3.6-35b-a3b-nvfp4-vllm-serve"
+    assert p["--dtype"] == "auto"
+    assert p["--gpu-memory-utilization"] == "0.01"
+    assert p["--kv-cache-memory-bytes"] == "1073741824"
+    assert p["--kv-cache-dtype"] == "fp8"
+    assert p["--max-model-len"] == "8192"
+    assert p["--tensor-parallel-size"] == "2"
+    assert "--trust-remote-code" in argv
+    assert json.loads(p["--limit-mm-per-prompt"]) == {"image": 1}
+    assert json.loads(p["--mm-processor-kwargs"]) == {"max_pixels": 4014080}
+    assert p["--host"] == "127.0.0.1" and p["--port"] == "18100"
+    assert argv[-2:] == ("--linear-backend", "cutlass")
+
+
+def test_gemma_mtp_passes_the_assistant_checkpoint_as_the_speculative_model() -> None:
+    p = pairs(vllm_serve.argv(seed("gemma4-nvfp4-vllm-serve"), "127.0.0.1", 18100))
+    assert json.loads(p["--speculative-config"]) == {
+        "method": "mtp", "model": "google/gemma-4-26B-A4B-it-assistant", "num_speculative_tokens": 8}
+
+
+def test_qwen_mtp_uses_the_targets_own_mtp_with_its_backends() -> None:
+    p = pairs(vllm_serve.argv(seed("qwen3.6-35b-a3b-nvfp4-vllm-serve"), "127.0.0.1", 18100))
+    assert json.loads(p["--speculative-config"]) == {
+        "method": "mtp", "moe_backend": "triton", "attention_backend": "triton_attn", "num_speculative_tokens": 1}
+
+
+def test_no_speculative_fields_no_speculative_config() -> None:
+    assert "--speculative-config" not in vllm_serve.argv(seed("qwen2.5-vl-3b"), "127.0.0.1", 18100)
+
+
+def test_max_pixels_override_bounds_the_image_budget() -> None:
+    p = pairs(vllm_serve.argv(seed("qwen2.5-vl-3b", vllm_max_pixels=1000000), "127.0.0.1", 18100))
+    assert json.loads(p["--mm-processor-kwargs"]) == {"max_pixels": 1000000}
+
+
+def test_minimal_model_gets_only_the_required_flags() -> None:
+    cfg = model("m", {"backend": "vllm_serve", "vllm_model": "org/m", "vllm_serve_binary": "/v/bin/vllm"})
+    spec = vllm_serve.launch(cfg, 0, 18100, 15, {})
+    assert spec.argv == ("/v/bin/vllm", "serve", "org/m", "--host", "127.0.0.1", "--port", "18100",
+                         "--served-model-name", "m")
+    assert dict(spec.env) == {"CUDA_VISIBLE_DEVICES": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert (spec.health_path, spec.models_path, spec.served_model) == ("/health", "/v1/models", "m")
+    assert spec.metrics == vllm_serve.METRICS and spec.headers == () and spec.request_timeout_s is None
+
+
+def test_environment_pins_gpus_prepends_libraries_and_keeps_configured_values() -> None:
+    spec = vllm_serve.launch(seed("gemma4-nvfp4-vllm-serve"), 0, 18100, 15, ENVIRON)
+    assert dict(spec.env) == {"CUDA_VISIBLE_DEVICES": "0", "LD_LIBRARY_PATH": "/opt/cuda/lib64:/usr/local/lib",
+                              "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    cfg = seed("gemma4-nvfp4-vllm-serve", vllm_serve_env={"VLLM_USE_FLASHINFER_SAMPLER": "1"})
+    assert dict(vllm_serve.launch(cfg, 0, 18100, 15, ENVIRON).env)["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+
+
+def test_sampler_default_defers_to_the_environment() -> None:
+    cfg = model("m", {"backend": "vllm_serve", "vllm_model": "org/m"})
+    env = dict(vllm_serve.launch(cfg, 0, 18100, 15, {"VLLM_USE_FLASHINFER_SAMPLER": "1"}).env)
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in env  # supervisord passes the inherited value on
+
+
+def test_api_key_goes_to_the_environment_and_the_proxy_headers_never_the_command_line() -> None:
+    cfg = model("m", {"backend": "vllm_serve", "vllm_model": "org/m", "vllm_serve_api_key": "sk-secret-1"})
+    spec = vllm_serve.launch(cfg, 0, 18100, 15, {})
+    assert not any("sk-secret-1" in a for a in spec.argv)
+    assert dict(spec.env)["VLLM_API_KEY"] == "sk-secret-1"
+    assert spec.headers == (("Authorization", "Bearer sk-secret-1"),)
+    assert "sk-secret-1" not in repr(dataclasses.replace(spec, env=()))   # headers stay out of any log
+
+
+def test_host_port_timeouts_come_from_their_fields() -> None:
+    cfg = model("m", {"backend": "vllm_serve", "vllm_model": "org/m", "vllm_serve_host": "0.0.0.0",
+                      "vllm_serve_start_timeout_s": 900.0, "vllm_serve_timeout_s": 30.0})
+    spec = vllm_serve.launch(cfg, 0, 18100, 15, {})
+    assert (spec.host, spec.start_timeout_s, spec.request_timeout_s) == ("0.0.0.0", 900.0, 30.0)
+    assert pairs(spec.argv)["--host"] == "0.0.0.0"
+    assert vllm_serve.PORT_FIELD == "vllm_serve_port"
+
+
+def test_extra_args_come_last_so_they_override_a_field() -> None:
+    argv = vllm_serve.argv(seed("qwen2.5-vl-3b", vllm_serve_extra_args=["--dtype", "float32"]), "h", 1)
+    assert argv.index("--dtype", argv.index("--dtype") + 1) == len(argv) - 2
+
+
+# -- option problems: methods never mixed, each error names its fields ------------------------------
+
+def problems(**options: object) -> list[str]:
+    return vllm_serve.option_problems(model("m", {"backend": "vllm_serve", "vllm_model": "org/m", **options}))
+
+
+def test_seed_examples_have_no_option_problems() -> None:
+    for name in SEED_EXAMPLES:
+        assert vllm_serve.option_problems(seed(name)) == [], name
+
+
+def test_speculative_fields_without_a_method_are_an_error_naming_them() -> None:
+    (problem,) = problems(vllm_speculative_model="org/draft", vllm_num_speculative_tokens=3)
+    assert problem.startswith("engine.models.m.vllm_speculative_method: required when")
+    assert "vllm_speculative_model" in problem and "vllm_num_speculative_tokens" in problem
+
+
+def test_two_methods_in_one_are_an_error() -> None:
+    (problem,) = problems(vllm_speculative_method="mtp,draft_model", vllm_speculative_model="org/d")
+    assert "vllm_speculative_method" in problem and "never mixed" in problem
+
+
+def test_draft_methods_need_their_checkpoint() -> None:
+    (problem,) = problems(vllm_speculative_method="draft_model")
+    assert problem.startswith("engine.models.m.vllm_speculative_model:")
+
+
+def test_mtp_backends_with_a_draft_method_are_a_mix() -> None:
+    (problem,) = problems(vllm_speculative_method="draft_model", vllm_speculative_model="org/d",
+                          vllm_speculative_moe_backend="triton", vllm_speculative_attention_backend="triton_attn")
+    assert "vllm_speculative_moe_backend" in problem and "vllm_speculative_attention_backend" in problem
+
+
+def test_speculative_config_in_extra_args_and_fields_are_a_mix() -> None:
+    (problem,) = problems(vllm_speculative_method="mtp", vllm_serve_extra_args=["--speculative-config={}"])
+    assert problem.startswith("engine.models.m.vllm_serve_extra_args:") and "vllm_speculative_method" in problem
+
+
+def test_unknown_dtypes_and_missing_model_are_errors() -> None:
+    assert problems(vllm_dtype="fp64") == ["engine.models.m.vllm_dtype: 'fp64' is not one of "
+                                           "auto, bfloat16, float, float16, float32, half"]
+    assert any("vllm_kv_cache_dtype" in p for p in problems(vllm_kv_cache_dtype="fp7"))
+    cfg = model("m", {"backend": "vllm", "vllm_model": None})
+    assert vllm_serve.option_problems(cfg)[0].startswith("engine.models.m.vllm_model: required")
+
+
+def test_check_names_a_missing_binary_and_model_folder(tmp_path: Path) -> None:
+    cfg = model("m", {"backend": "vllm_serve", "vllm_model": str(tmp_path / "nope"),
+                      "vllm_serve_binary": str(tmp_path / "vllm")})
+    found = vllm_serve.check(cfg)
+    assert any(p.startswith("engine.models.m.vllm_serve_binary:") for p in found)
+    assert any(p.startswith("engine.models.m.vllm_model:") for p in found)
+
+
+def test_warns_when_target_inflight_exceeds_max_num_seqs() -> None:
+    cfg = seed("gemma4-nvfp4-vllm-serve", target_inflight=6)
+    (warning,) = vllm_serve.warnings(cfg)
+    assert "target_inflight: 6 is above --max-num-seqs 4" in warning
+    assert vllm_serve.warnings(seed("gemma4-nvfp4-vllm-serve")) == []   # 4 and 4: aligned
+    assert vllm_serve.warnings(seed("qwen2.5-vl-3b")) == []            # no --max-num-seqs given
+
+
+def test_warns_when_the_kv_cache_budget_is_left_to_vllm() -> None:
+    (warning,) = vllm_serve.warnings(seed("qwen2.5-vl-3b", vllm_kv_cache_memory_bytes=None))
+    assert warning.startswith("engine.models.qwen2.5-vl-3b.vllm_kv_cache_memory_bytes: not set")
+
+
+# -- pinned to vLLM 0.32.0: every flag and enumerated value exists there ----------------------------
+
+def _help_flags() -> set[str]:
+    return set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", HELP))
+
+
+def _choices(flag: str) -> list[str]:
+    match = re.search(rf"^  {re.escape(flag)} \{{([^}}]*)\}}", HELP, re.M)
+    assert match, flag
+    return match.group(1).split(",")
+
+
+def test_every_flag_the_launcher_emits_exists_in_the_pinned_vllm() -> None:
+    emitted = {"--host", "--port", "--served-model-name", "--trust-remote-code", "--limit-mm-per-prompt",
+               "--mm-processor-kwargs", "--speculative-config"} | {flag for _, flag in vllm_serve.FLAGS}
+    for name in SEED_EXAMPLES:
+        emitted |= {a for a in vllm_serve.argv(seed(name), "h", 1) if a.startswith("--")}
+    assert sorted(emitted - _help_flags()) == []
+    assert "usage: vllm serve [model_tag]" in HELP   # the model is positional
+
+
+def test_enumerated_values_match_the_pinned_vllm() -> None:
+    assert list(vllm_serve.DTYPES) == _choices("--dtype")
+    assert list(vllm_serve.KV_CACHE_DTYPES) == _choices("--kv-cache-dtype")
+
+
+def test_speculative_values_exist_in_the_pinned_vllm() -> None:
+    assert ENUMS["version"].startswith("0.32.0")
+    assert {"mtp", *vllm_serve.DRAFT_METHODS} <= set(ENUMS["method"])
+    assert {"method", "model", "moe_backend", "attention_backend", "num_speculative_tokens"} == \
+        {key for _, key in vllm_serve.SPECULATIVE_KEYS}
+    assert "triton" in ENUMS["moe_backend"] and "triton_attn" in ENUMS["attention_backend"]
+
+
+def test_the_max_num_seqs_flag_the_warning_reads_exists() -> None:
+    assert "--max-num-seqs" in _help_flags()
