@@ -11,10 +11,11 @@ from aiohttp import web
 from proxy import managed, routes_admin, routes_public, routes_responses
 from proxy.config import Settings
 from proxy.errors import error_middleware
-from proxy.keys import HTTP, METRICS, MODEL, POOL, SETTINGS
+from proxy.keys import HTTP, METRICS, MODEL, POOL, SETTINGS, VRAM
 from proxy.metrics import ProxyMetrics
 from proxy.pool import Pool
 from proxy.supervisor import SupervisorClient
+from proxy.vram_estimate import Estimator
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
                           middlewares=[metrics_middleware, error_middleware])
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
+    app[VRAM] = Estimator()
     app.add_routes(routes_public.routes)
     app.add_routes(routes_admin.routes)
     app.add_routes(routes_responses.routes)

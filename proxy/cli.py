@@ -1,4 +1,4 @@
-"""The `llm-pool` command: serve, check-config, setup."""
+"""The `llm-pool` command: serve, check-config, setup, ctl."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from launchers import launcher_for
+from proxy import ctl
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.managed import StateDirBusy, claim_state_dir
 
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     setup.add_argument("--all-engines", action="store_true",
                        help="also prepare every other engine's environment in the cache (what the tests need)")
     setup.set_defaults(func=cmd_setup)
+    ctl.add_parser(sub)
     for p in (serve, check, setup):
         p.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser

@@ -53,6 +53,8 @@ class Pool:
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
         self._processes: dict[str, ProcessInfo] = {}
+        # Models whose load at startup has not finished (loaded or failed): /ready waits for them.
+        self.startup_pending: set[str] = set()
 
     # -- lifecycle of the pool itself ------------------------------------------------------------
 
@@ -68,6 +70,7 @@ class Pool:
         running = {i.group for i in self._processes.values() if i.state == ProcessState.RUNNING}
         for runtime in self.models.values():
             if runtime.config.enabled or group_name(runtime.name) in running:
+                self.startup_pending.add(runtime.name)
                 self._spawn(self._load_logged(runtime.name))
         self._spawn(self._remove_orphans())
 
@@ -432,6 +435,10 @@ class Pool:
             await self.load(name)
         except Exception as exc:
             log.error("loading %s failed: %s", name, exc)
+            # A load refused before it began (e.g. not loadable) left no error on the model: /ready shows it.
+            self.models[name].last_error = self.models[name].last_error or str(exc)
+        finally:
+            self.startup_pending.discard(name)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
