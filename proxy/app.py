@@ -1,7 +1,10 @@
 """The aiohttp application: routes, middleware, and the pool's lifetime in cleanup_ctx."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 import time
 from typing import Any, AsyncIterator
 
@@ -39,7 +42,10 @@ async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamRe
 
 def create_app(settings: Settings, *, keep_models: bool = False) -> web.Application:
     """The proxy app. On cleanup it unloads every model and, in managed mode, stops supervisord,
-    unless `keep_models`: then both keep running for the next proxy to adopt."""
+    unless `keep_models`: then both keep running for the next proxy to adopt.
+
+    SIGUSR1 makes a running proxy exit as if started with `--keep-models`: an upgrade or a settings
+    change without unloading anything (the systemd unit's `reload`)."""
     # metrics outside errors: it sees the status the error middleware rendered.
     app = web.Application(client_max_size=settings.service.max_body_bytes,
                           middlewares=[metrics_middleware, error_middleware])
@@ -69,10 +75,23 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
         app[HTTP] = http
         app[METRICS].watch(pool)
         pool.load_in_background()
+        keep = [keep_models]
+
+        def exit_keeping_models() -> None:
+            log.info("SIGUSR1: exiting, leaving supervisord and the models running for the next proxy")
+            keep[0] = True
+            raise web.GracefulExit()  # what aiohttp's own SIGTERM handler raises
+
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            loop.add_signal_handler(signal.SIGUSR1, exit_keeping_models)
         yield
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGUSR1)
+        keep_models_now = keep[0]
         try:
-            await pool.close(stop_models=not keep_models)
-            if settings.supervisor.mode == "managed" and not keep_models:
+            await pool.close(stop_models=not keep_models_now)
+            if settings.supervisor.mode == "managed" and not keep_models_now:
                 await managed.stop_supervisord(supervisor)
         finally:
             await supervisor.close()
