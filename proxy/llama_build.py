@@ -7,6 +7,7 @@ is cached outside the repo, keyed by version, so later clones and CI runs reuse 
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import platform
 import shutil
@@ -61,6 +62,17 @@ def build_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int | None
         raise RuntimeError("building llama-server needs cmake and a C++ compiler (apt-get install cmake g++)")
     jobs = jobs or os.cpu_count() or 2
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Two callers at once (a setup and a test run, or parallel CI jobs) must not both spend a
+    # quarter of an hour compiling: the second waits for the first and then finds the binary.
+    with open(target.with_name("build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file() and os.access(target, os.X_OK):
+            print(f"llama-server {version}: built meanwhile by another process, at {target}", flush=True)
+            return target
+        return _build(version, jobs, target)
+
+
+def _build(version: str, jobs: int, target: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="llama-build-", dir=target.parent) as tmp:
         work = Path(tmp)
         print(f"llama-server {version}: downloading the llama-cpp-python sdist", flush=True)

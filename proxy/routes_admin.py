@@ -118,8 +118,19 @@ async def admin_logs(request: web.Request) -> web.Response:
     length = _int_param(request, "bytes", 16384, 1, MAX_LOG_BYTES)
     offset = _int_param(request, "offset", 0, 0, 2 ** 62)
     replica = runtime.replicas[index]
+    supervisor = request.app[POOL].supervisor
+    overflow = False
     try:
-        text, end, overflow = await request.app[POOL].supervisor.tail_log_from(replica.fullname, offset, length)
+        if "offset" not in request.query:
+            text, end = await supervisor.tail_log_end(replica.fullname, length)
+        else:
+            _, size = await supervisor.tail_log_end(replica.fullname, 0)
+            if offset > size:
+                offset = 0  # supervisord rotated the log: the new file from its start
+            if size - offset > length:
+                offset, overflow = size - length, True  # more came than one poll takes: skip ahead
+            text = await supervisor.read_log(replica.fullname, offset, size - offset) if size > offset else ""
+            end = offset + len(text.encode("utf-8"))
     except SupervisorError as exc:
         raise Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=1) from exc
     return web.json_response({"model": runtime.name, "replica": index, "program": replica.fullname,

@@ -197,12 +197,14 @@ class SupervisorClient:
         text, _offset, _overflow = await self.call("supervisor.tailProcessStdoutLog", fullname, 0, length)
         return text
 
-    async def tail_log_from(self, fullname: str, offset: int, length: int) -> tuple[str, int, bool]:
-        """Up to `length` bytes of the program's log: the last ones when `offset` is 0, else those from
-        `offset` on (what supervisorctl's `tail -f` polls). Returns (text, offset of its end, whether
-        bytes were skipped because more than `length` had come)."""
-        text, end, overflow = await self.call("supervisor.tailProcessStdoutLog", fullname, offset, length)
-        return text, int(end), bool(overflow)
+    async def tail_log_end(self, fullname: str, length: int) -> tuple[str, int]:
+        """The last `length` bytes of the program's log (stdout and stderr) and the log's size."""
+        text, size, _overflow = await self.call("supervisor.tailProcessStdoutLog", fullname, 0, length)
+        return text, int(size)
+
+    async def read_log(self, fullname: str, offset: int, length: int) -> str:
+        """`length` bytes of the program's log from `offset` on."""
+        return await self.call("supervisor.readProcessStdoutLog", fullname, offset, length)
 
     async def shutdown(self) -> None:
         await self.call("supervisor.shutdown")

@@ -27,25 +27,31 @@ def ctl(proxy: ProxyProcess, *argv: str) -> subprocess.CompletedProcess[str]:
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_ready_waits_for_every_enabled_model_and_shows_why_one_failed(start_proxy, llama_model, tmp_path) -> None:
+def test_ready_waits_for_every_enabled_model_and_shows_why_one_failed(start_proxy, tiny_gguf, tmp_path) -> None:
     flag = tmp_path / "give-up"
     stuck = tmp_path / "stuck-server"
-    # A server that never becomes healthy until the test says so, then fails.
+    # A "llama-server" that never becomes healthy until the test says so, then fails.
     stuck.write_text(f"#!/bin/sh\nwhile [ ! -e {flag} ]; do sleep 0.05; done\necho 'stuck-server: giving up'\nexit 3\n")
     stuck.chmod(0o755)
-    proxy = start_proxy({"tiny": llama_model(), "stuck": llama_model(llama_server_binary=str(stuck)),
-                         "off": llama_model(enabled=False)})
+    proxy = start_proxy({"fast": {"backend": "sim", "enabled": True},
+                         "stuck": {"backend": "llama_server", "model_path": str(tiny_gguf),
+                                   "llama_server_binary": str(stuck), "enabled": True},
+                         "off": {"backend": "sim", "enabled": False}})
     status, headers, body = http("GET", proxy.url + "/ready")
     assert status == 503 and "stuck" in body["waiting_for"] and headers.get("Retry-After")
-    assert set(body["models"]) == {"tiny", "stuck"}  # a disabled model is not waited for
-    proxy.wait_state("tiny", "loaded")
+    assert set(body["models"]) == {"fast", "stuck"}  # a disabled model is not waited for
+    proxy.wait_state("fast", "loaded")
     status, _, body = http("GET", proxy.url + "/ready")
-    assert (status, body["waiting_for"], body["models"]["tiny"]) == (503, ["stuck"], {"state": "loaded"})
+    assert (status, body["waiting_for"], body["models"]["fast"]) == (503, ["stuck"], {"state": "loaded"})
     assert http("GET", proxy.url + "/health")[0] == 200  # liveness all along
     flag.touch()
-    status, body = wait_for(lambda: (lambda r: (r[0], r[2]) if r[0] == 200 else None)(http("GET", proxy.url + "/ready")),
-                            what="/ready to answer 200")
-    assert body["status"] == "ready" and body["models"]["tiny"] == {"state": "loaded"}
+
+    def ready() -> dict[str, Any] | None:
+        status, _, body = http("GET", proxy.url + "/ready")
+        return body if status == 200 else None
+
+    body = wait_for(ready, what="/ready to answer 200")
+    assert body["status"] == "ready" and body["models"]["fast"] == {"state": "loaded"}
     assert body["models"]["stuck"]["state"] == "failed" and "giving up" in body["models"]["stuck"]["reason"]
 
 
@@ -145,3 +151,33 @@ def test_sigusr1_exits_and_the_next_proxy_adopts_the_models(proxies, llama_model
     proxy.stop()
     proxy.start()
     assert proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"] == pid  # adopted, not reloaded
+
+
+def test_log_polls_resume_at_the_offset_skip_ahead_and_restart_after_rotation(start_proxy) -> None:
+    proxy = start_proxy({"sim": {"backend": "sim", "enabled": True}})
+    program = proxy.wait_state("sim", "loaded")["replicas"][0]["program"]
+    # supervisord's log file of the replica; the sim writes nothing once started, so the test's
+    # own appends are all that changes in it.
+    log = proxy.state_dir / "logs" / (program.split(":")[1] + ".log")
+    base = proxy.url + "/v1/admin/models/sim/logs?replica=0&bytes=100"
+
+    status, _, first = http("GET", base)
+    assert status == 200 and first["offset"] == log.stat().st_size and first["program"] == program
+    with log.open("a") as f:
+        f.write("hello\n")
+    _, _, new = http("GET", f"{base}&offset={first['offset']}")
+    assert (new["text"], new["offset"], new["overflow"]) == ("hello\n", first["offset"] + 6, False)
+    _, _, idle = http("GET", f"{base}&offset={new['offset']}")
+    assert (idle["text"], idle["offset"]) == ("", new["offset"])
+    with log.open("a") as f:
+        f.write("x" * 499 + "\n")
+    _, _, burst = http("GET", f"{base}&offset={new['offset']}")
+    assert burst["overflow"] is True and burst["text"] == "x" * 99 + "\n" and burst["offset"] == log.stat().st_size
+    # An offset past the end: the log was rotated, so the new file is read from its start.
+    _, _, rotated = http("GET", f"{base}&offset={burst['offset'] + 10_000}")
+    assert rotated["overflow"] is True and rotated["offset"] == log.stat().st_size
+    for query, param in (("replica=1", "replica"), ("bytes=0", "bytes"), ("offset=-1", "offset")):
+        status, _, body = http("GET", f"{proxy.url}/v1/admin/models/sim/logs?{query}")
+        assert (status, body["error"]["param"]) == (400, param)
+    status, _, body = http("GET", proxy.url + "/v1/admin/models/nosuch/logs")
+    assert status == 404
