@@ -265,7 +265,8 @@ def resolve_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
             host = settings.service.host
             # A wildcard listen address is reached on loopback.
             host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-            url = f"http://[{host}]:{settings.service.port}" if ":" in host else f"http://{host}:{settings.service.port}"
+            host = f"[{host}]" if ":" in host else host
+            url = f"http://{host}:{settings.service.port}"
     token = (environ.get(token_env) if token_env else None) or environ.get(TOKEN_ENV)
     return url or DEFAULT_URL, token
 

@@ -26,8 +26,7 @@ def unit() -> configparser.ConfigParser:
 
 
 def command(line: str) -> list[str]:
-    argv = shlex.split(line.lstrip("-@+!:"))
-    return argv
+    return shlex.split(line.lstrip("-@+!:"))  # systemd's command prefixes are not part of argv
 
 
 def test_start_commands_are_llm_pool_commands() -> None:

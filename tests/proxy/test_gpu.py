@@ -13,8 +13,8 @@ import pytest
 from fakes import FakeNvml
 from proxy.config import ModelConfig
 from proxy.demo_model import write_tiny_gguf
-from proxy.managed import pid_alive
 from proxy.gpu import ModelSnapshot, gpu_report
+from proxy.managed import pid_alive
 from proxy.proc_tree import descendants, parent_pids
 from proxy.vram_estimate import MIB, Estimator
 
