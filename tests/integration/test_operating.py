@@ -19,9 +19,9 @@ pytestmark = pytest.mark.integration
 SECRETS = ("sk-vllm-secret-1", "hf-secret-2", "sk-remote-secret-3")
 
 
-def ctl(proxy: ProxyProcess, *argv: str) -> subprocess.CompletedProcess[str]:
+def ctl(proxy: ProxyProcess, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`llm-pool ctl` as an admin runs it: the URL comes from the proxy's settings file."""
-    env = {**os.environ, "LLM_POOL_LOCAL_SETTINGS_PATH": str(proxy.state_dir / "no-local.yaml")}
+    env = {**os.environ, "LLM_POOL_LOCAL_SETTINGS_PATH": str(proxy.state_dir / "no-local.yaml"), **(env or {})}
     return subprocess.run([sys.executable, "-m", "proxy.cli", "--config", str(proxy.config_path), "ctl", *argv],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
@@ -180,3 +180,16 @@ def test_log_polls_resume_at_the_offset_skip_ahead_and_restart_after_rotation(st
         assert (status, body["error"]["param"]) == (400, param)
     status, _, body = http("GET", proxy.url + "/v1/admin/models/nosuch/logs")
     assert status == 404
+
+
+def test_ctl_sends_the_admin_token_from_the_variable_the_settings_name(proxies) -> None:
+    proxy = ProxyProcess({"sim": {"backend": "sim", "enabled": False}},
+                         service={"admin_token_env": "LLM_POOL_TEST_CTL_TOKEN"})
+    proxy.env["LLM_POOL_TEST_CTL_TOKEN"] = "ctl-token-for-tests"
+    proxies.append(proxy)
+    proxy.start()
+    refused = ctl(proxy, "models")
+    assert refused.returncode == 1 and "401 invalid_admin_token" in refused.stderr
+    allowed = ctl(proxy, "models", env={"LLM_POOL_TEST_CTL_TOKEN": "ctl-token-for-tests"})
+    assert allowed.returncode == 0 and "sim" in allowed.stdout
+    assert "ctl-token-for-tests" not in allowed.stdout + allowed.stderr
