@@ -148,3 +148,18 @@ def test_url_and_token_come_from_the_settings(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LLM_POOL_LOCAL_SETTINGS_PATH", str(tmp_path / "none.yaml"))
     assert ctl.resolve_target(args, {"MY_TOKEN": "t1", "LLM_POOL_ADMIN_TOKEN": "t2"}) == ("http://127.0.0.1:9123", "t1")
     assert ctl.resolve_target(args, {"LLM_POOL_ADMIN_TOKEN": "t2"}) == ("http://127.0.0.1:9123", "t2")
+
+
+def test_gpu_table_says_why_nothing_was_measured_and_shows_unknown_memory() -> None:
+    report = {"available": False, "reason": "NVML unavailable: ImportError: no pynvml", "gpus": [],
+              "models": {"q": {"state": "loaded", "measured": None, "fits": None,
+                               "estimate": {"per_replica_mib": 120.5, "total_mib": 241.0}}}}
+    text = ctl.gpu_text(report)
+    assert text.splitlines()[0] == "GPU memory not measured: NVML unavailable: ImportError: no pynvml"
+    assert text.splitlines()[-1].split() == ["q", "loaded", "-", "120.5", "241.0", "-"]
+    report.update(available=True, gpus=[{"index": 0, "name": "H100", "used_mib": 10.0, "total_mib": 80.0,
+                                         "free_mib": 70.0, "note": None}])
+    report["models"]["q"].update(measured={"used_mib": None, "reason": "container"}, fits={"0": True})
+    lines = ctl.gpu_text(report).splitlines()
+    assert lines[1].split() == ["0", "H100", "10.0", "80.0", "70.0", "-"]
+    assert lines[-1].split() == ["q", "loaded", "unknown", "120.5", "241.0", "0:yes"]
