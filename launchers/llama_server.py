@@ -1,7 +1,10 @@
 """llama.cpp's llama-server: every `llama_server_*` field mapped to the flag of the pinned build.
 
 Flag names were checked against `llama-server --help` of the llama.cpp tree vendored in
-llama-cpp-python 0.3.36 (see proxy/llama_build.py).
+llama-cpp-python 0.3.36 (see proxy/llama_build.py); tests/launchers checks every flag and every
+enumerated value against the built binary. At config time, the values of enumerated fields are
+checked against the binary that will run them (launchers/llama_help.py), so a value it refuses is a
+config error listing what it accepts, not a failed load.
 """
 from __future__ import annotations
 
@@ -11,13 +14,14 @@ from pathlib import Path
 from typing import Mapping
 
 from launchers.common import library_env, missing_file
+from launchers.llama_help import HelpUnavailable, choices, help_text, options
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.config import ModelConfig
-from proxy.llama_build import cached_llama_server
+from proxy.llama_build import cache_root, cached_llama_server
 
 # (config field, flag): scalar fields that map one to one, in the order they are emitted.
+# llama_server_n_ctx is not here: it is per request, and becomes --ctx-size times the slots.
 FLAGS = (
-    ("llama_server_n_ctx", "--ctx-size"),
     ("llama_server_n_gpu_layers", "--n-gpu-layers"),
     ("llama_server_flash_attn", "--flash-attn"),
     ("llama_server_mmproj_path", "--mmproj"),
@@ -28,7 +32,18 @@ FLAGS = (
     ("llama_server_spec_draft_p_min", "--spec-draft-p-min"),
     ("llama_server_spec_draft_ngl", "--spec-draft-ngl"),
     ("llama_server_reasoning", "--reasoning-format"),
+    ("llama_server_pooling", "--pooling"),
+    ("llama_server_media_path", "--media-path"),
 )
+# Switches: the flag is given when the field is true.
+SWITCHES = (("llama_server_embeddings", "--embeddings"),)
+# Fields whose value must be one the binary lists for the flag; checked against the binary's --help.
+ENUM_FIELDS = (("llama_server_flash_attn", "--flash-attn"), ("llama_server_spec_type", "--spec-type"),
+               ("llama_server_reasoning", "--reasoning-format"), ("llama_server_pooling", "--pooling"))
+# The seed's speculative types, named as llama.cpp named them before the pinned build, mapped to its
+# names (`draft` is `draft-simple` there; the binary refuses the old name).
+SPEC_TYPE_NAMES = {"draft": "draft-simple", "eagle3": "draft-eagle3", "mtp": "draft-mtp", "dflash": "draft-dflash",
+                   "dspark": "draft-dspark"}
 # Runtime knobs an admin may change for one load without editing files (seed: "Live admin overrides").
 LOAD_OVERRIDES = ("llama_server_n_ctx", "llama_server_image_max_tokens", "llama_server_spec_type",
                   "llama_server_spec_draft_n_max", "llama_server_spec_draft_p_min")
@@ -52,16 +67,56 @@ def check(model: ModelConfig) -> list[str]:
     exe = binary(model)
     if not (Path(exe).is_file() and os.access(exe, os.X_OK)):
         hint = "" if model.get("llama_server_binary") else " (run `llm-pool setup` to build it)"
-        problems.append(f"{where}.llama_server_binary: {exe} does not exist or is not executable{hint}")
+        return [f"{where}.llama_server_binary: {exe} does not exist or is not executable{hint}"]
     for key in ("model_path", "llama_server_mmproj_path", "llama_server_draft_model_path"):
         problems += missing_file(where, key, model.get(key))
+    media = model.get("llama_server_media_path")
+    if media and not Path(media).is_dir():
+        problems.append(f"{where}.llama_server_media_path: {media} is not a folder")
+    return problems + option_problems(model)
+
+
+def option_problems(model: ModelConfig) -> list[str]:
+    """Values the binary would refuse at start, each with what it accepts (from its --help)."""
+    wanted = [(key, flag, _flag_value(key, model.get(key))) for key, flag in ENUM_FIELDS if model.get(key) is not None]
+    if not wanted:
+        return []
+    exe = binary(model)
+    try:
+        known = options(help_text(exe, cache_root()))
+    except HelpUnavailable as exc:
+        return [f"engine.models.{model.name}.llama_server_binary: cannot read what it accepts: {exc}"]
+    problems = []
+    for key, flag, value in wanted:
+        option = known.get(flag)
+        if option is None:
+            problems.append(f"engine.models.{model.name}.{key}: {exe} has no {flag} option")
+            continue
+        accepted = choices(option)
+        given = value.split(",") if flag == "--spec-type" else [value]
+        refused = [v for v in given if accepted is not None and v not in accepted]
+        if refused:
+            problems.append(f"engine.models.{model.name}.{key}: {model.get(key)!r} is not accepted by {exe} "
+                            f"({flag} {', '.join(refused)}); it accepts: {', '.join(sorted(accepted or ()))}")
     return problems
 
 
-def _flag_value(value: object) -> str:
+def _flag_value(key: str, value: object) -> str:
+    if key == "llama_server_spec_type":
+        return ",".join(SPEC_TYPE_NAMES.get(v.strip(), v.strip()) for v in str(value).split(","))
     if isinstance(value, float):
         return repr(value)
     return str(value)
+
+
+def ctx_args(model: ModelConfig) -> list[str]:
+    """llama_server_n_ctx is the context of one request. llama-server splits --ctx-size over its
+    --parallel slots, so the total is n_ctx times the slots; unset (or 0), every slot may use the
+    model's whole trained context from one shared (unified) KV cache."""
+    n_ctx = model.get("llama_server_n_ctx")
+    if not n_ctx:
+        return ["--kv-unified"]
+    return ["--ctx-size", str(int(n_ctx) * model.target_inflight)]
 
 
 def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
@@ -70,11 +125,12 @@ def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
             # One slot per request the scheduler may send at once, so none waits inside llama-server.
             "--parallel", str(model.target_inflight),
             # /metrics feeds replica routing (running, deferred, KV-cache use).
-            "--metrics", "--no-webui"]
+            "--metrics", "--no-webui", *ctx_args(model)]
     for key, flag in FLAGS:
         value = model.get(key)
         if value is not None:
-            args += [flag, _flag_value(value)]
+            args += [flag, _flag_value(key, value)]
+    args += [flag for key, flag in SWITCHES if model.get(key)]
     thinking = model.get("enable_thinking")
     if thinking is not None:
         args += ["--reasoning", "on" if thinking else "off"]

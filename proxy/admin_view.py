@@ -35,9 +35,10 @@ def model_schema() -> dict[str, Any]:
     return schema["$defs"]["model"]["properties"]
 
 
-def load_constraints(model: ModelConfig, properties: Mapping[str, Any]) -> dict[str, Any]:
+def load_constraints(model: ModelConfig, properties: Mapping[str, Any], loadable: bool) -> dict[str, Any]:
     """Every temporary override the model's backend takes, with its type and allowed range from the
-    schema and its configured value, and the replica count a load may ask for."""
+    schema and its configured value, and the replica count a load may ask for. `loadable`: whether
+    this version can run the backend at all (the pool has a kind for it)."""
     launcher = launcher_for(model.backend)
     names = tuple(getattr(launcher, "LOAD_OVERRIDES", ())) if launcher is not None else ()
     overrides = {}
@@ -52,7 +53,7 @@ def load_constraints(model: ModelConfig, properties: Mapping[str, Any]) -> dict[
         entry["configured"] = redact_value(name, model.options.get(name))
         overrides[name] = entry
     return {
-        "loadable": launcher is not None,
+        "loadable": loadable,
         "overrides": overrides,
         "replicas": {"type": ["integer"], "minimum": 1, "maximum": model.replica_max, "configured": model.replicas},
     }
@@ -142,7 +143,7 @@ def _json_type(value: Any) -> str:
 
 
 def admin_row(described: dict[str, Any], model: ModelConfig, properties: Mapping[str, Any],
-              environ: Mapping[str, str]) -> dict[str, Any]:
+              environ: Mapping[str, str], loadable: bool) -> dict[str, Any]:
     """A runtime's `describe()` with its load constraints and its definition added."""
-    return {**described, "load_constraints": load_constraints(model, properties),
+    return {**described, "load_constraints": load_constraints(model, properties, loadable),
             "definition": definition(model, environ)}

@@ -90,7 +90,11 @@ class Admission:
                 fut.set_exception(error)
 
     def describe_keys(self) -> dict[str, dict[str, float]]:
+        """The most active fairness keys (a bounded list, whatever clients send)."""
         return self.scheduler.keys()
+
+    def key_counts(self) -> dict[str, int]:
+        return self.scheduler.key_counts()
 
     def _start(self, tickets: Iterable[Hashable]) -> None:
         for ticket in tickets:

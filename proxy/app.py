@@ -13,9 +13,10 @@ from aiohttp import web
 
 from proxy import managed, routes_admin, routes_public, routes_responses
 from proxy.config import Settings
-from proxy.errors import error_middleware
+from proxy.errors import NotFound, error_middleware
 from proxy.keys import HTTP, METRICS, MODEL, POOL, SETTINGS, VRAM
 from proxy.metrics import ProxyMetrics
+from proxy.orphans import PidRecord
 from proxy.pool import Pool
 from proxy.supervisor import SupervisorClient
 from proxy.vram_estimate import Estimator
@@ -40,6 +41,19 @@ async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamRe
             metrics.latency.labels(model, request.path).observe(time.perf_counter() - started)
 
 
+def admin_listener_middleware(admin_port: int) -> Any:
+    """With service.admin_port, the admin API answers on that listener only, and nothing else does
+    (but /health): a public port that never routes /v1/admin/* cannot expose it by mistake."""
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        on_admin = bool(sockname) and sockname[1] == admin_port
+        if request.path.startswith("/v1/admin/") != on_admin and request.path != "/health":
+            raise NotFound(f"no route {request.path} on this listener", code="not_found")
+        return await handler(request)
+    return middleware
+
+
 def create_app(settings: Settings, *, keep_models: bool = False) -> web.Application:
     """The proxy app. On cleanup it unloads every model and, in managed mode, stops supervisord,
     unless `keep_models`: then both keep running for the next proxy to adopt.
@@ -47,8 +61,10 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
     SIGUSR1 makes a running proxy exit as if started with `--keep-models`: an upgrade or a settings
     change without unloading anything (the systemd unit's `reload`)."""
     # metrics outside errors: it sees the status the error middleware rendered.
-    app = web.Application(client_max_size=settings.service.max_body_bytes,
-                          middlewares=[metrics_middleware, error_middleware])
+    middlewares = [metrics_middleware, error_middleware]
+    if settings.service.admin_port is not None:
+        middlewares.append(admin_listener_middleware(settings.service.admin_port))
+    app = web.Application(client_max_size=settings.service.max_body_bytes, middlewares=middlewares)
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
     app[VRAM] = Estimator()
@@ -65,7 +81,9 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
             if settings.supervisor.mode == "managed":
                 if await managed.ensure_supervisord(settings, supervisor):
                     log.info("started supervisord: supervisorctl -c %s status", managed.conf_path(settings))
-            pool = Pool(settings, supervisor, http)
+            managed_mode = settings.supervisor.mode == "managed"
+            pool = Pool(settings, supervisor, http,
+                        pid_record=PidRecord(settings.service.state_dir) if managed_mode else None)
             await pool.start()
         except BaseException:
             await supervisor.close()

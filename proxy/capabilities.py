@@ -11,6 +11,8 @@ MULTI_TURN_BACKENDS = {"llama_server", "vllm", "vllm_serve", "openai_remote", "s
 LLAMA_CPP_MULTI_TURN_FORMATS = {"generic", "mistral_template", "qwen3_template", "gemma4_template"}
 # Backends whose chat template can switch thinking on or off per request.
 THINKING_BACKENDS = {"llama_server", "vllm", "vllm_serve", "openai_remote"}
+# The field that makes a model of each backend serve /v1/embeddings (its server must be started so).
+EMBEDDINGS_FIELDS = {"llama_server": "llama_server_embeddings"}
 
 
 @dataclass(frozen=True)
@@ -19,10 +21,12 @@ class Capabilities:
     multi_turn: bool
     file_inputs: bool
     thinking_modes: tuple[str, ...]
+    embeddings: bool = False
 
     def as_dict(self) -> dict[str, object]:
         return {"modalities": list(self.modalities), "multi_turn": self.multi_turn,
-                "file_inputs": self.file_inputs, "thinking_modes": list(self.thinking_modes)}
+                "file_inputs": self.file_inputs, "thinking_modes": list(self.thinking_modes),
+                "embeddings": self.embeddings}
 
 
 def capabilities(model: ModelConfig) -> Capabilities:
@@ -38,4 +42,5 @@ def capabilities(model: ModelConfig) -> Capabilities:
         thinking = ("default",)
     return Capabilities(modalities=tuple(modalities), multi_turn=multi_turn,
                         file_inputs=backend == "openai_remote" and bool(model.get("remote_file_mode")),
-                        thinking_modes=thinking)
+                        thinking_modes=thinking,
+                        embeddings=backend in EMBEDDINGS_FIELDS and bool(model.get(EMBEDDINGS_FIELDS[backend])))

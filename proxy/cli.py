@@ -2,41 +2,61 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
+from typing import Mapping
 
-from launchers import launcher_for
 from proxy import ctl
 from proxy.config import ConfigError, Settings, load_settings
+from proxy.kinds import kinds_for
 from proxy.managed import StateDirBusy, claim_state_dir
 
 EXIT_CONFIG = 2
 
 
+def service_problems(settings: Settings, environ: Mapping[str, str] | None = None) -> list[str]:
+    """What stops the proxy itself from starting: an admin token variable that is named but not set."""
+    environ = os.environ if environ is None else environ
+    env = settings.service.admin_token_env
+    if env and not environ.get(env, "").strip():
+        # Fail closed: serving with the admin API open because a variable was forgotten is worse
+        # than not serving. Name the variable, never a value.
+        return [f"service.admin_token_env: {env} is unset or empty; set it to the admin token, "
+                "or remove admin_token_env to leave the admin API without a token"]
+    return []
+
+
 def startup_problems(settings: Settings) -> list[str]:
-    """What would stop an enabled model from starting: unsupported backend, missing files."""
+    """What would stop an enabled model from starting: an unsupported backend, missing files.
+    Each costs only its model: `serve` goes on, `check-config` exits non-zero."""
     problems = []
+    kinds = kinds_for({m.backend for m in settings.models.values()}, os.environ)
     for name, model in settings.models.items():
         if not model.enabled:
             continue
-        launcher = launcher_for(model.backend)
-        if launcher is None:
+        kind = kinds.get(model.backend)
+        if kind is None:
             problems.append(f"engine.models.{name}.backend: {model.backend!r} cannot be run by this version "
                             "of llm-pool (set enabled: false to keep it configured)")
         else:
-            problems += launcher.check(model)
+            problems += kind.check(model)
     return problems
 
 
-def _load_or_exit(config: str | None) -> Settings:
+def _load_or_exit(config: str | None, strict: bool = False) -> Settings:
+    """The settings, or exit 2 naming every structural problem (a wrong type, a bad value; with
+    `strict`, unknown keys too; an admin token variable that is not set). Unknown keys are
+    otherwise `settings.warnings`."""
     try:
-        settings = load_settings(config)
+        settings = load_settings(config, strict=strict)
     except ConfigError as exc:
         _report(exc.problems)
         raise SystemExit(EXIT_CONFIG) from None
-    problems = startup_problems(settings)
+    problems = service_problems(settings)
     if problems:
         _report(problems)
         raise SystemExit(EXIT_CONFIG)
@@ -50,10 +70,17 @@ def _report(problems: list[str]) -> None:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    settings = _load_or_exit(args.config)
+    settings = _load_or_exit(args.config, strict=args.strict)
+    for warning in settings.warnings:
+        print(f"llm-pool: warning: {warning}", file=sys.stderr)
+    problems = startup_problems(settings)
+    if problems:
+        _report(problems)
+        return EXIT_CONFIG
     enabled = sum(1 for m in settings.models.values() if m.enabled)
     sources = ", ".join(str(s) for s in settings.sources)
-    print(f"ok: {len(settings.models)} model(s), {enabled} enabled ({sources})")
+    warned = f", {len(settings.warnings)} warning(s)" if settings.warnings else ""
+    print(f"ok: {len(settings.models)} model(s), {enabled} enabled{warned} ({sources})")
     return 0
 
 
@@ -65,6 +92,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _load_or_exit(args.config)
     logging.basicConfig(level=settings.service.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("llm-pool")
+    for warning in settings.warnings:
+        log.warning("config: %s", warning)
+    # A model that cannot start costs that model, not the service: it ends FAILED with this reason
+    # when the pool tries to load it, and every other model serves.
+    for problem in startup_problems(settings):
+        log.error("config: %s (this model will not start; the others are served)", problem)
     host = args.host or settings.service.host
     port = args.port or settings.service.port
     # Claim the state folder and the port before anything starts: a second `serve` by mistake must
@@ -74,18 +108,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StateDirBusy as exc:
         print(f"llm-pool: {exc}", file=sys.stderr)
         return 1
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.create_server((host, port), family=family)
-    except OSError as exc:
-        print(f"llm-pool: cannot listen on {host}:{port}: {exc.strerror}", file=sys.stderr)
-        return 1
+    listeners = [(host, port)]
+    if settings.service.admin_port is not None:
+        listeners.append((settings.service.admin_host or host, settings.service.admin_port))
+    socks: list[socket.socket] = []
+    for where in listeners:
+        try:
+            socks.append(socket.create_server(where, family=socket.AF_INET6 if ":" in where[0] else socket.AF_INET))
+        except OSError as exc:
+            print(f"llm-pool: cannot listen on {where[0]}:{where[1]}: {exc.strerror}", file=sys.stderr)
+            for sock in socks:
+                sock.close()
+            return 1
+    banner = f"llm-pool serving on http://{host}:{port}"
+    if len(listeners) > 1:
+        banner += f", admin API on http://{listeners[1][0]}:{listeners[1][1]}"
     app = create_app(settings, keep_models=args.keep_models)
-    with lock, sock:
+    with lock, contextlib.ExitStack() as stack:
+        for sock in socks:
+            stack.enter_context(sock)
         # handler_cancellation: a client that disconnects cancels its handler, which closes the
         # upstream request so the backend stops generating for nobody.
-        web.run_app(app, sock=sock, handler_cancellation=True, access_log=None,
-                    print=lambda _msg: print(f"llm-pool serving on http://{host}:{port}", flush=True))
+        web.run_app(app, sock=socks, handler_cancellation=True, access_log=None,
+                    print=lambda _msg: print(banner, flush=True))
     return 0
 
 
@@ -125,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on exit leave supervisord and the models running, for the next proxy to adopt")
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check-config", help="validate the settings; print every problem and exit non-zero")
+    check.add_argument("--strict", action="store_true",
+                       help="unknown keys are errors, not warnings (for an admin's CI)")
     check.set_defaults(func=cmd_check_config)
     setup = sub.add_parser("setup", help="build llama-server if not cached and write the demo model")
     setup.add_argument("--all-engines", action="store_true",

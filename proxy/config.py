@@ -1,10 +1,14 @@
 """Settings: conf/pool.yaml deep-merged with conf/local.yaml, validated against conf/schema.json.
 
-YAML is a superset of JSON, so an llm-pool settings.json loads unchanged. Every problem is reported
-with the exact path and the rule it breaks, and the whole document is checked before anything starts.
+YAML is a superset of JSON, so an llm-pool settings.json loads unchanged, and its config/local.json
+beside it is merged the same way. Every problem is reported with the exact path and the rule it
+breaks, and the whole document is checked before anything starts. An unknown key is a warning with
+the closest known name, never a stop (an older or newer settings file must keep the service up);
+`strict` makes warnings errors.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -21,13 +25,13 @@ DEFAULT_SETTINGS = REPO_ROOT / "conf" / "pool.yaml"
 DEFAULT_SERVICE = {"host": "127.0.0.1", "port": 8011, "log_level": "info", "max_body_bytes": 32 * 1024 * 1024,
                    "drain_timeout_s": 30.0, "admin_token_env": None}
 DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "port_range": [18100, 18999],
-                      "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15}
+                      "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15, "pass_env": []}
 DEFAULT_MODEL = {"enabled": False, "replicas": 1, "target_inflight": 1, "modalities": ["text"], "gpus": []}
 
 # Fields that name files: relative values resolve against the base settings file's folder, so a
 # config means the same thing whatever the current directory of the process that reads it.
 PATH_FIELDS = ("model_path", "llama_server_binary", "llama_server_mmproj_path", "llama_server_draft_model_path",
-               "vllm_serve_binary")
+               "llama_server_media_path", "vllm_serve_binary")
 PATH_LIST_FIELDS = ("llama_server_library_path", "vllm_serve_library_path")
 # A unix socket path longer than this does not fit in sockaddr_un on Linux.
 MAX_SOCKET_PATH = 107
@@ -50,6 +54,8 @@ class ServiceSettings:
     max_body_bytes: int
     drain_timeout_s: float
     admin_token_env: str | None
+    admin_host: str | None = None       # with admin_port: the admin API listens there, and only there
+    admin_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class SupervisorSettings:
     poll_interval_s: float
     rpc_timeout_s: float
     stopwaitsecs: int
+    pass_env: tuple[str, ...] = ()       # variables passed to model servers besides the fixed few
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,7 @@ class Settings:
     fairness: Mapping[str, Any]
     models: Mapping[str, ModelConfig]
     sources: tuple[Path, ...]
+    warnings: tuple[str, ...] = ()         # unknown keys, each with the closest known name
 
     @property
     def socket_path(self) -> Path:
@@ -138,10 +146,14 @@ def _read_document(path: Path) -> dict[str, Any]:
 
 
 def settings_paths(config: str | os.PathLike[str] | None = None) -> tuple[Path, Path]:
-    """The base and local settings paths: explicit argument, then environment, then conf/."""
+    """The base and local settings paths: explicit argument, then environment, then conf/.
+
+    The local file sits beside the base file and has its extension: settings.json pairs with
+    local.json (the seed's layout), pool.yaml with local.yaml.
+    """
     base = Path(config or os.environ.get("LLM_POOL_SETTINGS_PATH") or DEFAULT_SETTINGS).expanduser()
     local_env = os.environ.get("LLM_POOL_LOCAL_SETTINGS_PATH")
-    local = Path(local_env).expanduser() if local_env else base.with_name("local.yaml")
+    local = Path(local_env).expanduser() if local_env else base.with_name("local" + (base.suffix or ".yaml"))
     return base, local
 
 
@@ -161,27 +173,53 @@ def _json_path(parts: Any) -> str:
     return ".".join(str(p) for p in parts) or "(top level)"
 
 
-def schema_problems(doc: Mapping[str, Any]) -> list[str]:
+def _with_effective_backends(doc: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The document with each model's effective backend (its own, else engine.backend) written in,
+    so that the schema's backend-specific rules judge a model by the backend it will really run."""
+    engine = doc.get("engine")
+    if not isinstance(engine, dict) or not isinstance(engine.get("models"), dict) or not engine.get("backend"):
+        return doc
+    models = {name: ({"backend": engine["backend"], **raw} if isinstance(raw, dict) and raw.get("backend") is None
+                     else raw) for name, raw in engine["models"].items()}
+    return {**doc, "engine": {**engine, "models": models}}
+
+
+def _unknown_key(path: list[Any], key: str, known: Any) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f"; did you mean `{close[0]}`?" if close else ""
+    return f"{_json_path(path + [key])}: unknown field, ignored{hint}"
+
+
+def schema_findings(doc: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """(errors, warnings): errors break a rule and stop the start; warnings are unknown keys."""
     schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
     validator = jsonschema.Draft202012Validator(schema)
-    problems = []
-    for err in validator.iter_errors(doc):
+    problems, warnings = [], []
+    for err in validator.iter_errors(_with_effective_backends(doc)):
         where = list(err.absolute_path)
         if err.validator == "additionalProperties" and isinstance(err.instance, dict):
             allowed = set(err.schema.get("properties", {}))
-            for key in sorted(set(err.instance) - allowed):
-                problems.append(f"{_json_path(where + [key])}: unknown field")
+            warnings += [_unknown_key(where, key, allowed) for key in sorted(set(err.instance) - allowed)]
             continue
+        # A backend-specific rule (an if/then of the schema) says why in its description.
+        why = err.schema.get("description") if "then" in err.absolute_schema_path else None
+        because = f" ({why})" if why else ""
         if err.validator == "required":
             missing = err.message.split("'")[1] if "'" in err.message else err.message
-            problems.append(f"{_json_path(where + [missing])}: required")
+            problems.append(f"{_json_path(where + [missing])}: required{because}")
             continue
         if "propertyNames" in err.absolute_schema_path:
             problems.append(f"{_json_path(where)}: model id {err.instance!r} must be 1-128 characters of "
                             "letters, digits and ._:@+- (model ids are names, never paths)")
             continue
-        problems.append(f"{_json_path(where)}: {err.message}")
-    return sorted(set(problems))
+        problems.append(f"{_json_path(where)}: {err.message}{because}")
+    return sorted(set(problems)), sorted(set(warnings))
+
+
+def schema_problems(doc: Mapping[str, Any]) -> list[str]:
+    """Every rule broken, unknown keys included (what `check-config --strict` reports)."""
+    problems, warnings = schema_findings(doc)
+    return sorted(problems + warnings)
 
 
 def _resolve(value: str, base_dir: Path) -> str:
@@ -212,11 +250,26 @@ def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_d
     )
 
 
+def secret_env_names(settings: Settings) -> set[str]:
+    """Variables that hold the proxy's secrets: the admin token's, and every variable a model names
+    in a `*_env` field (provider API keys). Model servers never see them."""
+    names = {settings.service.admin_token_env} if settings.service.admin_token_env else set()
+    for model in settings.models.values():
+        names.update(v for k, v in model.options.items() if k.endswith("_env") and isinstance(v, str) and v)
+    return names
+
+
 def semantic_problems(settings: Settings) -> list[str]:
     problems = []
     if len(str(settings.socket_path)) > MAX_SOCKET_PATH and settings.supervisor.mode == "managed":
         problems.append(f"service.state_dir: {settings.service.state_dir} is too long for a unix socket path; "
                         "choose a shorter folder")
+    for name in sorted(set(settings.supervisor.pass_env) & secret_env_names(settings)):
+        problems.append(f"supervisor.pass_env: {name} holds a secret of the proxy (named by admin_token_env "
+                        "or a *_env field); model servers never get it")
+    if settings.service.admin_port is not None and settings.service.admin_port == settings.service.port:
+        problems.append(f"service.admin_port: {settings.service.admin_port} is service.port; the admin listener "
+                        "needs a port of its own")
     lo, hi = settings.supervisor.port_range
     if lo > hi:
         problems.append(f"supervisor.port_range: start {lo} is above end {hi}")
@@ -229,10 +282,13 @@ def semantic_problems(settings: Settings) -> list[str]:
     return problems
 
 
-def load_settings(config: str | os.PathLike[str] | None = None) -> Settings:
-    """Load, merge and validate; raise ConfigError listing every problem found."""
+def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = False) -> Settings:
+    """Load, merge and validate; raise ConfigError listing every problem found. Unknown keys are
+    returned as `Settings.warnings`, or are problems too when `strict`."""
     doc, sources = load_document(config)
-    problems = schema_problems(doc)
+    problems, warnings = schema_findings(doc)
+    if strict:
+        problems, warnings = sorted(problems + warnings), []
     if problems:
         raise ConfigError(problems)
     base_dir = sources[0].resolve().parent
@@ -249,17 +305,20 @@ def load_settings(config: str | os.PathLike[str] | None = None) -> Settings:
                                 log_level=str(service["log_level"]).lower(), state_dir=state_dir,
                                 max_body_bytes=int(service["max_body_bytes"]),
                                 drain_timeout_s=float(service["drain_timeout_s"]),
-                                admin_token_env=service.get("admin_token_env")),
+                                admin_token_env=service.get("admin_token_env"),
+                                admin_host=service.get("admin_host"), admin_port=service.get("admin_port")),
         supervisor=SupervisorSettings(mode=supervisor["mode"], url=supervisor.get("url"), programs_dir=programs_dir,
                                       port_range=(int(supervisor["port_range"][0]), int(supervisor["port_range"][1])),
                                       poll_interval_s=float(supervisor["poll_interval_s"]),
                                       rpc_timeout_s=float(supervisor["rpc_timeout_s"]),
-                                      stopwaitsecs=int(supervisor["stopwaitsecs"])),
+                                      stopwaitsecs=int(supervisor["stopwaitsecs"]),
+                                      pass_env=tuple(supervisor["pass_env"] or ())),
         decoding=dict(engine.get("decoding") or {}),
         fairness=dict(engine.get("fairness") or {}),
         models={name: _model(name, raw, engine.get("backend"), base_dir)
                 for name, raw in (engine.get("models") or {}).items()},
         sources=sources,
+        warnings=tuple(warnings),
     )
     problems = semantic_problems(settings)
     if problems:

@@ -249,7 +249,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def resolve_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str | None]:
-    """The proxy's URL and the admin token: --url, else the settings' host and port; the token from
+    """The proxy's URL and the admin token: --url, else the settings' admin listener (service.admin_host
+    and admin_port) or host and port; the token from
     the variable service.admin_token_env names, else LLM_POOL_ADMIN_TOKEN."""
     token_env = None
     url = args.url
@@ -262,11 +263,14 @@ def resolve_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
     if settings is not None:
         token_env = settings.service.admin_token_env
         if url is None:
-            host = settings.service.host
+            service = settings.service
+            # The admin API answers on its own listener when service.admin_port is set.
+            host, port = ((service.admin_host or service.host, service.admin_port) if service.admin_port is not None
+                          else (service.host, service.port))
             # A wildcard listen address is reached on loopback.
             host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
             host = f"[{host}]" if ":" in host else host
-            url = f"http://{host}:{settings.service.port}"
+            url = f"http://{host}:{port}"
     token = (environ.get(token_env) if token_env else None) or environ.get(TOKEN_ENV)
     return url or DEFAULT_URL, token
 

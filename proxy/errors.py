@@ -50,6 +50,12 @@ class Unauthorized(PoolError):
     code = "invalid_admin_token"
 
 
+class Forbidden(PoolError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
 class NotFound(PoolError):
     status = 404
     type = "invalid_request_error"

@@ -12,7 +12,8 @@ The rules are the seed's "Client Fairness":
   only when every waiting key is at or above it, to the one with the least usage anyway (soft);
 - a key that becomes active starts level with the least-used active key, so it is not penalised
   for work the others did alone, and they are not penalised for having worked alone;
-- an idle key's usage is remembered for `idle_state_ttl_s`, then forgotten;
+- an idle key's usage is remembered for `idle_state_ttl_s`, then forgotten (and, beyond
+  `max_idle_keys` idle keys, the longest idle is forgotten first: clients may make keys up);
 - `max_pending_per_key` and `max_pending_per_executor` bound waiting (not running) requests;
 - a running request is never preempted.
 
@@ -21,19 +22,29 @@ One addition, off unless `anticipation_ms` is set: a client that sends one reque
 another key takes its slot in that moment, so each of its requests waits for a slot to free again.
 With anticipation, the slot of a key that finished below its soft max, while others wait, is held
 for that key for `anticipation_ms`; if it does not come back in time the slot goes to the others.
+
+Cost: an event costs O(G + log K) (amortized) for K active keys, G being the number of distinct (running
+count, weight) pairs among them. A key's usage grows with time at the rate running/weight, so no
+single order by usage holds for long; but keys with the same running count and weight keep their
+order between events (usage = offset + rate * now, same rate), so each such group is a heap by
+offset, and the next key is the best of the G group tops. Running counts add up to at most the
+capacity, so G stays small (at most about sqrt(2 * capacity) per weight) however many keys wait.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterator, Mapping
+from typing import Callable, Hashable, Mapping
 
 ANONYMOUS = ""
 MAX_KEY_LENGTH = 128
 # Completions remembered to measure how fast the queue drains (for Retry-After).
 DRAIN_WINDOW = 64
+# Keys the admin view lists (the most active); it gives the counts of all of them besides.
+KEYS_SHOWN = 20
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class FairnessPolicy:
     max_pending_per_executor: int = 128
     idle_state_ttl_s: float = 300.0
     anticipation_ms: float = 0.0
+    max_idle_keys: int = 1000
     # "fifo" turns fairness off (one shared queue): for comparison in benchmarks only.
     mode: str = "fair"
 
@@ -81,13 +93,27 @@ class _Key:
     running: dict[Hashable, float] = field(default_factory=dict)   # request -> start time
     used: float = 0.0              # weighted seconds of finished work (and the level-up offset)
     idle_since: float | None = None
+    started_sum: float = 0.0       # sum of the running requests' starts, relative to the scheduler's epoch
+    version: int = 0               # bumped on every change; heap entries of older versions are stale
 
     def usage(self, now: float) -> float:
         return self.used + sum(now - start for start in self.running.values()) / self.weight
 
+    def offset(self) -> float:
+        """usage(now) = offset() + len(running) / weight * (now - epoch): constant between events."""
+        return self.used - self.started_sum / self.weight
+
+    @property
+    def group(self) -> tuple[int, float]:
+        return len(self.running), self.weight
+
     @property
     def active(self) -> bool:
         return bool(self.queue or self.running)
+
+
+# Heap entries: (offset, tie-break, unique sequence number, key version, key).
+_Entry = tuple[float, int, int, int, _Key]
 
 
 class FairScheduler:
@@ -95,18 +121,28 @@ class FairScheduler:
         self.policy = policy
         self.clock = clock
         self.capacity = 0
+        self._epoch = clock()
         self._keys: dict[str, _Key] = {}
         self._where: dict[Hashable, _Key] = {}          # every queued or running request -> its key
         self._arrival: dict[Hashable, int] = {}         # queued request -> arrival number
         self._seq = itertools.count()
         self._completions: deque[float] = deque(maxlen=DRAIN_WINDOW)
         self._held: dict[str, float] = {}               # key -> until when a slot is held for it
+        self._running = 0
+        self._active = 0                                # keys with work queued or running
+        self._idle: OrderedDict[str, None] = OrderedDict()   # idle keys, longest idle first
+        # Per (running count, weight) group: keys with work waiting, by (offset, head arrival),
+        # and every active key, by offset (for the level-up of a key that becomes active).
+        self._waiting_groups: dict[tuple[int, float], list[_Entry]] = {}
+        self._active_groups: dict[tuple[int, float], list[_Entry]] = {}
+        self._entries = 0
+        self._entry_seq = itertools.count()
 
     # -- state -----------------------------------------------------------------------------------
 
     @property
     def running(self) -> int:
-        return sum(len(k.running) for k in self._keys.values())
+        return self._running
 
     @property
     def waiting(self) -> int:
@@ -116,11 +152,19 @@ class FairScheduler:
         key = self._where.get(request)
         return key is not None and request in key.running
 
-    def keys(self) -> dict[str, dict[str, float]]:
+    def keys(self, limit: int | None = KEYS_SHOWN) -> dict[str, dict[str, float]]:
+        """The most active keys (running plus waiting, then the most recently idle), at most `limit`."""
         now = self.clock()
+        chosen = self._keys.values() if limit is None else heapq.nlargest(
+            limit, self._keys.values(),
+            key=lambda k: (len(k.running) + len(k.queue), k.idle_since if k.idle_since is not None else now))
         return {k.name: {"active": len(k.running), "waiting": len(k.queue), "weight": k.weight,
                          "usage_s": round(k.usage(now), 3)}
-                for k in self._keys.values()}
+                for k in chosen}
+
+    def key_counts(self) -> dict[str, int]:
+        """How many keys are remembered, and how many of them have work queued or running."""
+        return {"total": len(self._keys), "active": self._active}
 
     def drain_rate(self) -> float | None:
         """Completions per second over the recent window, or None before there is a measure."""
@@ -147,16 +191,14 @@ class FairScheduler:
         self._forget_idle(now)
         if self.policy.mode == "fifo":
             key = ANONYMOUS
-        state = self._keys.get(key)
-        if state is None:
-            state = self._keys[key] = _Key(key, self.policy.weight(key))
+        # A new key is remembered only once its request is queued: refused ones leave no trace.
+        state = self._keys.get(key) or _Key(key, self.policy.weight(key))
         must_wait = self.waiting > 0 or self.running + len(self._held) >= self.capacity
         if must_wait:
             if len(state.queue) >= self.policy.max_pending_per_key:
-                active_keys = sum(1 for k in self._keys.values() if k.active)
                 raise QueueFull("fairness_key_queue_full",
                                 f"fairness key {key or '(none)'!r} already has {len(state.queue)} requests waiting",
-                                self.retry_after(len(state.queue) * max(1, active_keys)))
+                                self.retry_after(len(state.queue) * max(1, self._active)))
             if self.waiting >= self.policy.max_pending_per_executor:
                 raise QueueFull("executor_queue_full",
                                 f"{self.waiting} requests are already waiting for this model",
@@ -164,9 +206,13 @@ class FairScheduler:
         if not state.active:
             self._level_up(state, now)
             state.idle_since = None
+            self._idle.pop(key, None)
+            self._keys[key] = state
+            self._active += 1
         state.queue.append(request)
         self._where[request] = state
         self._arrival[request] = next(self._seq)
+        self._changed(state)
         return self._dispatch(now)
 
     def cancel(self, request: Hashable) -> list[Hashable]:
@@ -181,6 +227,7 @@ class FairScheduler:
         state.queue.remove(request)
         del self._where[request]
         del self._arrival[request]
+        self._changed(state)
         self._maybe_idle(state, now)
         return self._dispatch(now)
 
@@ -210,6 +257,7 @@ class FairScheduler:
             state = self._where.pop(request)
             state.queue.remove(request)
             del self._arrival[request]
+            self._changed(state)
             self._maybe_idle(state, now)
         return dropped
 
@@ -217,14 +265,19 @@ class FairScheduler:
 
     def _finish(self, state: _Key, request: Hashable, now: float, completed: bool) -> list[Hashable]:
         start = state.running.pop(request)
+        self._running -= 1
+        state.started_sum -= start - self._epoch
         del self._where[request]
         state.used += (now - start) / state.weight
+        if not state.running:
+            state.started_sum = 0.0   # no rounding left over from the additions and removals
         if completed:
             self._completions.append(now)
         anticipate = self.policy.anticipation_ms > 0 and not state.queue \
             and len(state.running) < self.policy.soft_max_inflight_per_key and self._arrival
         if anticipate:
             self._held[state.name] = now + self.policy.anticipation_ms / 1000
+        self._changed(state)
         self._maybe_idle(state, now)
         return self._dispatch(now)
 
@@ -232,40 +285,105 @@ class FairScheduler:
         for name in [n for n, until in self._held.items() if until <= now or n not in self._keys]:
             del self._held[name]
         started = []
-        while self.running < self.capacity and self._arrival:
+        while self._running < self.capacity and self._arrival:
             # A key whose slot is held takes it back; everyone else shares what is not held.
             owners = [self._keys[n] for n in self._held if self._keys[n].queue]
             if owners:
                 state = owners[0]
                 del self._held[state.name]
-            elif self.running + len(self._held) < self.capacity:
-                state = min(self._waiting_keys(), key=lambda k: self._rank(k, now))
+            elif self._running + len(self._held) < self.capacity:
+                state = self._next_key(now)
             else:
                 break
             request = state.queue.popleft()
             del self._arrival[request]
             state.running[request] = now
+            state.started_sum += now - self._epoch
+            self._running += 1
+            self._changed(state)
             started.append(request)
         return started
 
-    def _waiting_keys(self) -> Iterator[_Key]:
-        return (k for k in self._keys.values() if k.queue)
+    def _next_key(self, now: float) -> _Key:
+        """The waiting key with the best rank: the best of each group's top."""
+        best: _Key | None = None
+        best_rank: tuple[bool, float, int] | None = None
+        for group in list(self._waiting_groups):
+            top = self._top(self._waiting_groups, group)
+            if top is None:
+                continue
+            rank = self._rank(top, now)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = top, rank
+        assert best is not None, "a request waits but no key holds it"
+        return best
+
+    def _top(self, groups: dict[tuple[int, float], list[_Entry]], group: tuple[int, float]) -> _Key | None:
+        """The first live key of a group's heap, dropping stale entries on the way (or the group)."""
+        heap = groups[group]
+        while heap:
+            entry = heap[0]
+            if entry[3] == entry[4].version:
+                return entry[4]
+            heapq.heappop(heap)
+            self._entries -= 1
+        del groups[group]
+        return None
+
+    def _changed(self, state: _Key) -> None:
+        """Record a key's new standing: older heap entries go stale, current ones are pushed."""
+        state.version += 1
+        if state.active:
+            offset = state.offset()
+            self._push(self._active_groups, state, (offset, 0))
+            if state.queue:
+                self._push(self._waiting_groups, state, (offset, self._arrival[state.queue[0]]))
+        # Stale entries are dropped lazily at the tops; rebuild when they outnumber live ones.
+        if self._entries > 4 * (self._active + 16):
+            self._rebuild()
+
+    def _push(self, groups: dict[tuple[int, float], list[_Entry]], state: _Key, order: tuple[float, int]) -> None:
+        heapq.heappush(groups.setdefault(state.group, []),
+                       (order[0], order[1], next(self._entry_seq), state.version, state))
+        self._entries += 1
+
+    def _rebuild(self) -> None:
+        self._waiting_groups, self._active_groups, self._entries = {}, {}, 0
+        for state in self._keys.values():
+            if state.active:
+                state.version += 1
+                offset = state.offset()
+                self._push(self._active_groups, state, (offset, 0))
+                if state.queue:
+                    self._push(self._waiting_groups, state, (offset, self._arrival[state.queue[0]]))
 
     def _rank(self, state: _Key, now: float) -> tuple[bool, float, int]:
         over_soft_max = len(state.running) >= self.policy.soft_max_inflight_per_key
         return over_soft_max, state.usage(now), self._arrival[state.queue[0]]
 
     def _level_up(self, state: _Key, now: float) -> None:
-        others = [k.usage(now) for k in self._keys.values() if k.active and k is not state]
+        tops = [self._top(self._active_groups, g) for g in list(self._active_groups)]
+        others = [k.usage(now) for k in tops if k is not None and k is not state]
         if others:
             state.used = max(state.used, min(others))
 
     def _maybe_idle(self, state: _Key, now: float) -> None:
-        if not state.active:
+        if not state.active and state.idle_since is None:
             state.idle_since = now
+            self._active -= 1
+            self._idle[state.name] = None
+            while len(self._idle) > self.policy.max_idle_keys:
+                self._forget(next(iter(self._idle)))
 
     def _forget_idle(self, now: float) -> None:
         ttl = self.policy.idle_state_ttl_s
-        for name in [k.name for k in self._keys.values()
-                     if k.idle_since is not None and now - k.idle_since >= ttl]:
-            del self._keys[name]
+        while self._idle:
+            name = next(iter(self._idle))
+            since = self._keys[name].idle_since
+            if since is not None and now - since < ttl:
+                break
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        del self._idle[name]
+        del self._keys[name]

@@ -53,10 +53,12 @@ def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
     return normalize_key(key if key is not None else request.headers.get("X-Fairness-Key"))
 
 
-def servable(request: web.Request, pool: Pool, name: str) -> ModelRuntime:
-    """The model's runtime if requests may be sent to it now; otherwise the right error."""
+def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) -> ModelRuntime:
+    """The model's runtime if this request may be sent to it now; otherwise the right error."""
     runtime = pool.get(name)
     request[MODEL] = name
+    if runtime.kind is not None:
+        runtime.kind.gate(runtime.active or runtime.config, request.headers, body)  # e.g. allow_remote
     if runtime.state == ModelState.LOADING:
         raise Unavailable(f"model {name!r} is loading", code="model_loading", retry_after=5)
     if runtime.state == ModelState.UNLOADING:
@@ -98,12 +100,11 @@ async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntim
         replica = runtime.pick_replica()
         if replica is None:
             break
-        body = json.dumps({**payload, "model": replica.spec.served_model}).encode()
+        assert replica.reach is not None
         replica.inflight += 1
         try:
             try:
-                resp = await http.post(replica.base_url + path, data=body, timeout=UPSTREAM_TIMEOUT,
-                                       headers={"Content-Type": "application/json", "X-Request-Id": request_id})
+                resp = await replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT)
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionResetError) as exc:
                 pool.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
                 continue

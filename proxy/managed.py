@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import IO
 
 from proxy.config import Settings
+from proxy.environment import model_server_environ
+from proxy.orphans import identity, stop_orphans
 from proxy.supervisor import SupervisorClient, SupervisorError
 
 START_TIMEOUT_S = 15.0
@@ -96,11 +98,14 @@ async def ensure_supervisord(settings: Settings, client: SupervisorClient) -> bo
     if await client.ping():
         return False
     path = prepare_state_dir(settings)
+    await _stop_orphans_of_a_dead_supervisord(settings)
     # A socket file left by a supervisord that died would make the new one refuse to start.
     settings.socket_path.unlink(missing_ok=True)
+    # supervisord passes its environment on to every model server: it gets only what those may see.
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "supervisor.supervisord", "-c", str(path),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        env=model_server_environ(settings, os.environ))
     # supervisord daemonizes: this parent returns at once; a non-zero exit means it refused to start.
     _, err = await proc.communicate()
     if proc.returncode != 0:
@@ -112,6 +117,20 @@ async def ensure_supervisord(settings: Settings, client: SupervisorClient) -> bo
                                   f"within {START_TIMEOUT_S:.0f}s; see {settings.service.state_dir / 'logs'}")
         await asyncio.sleep(0.05)
     return True
+
+
+async def _stop_orphans_of_a_dead_supervisord(settings: Settings) -> None:
+    # Only when the supervisord of the pidfile is really gone: one that is alive but not answering
+    # still owns its programs: they are not orphans.
+    pidfile = settings.service.state_dir / "supervisord.pid"
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        pid = 0
+    who = identity(pid) if pid else None
+    if who is not None and any("supervisord" in a for a in who.cmdline):
+        return
+    await stop_orphans(settings.service.state_dir)
 
 
 async def stop_supervisord(client: SupervisorClient, timeout_s: float = 60.0) -> None:

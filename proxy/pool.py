@@ -15,33 +15,38 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Awaitable, Mapping, TypeVar
 
 import aiohttp
 
-from launchers import launcher_for
 from launchers.spec import ProgramSpec, group_name, ports_in_file, program_name, render_group
 from proxy.admission import Admission
 from proxy.config import ModelConfig, Settings
 from proxy.fairness import FairnessPolicy
+from proxy.orphans import PidRecord
 from proxy.engine_metrics import read_gauges
 from proxy.errors import BackendError, Conflict, NotFound, Unavailable
+from proxy.kinds import kinds_for
 from proxy.replicas import ModelState, Replica, ReplicaState
 from proxy.runtime import ModelRuntime
-from proxy.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, SupervisorClient,
+from proxy.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning, SupervisorClient,
                               SupervisorError)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 METRICS_INTERVAL_S = 0.5
 EXITED_STATES = (ProcessState.BACKOFF, ProcessState.EXITED, ProcessState.FATAL)
 DOWN_STATES = (ProcessState.STOPPED, ProcessState.STOPPING)
+STOPPED_STATES = (ProcessState.STOPPED, ProcessState.EXITED, ProcessState.FATAL)
+# How long past stopwaitsecs (after which supervisord sends SIGKILL) an unload waits for a process.
+STOP_GRACE_S = 10.0
 PROBE_TIMEOUT_S = 2.0
 
 
 class Pool:
     def __init__(self, settings: Settings, supervisor: SupervisorClient, http: aiohttp.ClientSession,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, pid_record: PidRecord | None = None) -> None:
         self.settings = settings
         self.supervisor = supervisor
         self.http = http
@@ -49,10 +54,15 @@ class Pool:
         policy = FairnessPolicy.from_settings(settings.fairness)
         self.models: dict[str, ModelRuntime] = {n: ModelRuntime(config=c, policy=policy)
                                                 for n, c in settings.models.items()}
+        kinds = kinds_for({c.backend for c in settings.models.values()}, self.environ, self, http)
+        for runtime in self.models.values():
+            runtime.kind = kinds.get(runtime.config.backend)
         self._monitor: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
         self._processes: dict[str, ProcessInfo] = {}
+        self.stop_grace_s = STOP_GRACE_S
+        self.pid_record = pid_record   # managed mode: what to stop should supervisord die (proxy/orphans.py)
         # Models whose load at startup has not finished (loaded or failed): /ready waits for them.
         self.startup_pending: set[str] = set()
 
@@ -119,13 +129,15 @@ class Pool:
                     return runtime
                 raise Conflict(f"model {name!r} is loaded with other settings; unload it first",
                                code="model_already_loaded")
-            launcher = launcher_for(config.backend)
-            if launcher is None:
-                raise Conflict(f"model {name!r}: backend {config.backend!r} cannot be run by this version "
-                               f"of llm-pool", code="backend_not_supported")
-            problems = launcher.check(config)
+            kind = runtime.kind
+            if kind is None:
+                raise self._cannot_start(runtime, Conflict(
+                    f"model {name!r}: backend {config.backend!r} cannot be run by this version of llm-pool",
+                    code="backend_not_supported"))
+            problems = kind.check(config)
             if problems:
-                raise Conflict(f"model {name!r} cannot be loaded: " + "; ".join(problems), code="model_not_loadable")
+                raise self._cannot_start(runtime, Conflict(f"model {name!r} cannot be loaded: " + "; ".join(problems),
+                                                           code="model_not_loadable"))
             if config.replicas < 1:
                 raise Conflict(f"model {name!r}: replicas must be at least 1 to load", code="model_not_loadable")
             runtime.state = ModelState.LOADING
@@ -133,7 +145,7 @@ class Pool:
             runtime.last_error = None
             runtime.admission = Admission(runtime.policy)
             try:
-                await self._start_group(runtime, config, launcher)
+                await kind.start(runtime, config)
                 await self._await_replicas(runtime)
             except asyncio.CancelledError:
                 raise  # the proxy is stopping: what runs is left for the next one to adopt or stop
@@ -155,6 +167,14 @@ class Pool:
             runtime.state = ModelState.LOADED
             log.info("model %s loaded: %d of %d replicas ready", name, len(runtime.ready()), len(runtime.replicas))
             return runtime
+
+    @staticmethod
+    def _cannot_start(runtime: ModelRuntime, error: Conflict) -> Conflict:
+        """A model that cannot even be started is FAILED with the reason, for the admin view and
+        /health; every other model is unaffected."""
+        runtime.state = ModelState.FAILED
+        runtime.last_error = error.message
+        return error
 
     def _group_file(self, name: str) -> Path:
         return self.settings.supervisor.programs_dir / f"{group_name(name)}.conf"
@@ -225,11 +245,12 @@ class Pool:
                 taken.update(ports_in_file(path.read_text()).values())
         for runtime in self.models.values():
             if runtime.name != name:
-                taken.update(r.spec.port for r in runtime.replicas)
+                taken.update(r.spec.port for r in runtime.replicas if r.spec is not None)
         return taken
 
     async def _await_replicas(self, runtime: ModelRuntime) -> None:
-        deadline = time.monotonic() + max(r.spec.start_timeout_s for r in runtime.replicas)
+        # Endpoints are judged inside their kind's start; only programs take time to become healthy.
+        deadline = time.monotonic() + max((r.spec.start_timeout_s for r in runtime.replicas if r.spec), default=0.0)
         while True:
             starting = [r for r in runtime.replicas if r.state == ReplicaState.STARTING]
             if not starting:
@@ -247,7 +268,10 @@ class Pool:
 
     async def unload(self, name: str, drain: bool = True) -> ModelRuntime:
         """Stop admitting, let in-flight requests finish (up to service.drain_timeout_s), stop the
-        replicas, remove the group and its file."""
+        replicas, remove the group and its file.
+
+        It always ends: UNLOADED with the processes stopped, or FAILED with the reason (supervisord
+        gone, a process that would not stop), from which another unload starts over."""
         runtime = self.get(name)
         if runtime.state in (ModelState.UNLOADED, ModelState.UNLOADING):
             raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
@@ -255,9 +279,21 @@ class Pool:
             if runtime.state == ModelState.UNLOADED:
                 raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
             runtime.state = ModelState.UNLOADING
-            await self._teardown(runtime, drain=drain)
+            try:
+                await self._teardown(runtime, drain=drain)
+            except BaseException as exc:
+                # Never leave UNLOADING behind: it refuses requests and a second unload alike.
+                runtime.state = ModelState.FAILED
+                reason = "interrupted (the proxy is stopping)" if isinstance(exc, asyncio.CancelledError) else str(exc)
+                runtime.last_error = f"unload did not finish: {reason}"
+                log.error("model %s: %s", name, runtime.last_error)
+                if isinstance(exc, SupervisorError):
+                    raise Unavailable(f"model {name!r} could not be unloaded: {exc}; it is marked failed, "
+                                      "unload it again to retry", code="unload_failed", retry_after=5) from exc
+                raise
             runtime.state = ModelState.UNLOADED
             runtime.active = None
+            runtime.last_error = None
             log.info("model %s unloaded", name)
             return runtime
 
@@ -270,40 +306,55 @@ class Pool:
         for replica in runtime.replicas:
             replica.cancel_tasks()
             runtime.set_replica_state(replica, ReplicaState.STOPPING)
-        await self._remove_group(group_name(runtime.name))
-        path = self._group_file(runtime.name)
-        if path.exists():
-            path.unlink()
-            await self.supervisor.reload_config()
+        # Should this raise, the replicas stay STOPPING (shown with the model's reason) and a
+        # program group's file stays, so that the next unload retries the same steps.
+        if runtime.kind is not None:
+            await runtime.kind.stop(runtime)
         for replica in runtime.replicas:
             runtime.set_replica_state(replica, ReplicaState.STOPPED)
             replica.pid = 0
         runtime.replicas = []
 
+    async def _stop_group(self, name: str) -> None:
+        """Stop model `name`'s programs and remove its group and file (the program kind's stop)."""
+        await self._remove_group(group_name(name))
+        path = self._group_file(name)
+        if path.exists():
+            path.unlink()
+            await self.supervisor.reload_config()
+
     async def _remove_group(self, group: str) -> None:
-        """Stop every program of `group` and wait until each has exited, then remove the group."""
-        infos = [i for i in (await self._snapshot()).values() if i.group == group]
-        for info in infos:
-            if info.state not in (ProcessState.STOPPED, ProcessState.EXITED, ProcessState.FATAL):
-                try:
-                    await self.supervisor.stop_process(info.fullname)
-                except NotRunning:
-                    pass
-        deadline = time.monotonic() + self.settings.supervisor.stopwaitsecs + 10
+        """Stop every program of `group`, wait until each has exited, then remove the group.
+
+        Judged afresh on every pass, because the table moves under us: a process that crashed
+        (EXITED, BACKOFF) may be restarted by autorestart until its group is gone, so anything
+        live is asked to stop again, and a group that became live between our look and the
+        removal (STILL_RUNNING) is simply another pass. Raises SupervisorError when a process
+        outlives stopwaitsecs (supervisord's SIGKILL included) plus `stop_grace_s`."""
+        deadline = time.monotonic() + self.settings.supervisor.stopwaitsecs + self.stop_grace_s
         while True:
-            live = [i for i in (await self._snapshot()).values()
-                    if i.group == group and i.state not in (ProcessState.STOPPED, ProcessState.EXITED,
-                                                            ProcessState.FATAL)]
+            members = [i for i in (await self._snapshot()).values() if i.group == group]
+            if not members:
+                return   # never added, or removed by someone else
+            live = [i for i in members if i.state not in STOPPED_STATES]
             if not live:
-                break
+                try:
+                    await self.supervisor.remove_process_group(group)
+                    return
+                except BadName:
+                    return
+                except StillRunning:
+                    pass   # restarted between our look and the removal: another pass
+            for info in live:
+                if info.state != ProcessState.STOPPING:
+                    try:
+                        await self.supervisor.stop_process(info.fullname)
+                    except (NotRunning, BadName):
+                        pass   # it exited, or went away, between the snapshot and the call
             if time.monotonic() > deadline:
-                raise SupervisorError(f"group {group} did not stop: {[i.fullname for i in live]}")
+                raise SupervisorError(f"group {group} did not stop: " +
+                                      ", ".join(f"{i.fullname} {i.state.name} pid {i.pid}" for i in live))
             await asyncio.sleep(0.05)
-        if infos:
-            try:
-                await self.supervisor.remove_process_group(group)
-            except BadName:
-                pass
 
     # -- monitoring ------------------------------------------------------------------------------
 
@@ -315,7 +366,10 @@ class Pool:
             self._wake.set()
 
     async def _snapshot(self) -> dict[str, ProcessInfo]:
-        return {i.fullname: i for i in await self.supervisor.all_process_info()}
+        infos = await self.supervisor.all_process_info()
+        if self.pid_record is not None:
+            self.pid_record.update(infos)
+        return {i.fullname: i for i in infos}
 
     async def _monitor_loop(self) -> None:
         interval = self.settings.supervisor.poll_interval_s
@@ -326,6 +380,8 @@ class Pool:
                 for runtime in self.models.values():
                     if runtime.state in (ModelState.LOADING, ModelState.LOADED):
                         for replica in runtime.replicas:
+                            if replica.spec is None:
+                                continue  # an endpoint: no program, nothing of supervisord's to judge
                             # A replica whose state changed while the snapshot was in flight (a load
                             # just started it) is judged on the next, fresher snapshot.
                             if replica.state_since <= taken:
@@ -407,7 +463,7 @@ class Pool:
     async def _scrape(self, replica: Replica) -> None:
         assert replica.spec.metrics is not None
         try:
-            async with self.http.get(replica.base_url + "/metrics",
+            async with self.http.get(replica.reach.url("/metrics"),
                                      timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
                 text = await resp.text() if resp.status == 200 else ""
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -440,10 +496,19 @@ class Pool:
         finally:
             self.startup_pending.discard(name)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> "asyncio.Task[Any]":
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
+
+    async def detached(self, coro: Awaitable[T]) -> T:
+        """Run an admin load or unload to its end even if the caller is cancelled (its client
+        left): half a load or unload would leave the model LOADING or UNLOADING for good."""
+        task = self._spawn(coro)
+        # Retrieved even when no one awaits it any more, so its failure is not reported as lost.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(task)
 
 
 async def probe(http: aiohttp.ClientSession, spec: ProgramSpec) -> tuple[bool, str | None]:
@@ -465,7 +530,10 @@ async def probe(http: aiohttp.ClientSession, spec: ProgramSpec) -> tuple[bool, s
 
 
 def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on `port` now. SO_REUSEADDR as servers set it: sockets left in
+    TIME_WAIT by a replica that exited (an unload) must not make its port look taken."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

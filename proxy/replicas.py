@@ -5,8 +5,12 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from launchers.spec import ProgramSpec
+
+if TYPE_CHECKING:
+    from proxy.kinds import Reach
 
 
 class ReplicaState(str, enum.Enum):
@@ -42,12 +46,14 @@ class InvalidTransition(RuntimeError):
 
 @dataclass(eq=False)
 class Replica:
-    """One backend server process of a model. The event loop is its only writer."""
+    """One backend server of a model: a supervised program, or an endpoint (a remote model, which
+    has no `spec` and no program). The event loop is its only writer."""
 
     model: str
     index: int
-    spec: ProgramSpec
-    fullname: str                     # group:program, as supervisord names it
+    spec: ProgramSpec | None = None   # the program serving it; None for an endpoint
+    fullname: str = ""                # group:program, as supervisord names it; "" without a program
+    reach: "Reach | None" = None      # how requests get to it; a program's is derived from its spec
     state: ReplicaState = ReplicaState.STOPPED
     pid: int = 0
     restarts: int = 0
@@ -59,6 +65,12 @@ class Replica:
     reported: dict[str, float] = field(default_factory=dict)
     scrape: asyncio.Task[None] | None = None
     scraped_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.reach is None:
+            from proxy.kinds import ProgramReach
+            assert self.spec is not None, "a replica needs a program spec or a reach"
+            self.reach = ProgramReach(self.spec)
 
     def load(self) -> tuple[float, float]:
         """How busy the replica is: the work at it (what the proxy sent, or what the backend reports
@@ -88,11 +100,9 @@ class Replica:
             self.last_error = error
         return True
 
-    @property
-    def base_url(self) -> str:
-        return self.spec.base_url
-
     def describe(self) -> dict[str, object]:
-        return {"index": self.index, "state": self.state.value, "pid": self.pid or None, "port": self.spec.port,
-                "program": self.fullname, "restarts": self.restarts, "inflight": self.inflight,
-                "reported": dict(self.reported), "last_error": self.last_error}
+        assert self.reach is not None
+        return {"index": self.index, "state": self.state.value, "pid": self.pid or None,
+                "port": self.spec.port if self.spec else None, "program": self.fullname or None,
+                "restarts": self.restarts, "inflight": self.inflight, "reported": dict(self.reported),
+                "last_error": self.last_error, **self.reach.describe()}

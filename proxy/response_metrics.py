@@ -12,7 +12,7 @@ METRIC_KEYS = (
     "backend_inference_wall_ms", "engine_total_wall_ms", "engine_outside_backend_wall_ms", "pool_total_wall_ms",
     "engine_queue_wait_ms", "engine_tokenize_ms", "gpu_time_to_first_token_ms", "gpu_generate_total_ms",
     "gpu_decode_after_first_token_ms", "engine_prompt_tokens", "engine_cached_prompt_tokens",
-    "engine_output_tokens", "engine_tokens_per_second",
+    "engine_output_tokens", "engine_tokens_per_second", "backend_time_to_first_token_ms",
 )
 
 
@@ -26,7 +26,7 @@ class Timer:
 
     handler: the HTTP handler began; enqueued: joined the model's queue; admitted: got a slot;
     sent: the backend call began; received: the backend's last byte arrived; finished: the engine
-    work (translation, parsing) is done.
+    work (translation, parsing) is done; first_token: a stream's first text arrived from the backend.
     """
 
     handler: float = field(default_factory=time.perf_counter)
@@ -35,6 +35,7 @@ class Timer:
     sent: float | None = None
     received: float | None = None
     finished: float | None = None
+    first_token: float | None = None
 
     def mark(self, name: str) -> None:
         setattr(self, name, time.perf_counter())
@@ -76,4 +77,6 @@ def build(timer: Timer, usage: Mapping[str, Any] | None, timings: Mapping[str, A
         "engine_cached_prompt_tokens": cached,
         "engine_output_tokens": output,
         "engine_tokens_per_second": round(output / generation_s, 1) if output and generation_s else None,
+        # Measured here, for streams only: what any backend's first token costs, remote ones included.
+        "backend_time_to_first_token_ms": _ms(timer.sent, timer.first_token),
     }

@@ -3,6 +3,10 @@ backend's OpenAI chat request.
 
 Shape is checked by a JSON schema at the edge; the rules that depend on the model (capabilities,
 prompt format) are checked after. Each failure is a 400 with a stable `code` and the `param` at fault.
+
+Unknown fields, at the top level and in `decoding` alike, are ignored and named back to the client in
+the `X-Ignored-Fields` response header: a client written for another llm-pool version keeps working
+(the seed's service ignored them too), and a misspelt field does not go unnoticed.
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ REQUEST_SCHEMA: dict[str, Any] = {
         "stream": {"type": "boolean"},
         "thinking": {"enum": ["default", "enabled", "disabled"]},
         "decoding": {
-            "type": "object", "additionalProperties": False,
+            "type": "object",
             "properties": {"beam_size": {"type": "integer", "minimum": 1},
                            "top_k": {"type": "integer", "minimum": 0},
                            "top_p": {"type": "number", "minimum": 0, "maximum": 1},
@@ -72,6 +76,7 @@ REQUEST_SCHEMA: dict[str, Any] = {
     },
 }
 _VALIDATOR = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
+IGNORED_HEADER = "X-Ignored-Fields"
 
 # Stop strings each prompt format's chat template ends a turn with.
 FORMAT_STOPS: Mapping[str, tuple[str, ...]] = {
@@ -86,16 +91,32 @@ MIXED_SOURCE_NOTE = ("The text below may mix several source languages. Detect th
 # Backends whose sampling knob for repetition is named differently from the OpenAI-ish default.
 REPETITION_FIELD = {"llama_server": "repeat_penalty"}
 BEAM_BACKENDS = {"ct2"}
+# Backends that take only some decoding fields (besides stop); the rest are accepted and ignored.
+# The seed maps temperature, top_p, max_tokens and stop to a remote provider.
+DECODING_ONLY = {"openai_remote": ("max_tokens", "temperature", "top_p")}
+# Backends whose thinking switch is the provider's `thinking: {"type": ...}` field (Moonshot's shape).
+PROVIDER_THINKING_BACKENDS = {"openai_remote"}
 
 
 @dataclass(frozen=True)
 class ResponsesRequest:
     model: str
     body: Mapping[str, Any]
+    ignored: tuple[str, ...] = ()   # unknown fields, as paths (`decoding.min_p`), ignored
 
     @property
     def stream(self) -> bool:
         return bool(self.body.get("stream", False))
+
+
+def ignored_fields(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The unknown fields of a request at both levels, in the order given."""
+    known = REQUEST_SCHEMA["properties"]
+    ignored = [k for k in body if k not in known]
+    decoding = body.get("decoding")
+    if isinstance(decoding, Mapping):
+        ignored += [f"decoding.{k}" for k in decoding if k not in known["decoding"]["properties"]]
+    return tuple(ignored)
 
 
 def _param(error: jsonschema.ValidationError) -> str:
@@ -113,7 +134,7 @@ def parse(body: Mapping[str, Any]) -> ResponsesRequest:
             param = missing if param == "(body)" else f"{param}.{missing}"
         code = "missing_model" if param == "model" and err.validator == "required" else "invalid_request"
         raise BadRequest(f"{param}: {err.message}", code=code, param=param)
-    return ResponsesRequest(model=body["model"], body=body)
+    return ResponsesRequest(model=body["model"], body=body, ignored=ignored_fields(body))
 
 
 def _items(content: Any) -> list[dict[str, Any]]:
@@ -204,10 +225,11 @@ def backend_request(req: ResponsesRequest, model: ModelConfig, engine_decoding: 
                          for m in body["messages"]]
     decoding = {**engine_decoding, **(body.get("decoding") or {})}
     out: dict[str, Any] = {"messages": messages}
+    only = DECODING_ONLY.get(model.backend)
     for key in ("max_tokens", "temperature", "top_p", "top_k"):
-        if decoding.get(key) is not None:
+        if decoding.get(key) is not None and (only is None or key in only):
             out[key] = decoding[key]
-    if decoding.get("repetition_penalty") is not None:
+    if decoding.get("repetition_penalty") is not None and only is None:
         out[REPETITION_FIELD.get(model.backend, "repetition_penalty")] = decoding["repetition_penalty"]
     if decoding.get("beam_size") is not None and model.backend in BEAM_BACKENDS:
         out["beam_size"] = decoding["beam_size"]
@@ -219,6 +241,8 @@ def backend_request(req: ResponsesRequest, model: ModelConfig, engine_decoding: 
     enable = {"enabled": True, "disabled": False}.get(thinking, model.get("enable_thinking"))
     if enable is not None and model.backend in ("llama_server", "vllm_serve", "vllm"):
         out["chat_template_kwargs"] = {"enable_thinking": bool(enable)}
+    if thinking != "default" and model.backend in PROVIDER_THINKING_BACKENDS:
+        out["thinking"] = {"type": thinking}   # else the model's remote_thinking applies
     if body.get("prompt_cache_key") and model.get("remote_prompt_cache_key_enabled"):
         out["prompt_cache_key"] = body["prompt_cache_key"]
     if req.stream:

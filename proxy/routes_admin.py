@@ -21,11 +21,14 @@ routes = web.RouteTableDef()
 
 
 def _authorize(request: web.Request) -> None:
-    """When service.admin_token_env names a set variable, admin calls need that bearer token."""
+    """When service.admin_token_env names a variable, admin calls need that bearer token. `serve`
+    refuses to start when it is unset or empty; should it become empty later, every call is refused."""
     env = request.app[SETTINGS].service.admin_token_env
-    token = os.environ.get(env) if env else None
-    if not token:
+    if not env:
         return
+    token = os.environ.get(env, "").strip()
+    if not token:
+        raise Unauthorized(f"the admin API is closed: {env} is unset or empty")
     given = request.headers.get("Authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
         raise Unauthorized("admin endpoints need `Authorization: Bearer <admin token>`")
@@ -36,7 +39,8 @@ async def admin_models(request: web.Request) -> web.Response:
     _authorize(request)
     pool = request.app[POOL]
     properties = model_schema()
-    return web.json_response({"object": "list", "data": [admin_row(rt.describe(), rt.config, properties, pool.environ)
+    return web.json_response({"object": "list", "data": [admin_row(rt.describe(), rt.config, properties, pool.environ,
+                                                                   loadable=rt.kind is not None)
                                                          for rt in pool.models.values()]})
 
 
@@ -58,6 +62,9 @@ async def _load_request(request: web.Request, name: str) -> dict[str, Any]:
             problems.append(f"replicas: must be an integer from 1 to replica_max ({model.replica_max})")
         else:
             overrides = {**overrides, "replicas": replicas}
+    option_problems = getattr(launcher, "option_problems", None)
+    if not problems and overrides and option_problems is not None:
+        problems = option_problems(model.with_overrides(overrides))  # values the binary would refuse
     if problems:
         raise BadRequest("; ".join(problems), code="invalid_load_request")
     return overrides
@@ -70,14 +77,15 @@ async def admin_load(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     pool.get(name)
     overrides = await _load_request(request, name)
-    runtime = await pool.load(name, overrides)
+    runtime = await pool.detached(pool.load(name, overrides))
     return web.json_response(runtime.describe())
 
 
 @routes.post("/v1/admin/models/{name}/unload")
 async def admin_unload(request: web.Request) -> web.Response:
     _authorize(request)
-    runtime = await request.app[POOL].unload(request.match_info["name"])
+    pool = request.app[POOL]
+    runtime = await pool.detached(pool.unload(request.match_info["name"]))
     return web.json_response(runtime.describe())
 
 

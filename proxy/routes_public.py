@@ -4,6 +4,8 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.capabilities import capabilities
+from proxy.errors import BadRequest
 from proxy.forward import forward, read_json, requested_model, servable
 from proxy.keys import HTTP, METRICS, POOL
 from proxy.replicas import ModelState
@@ -16,7 +18,12 @@ PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 async def pass_through(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     pool = request.app[POOL]
-    runtime = servable(request, pool, requested_model(body))
+    runtime = servable(request, pool, requested_model(body), body)
+    if request.path == "/v1/embeddings" and not capabilities(runtime.active or runtime.config).embeddings:
+        # Without this the backend's own 501 would reach the client, after taking a slot.
+        raise BadRequest(f"model {runtime.name!r} does not serve embeddings (capabilities.embeddings is false; "
+                         "for llama_server set llama_server_embeddings: true)", code="embeddings_unsupported",
+                         param="model")
     return await forward(request, pool, request.app[HTTP], runtime, request.path, body)
 
 
@@ -35,8 +42,11 @@ async def list_models(request: web.Request) -> web.Response:
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
     pool = request.app[POOL]
+    # A model that could not start is named with its reason; the others serve, so the service is up.
     return web.json_response({"status": "ok",
-                              "models": {name: rt.state.value for name, rt in pool.models.items()}})
+                              "models": {name: rt.state.value for name, rt in pool.models.items()},
+                              "errors": {name: rt.last_error for name, rt in pool.models.items()
+                                         if rt.state == ModelState.FAILED and rt.last_error}})
 
 
 @routes.get("/ready")

@@ -19,7 +19,7 @@ from proxy.capabilities import capabilities
 from proxy.errors import BackendError, PoolError, sse_error_event
 from proxy.forward import fairness_key, read_json, servable, slot, upstream
 from proxy.keys import HTTP, POOL, SETTINGS
-from proxy.responses import backend_request, parse, validate_for_model
+from proxy.responses import IGNORED_HEADER, backend_request, parse, validate_for_model
 from proxy.runtime import ModelRuntime
 
 routes = web.RouteTableDef()
@@ -54,24 +54,26 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse(body)
     pool = request.app[POOL]
-    runtime = servable(request, pool, req.model)
+    runtime = servable(request, pool, req.model, body)
     model = runtime.active or runtime.config
     caps = capabilities(model)
     validate_for_model(req, model, caps)
     payload = backend_request(req, model, request.app[SETTINGS].decoding)
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
+    headers = {"X-Request-Id": request_id, **({IGNORED_HEADER: ", ".join(req.ignored)} if req.ignored else {})}
     response_id = f"resp_{uuid.uuid4().hex}"
     queued = runtime.admission.enqueue(fairness_key(request, body))  # a full queue is a plain 429
     timer.mark("enqueued")
     if req.stream:
-        return await _stream(request, timer, queued, runtime, payload, request_id, response_id, req.model)
+        return await _stream(request, timer, queued, runtime, payload, request_id, response_id, req.model, headers)
 
     async with slot(runtime, queued):
         timer.mark("admitted")
         timer.mark("sent")
-        async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id) as (_, resp):
+        async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id) as (replica, resp):
             raw = await resp.read()
             timer.mark("received")
+            own_timings = replica.reach.engine_timings
         if resp.status != 200:
             raise _upstream_error(resp.status, raw)
     try:
@@ -80,14 +82,14 @@ async def responses(request: web.Request) -> web.StreamResponse:
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise BackendError("backend answered with an unreadable chat completion") from None
     timer.mark("finished")
-    metrics = response_metrics.build(timer, answer.get("usage"), answer.get("timings"))
-    return web.json_response(_envelope(response_id, req.model, text, metrics), headers={"X-Request-Id": request_id})
+    metrics = response_metrics.build(timer, answer.get("usage"), answer.get("timings") if own_timings else None)
+    return web.json_response(_envelope(response_id, req.model, text, metrics), headers=headers)
 
 
 async def _stream(request: web.Request, timer: response_metrics.Timer, queued: Any, runtime: ModelRuntime,
-                  payload: dict[str, Any], request_id: str, response_id: str, model: str) -> web.StreamResponse:
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                      "X-Request-Id": request_id})
+                  payload: dict[str, Any], request_id: str, response_id: str, model: str,
+                  headers: Mapping[str, str]) -> web.StreamResponse:
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     try:
         await out.prepare(request)
         await out.write(_event("response.created", {"response": _envelope(response_id, model, "", None)}))
@@ -102,18 +104,21 @@ async def _stream(request: web.Request, timer: response_metrics.Timer, queued: A
             timer.mark("admitted")
             timer.mark("sent")
             async with upstream(request.app[POOL], request.app[HTTP], runtime, CHAT_PATH, payload,
-                                request_id) as (_, resp):
+                                request_id) as (replica, resp):
                 if resp.status != 200:
                     raise _upstream_error(resp.status, await resp.read())
                 async for chunk in _sse_data(resp):
                     for choice in chunk.get("choices") or []:
                         delta = (choice.get("delta") or {}).get("content")
                         if delta:
+                            if timer.first_token is None:
+                                timer.mark("first_token")
                             pieces.append(delta)
                             await out.write(_event("response.output_text.delta",
                                                    {"item_id": response_id, "delta": delta}))
                     usage = chunk.get("usage") or usage
-                    timings = chunk.get("timings") or timings
+                    if replica.reach.engine_timings:  # a provider's timings are not GPU times we measured
+                        timings = chunk.get("timings") or timings
                 timer.mark("received")
     except ConnectionResetError:
         return out  # the client left; its slot and the upstream request are already released

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from proxy.admission import Admission
 from proxy.capabilities import capabilities
 from proxy.config import ModelConfig
 from proxy.fairness import FairnessPolicy
 from proxy.replicas import ModelState, Replica, ReplicaState
+
+if TYPE_CHECKING:
+    from proxy.kinds import Kind
 
 
 @dataclass(eq=False)
@@ -20,6 +24,7 @@ class ModelRuntime:
     replicas: list[Replica] = field(default_factory=list)
     admission: Admission = field(default_factory=Admission)
     last_error: str | None = None
+    kind: "Kind | None" = None              # how its replicas start, stop and are reached; None: unsupported
     _turn: int = 0
     # Serialises admin operations on this model; request routing never takes it.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -73,8 +78,10 @@ class ModelRuntime:
             "active": self.admission.active,
             "waiting": self.admission.waiting,
             "keys": self.admission.describe_keys(),
+            "key_counts": self.admission.key_counts(),
             "capabilities": capabilities(cfg).as_dict(),
             "gpus": list(cfg.gpus),
             "overrides": {k: v for k, v in cfg.options.items() if self.config.options.get(k) != v},
             "last_error": self.last_error,
+            **(self.kind.describe(cfg) if self.kind is not None else {}),
         }

@@ -2,10 +2,17 @@
 the integration tests use the real thing."""
 from __future__ import annotations
 
+import asyncio
+import json
+import threading
+import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
-from proxy.supervisor import ProcessInfo, ProcessState
+from aiohttp import web
+from supervisor.xmlrpc import Faults
+
+from proxy.supervisor import BadName, NotRunning, ProcessInfo, ProcessState, StillRunning
 
 
 class FakeSupervisor:
@@ -33,6 +40,276 @@ class FakeSupervisor:
 
     async def start_process(self, fullname: str) -> None:
         self.calls.append(("start", fullname))
+
+
+class ScriptedSupervisor(FakeSupervisor):
+    """FAKE supervisord driver for unload under faults: stopProcess and removeProcessGroup follow
+    supervisord's rules (a stopped, exited or fatal process is NOT_RUNNING; a group with a live
+    process is STILL_RUNNING), `faults[method]` raises its queued exceptions first, and each
+    `script` step changes the process table before one getAllProcessInfo answers (a crash, a
+    restart by autorestart, a process that ignores its stop)."""
+
+    STOPPED_STATES = (ProcessState.STOPPED, ProcessState.EXITED, ProcessState.FATAL)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.faults: dict[str, list[Exception]] = {}
+        self.script: list[Callable[["ScriptedSupervisor"], None]] = []
+        self.stuck: set[str] = set()     # programs that stay STOPPING when asked to stop
+        self.removed: list[str] = []
+
+    def _fault(self, method: str) -> None:
+        queued = self.faults.get(method)
+        if queued:
+            raise queued.pop(0)
+
+    async def all_process_info(self) -> list[ProcessInfo]:
+        self._fault("all_process_info")
+        if self.script:
+            self.script.pop(0)(self)
+        return list(self.processes.values())
+
+    async def stop_process(self, fullname: str) -> None:
+        self.calls.append(("stop", fullname))
+        self._fault("stop_process")
+        info = self.processes.get(fullname)
+        if info is None:
+            raise BadName(Faults.BAD_NAME, f"BAD_NAME: {fullname}")
+        if info.state in self.STOPPED_STATES:
+            raise NotRunning(Faults.NOT_RUNNING, f"NOT_RUNNING: {fullname}")
+        stuck = fullname in self.stuck and info.state != ProcessState.BACKOFF
+        self.set(fullname, ProcessState.STOPPING if stuck else ProcessState.STOPPED, info.pid if stuck else 0)
+
+    async def remove_process_group(self, name: str) -> None:
+        self.calls.append(("remove", name))
+        self._fault("remove_process_group")
+        members = [i for i in self.processes.values() if i.group == name]
+        if not members:
+            raise BadName(Faults.BAD_NAME, f"BAD_NAME: {name}")
+        if any(i.state not in self.STOPPED_STATES for i in members):
+            raise StillRunning(Faults.STILL_RUNNING, f"STILL_RUNNING: {name}")
+        for info in members:
+            del self.processes[info.fullname]
+        self.removed.append(name)
+
+    async def reload_config(self) -> tuple[list[str], list[str], list[str]]:
+        self.calls.append(("reload", ""))
+        self._fault("reload_config")
+        return [], [], []
+
+
+class FakeProvider:
+    """FAKE remote OpenAI-compatible provider (Moonshot- or OpenAI-like), for the `openai_remote`
+    tests and benchmark: an aiohttp app on a loopback port 0, in a thread of its own so that a test
+    or a proxy subprocess can call it synchronously.
+
+    It checks the bearer key, records every request it receives (`requests`), answers Chat
+    Completions (JSON and SSE) with Moonshot's usage shape (`usage.cached_tokens`) for a model whose
+    name starts with "moonshot" and OpenAI's (`usage.prompt_tokens_details.cached_tokens`) otherwise,
+    and speaks the Files API (upload, content, delete; `files` holds what is not deleted yet).
+    Faults are scripted per remote model name, or per "files" for the Files API, one per request:
+    "429:<retry-after>", "500", "401", "400" (its message echoes the key), "drop" (the connection
+    breaks before an answer), "slow" (no answer for `slow_s`), "slow_stream" (one chunk,
+    then silence), "broken" (one chunk, then the connection drops); an empty script answers normally.
+    """
+
+    CACHED_TOKENS = 3
+
+    def __init__(self, key: str, models: tuple[str, ...] = ()) -> None:
+
+        self.key = key
+        self.models = list(models)
+        self.requests: list[dict[str, object]] = []
+        self.files: dict[str, dict[str, object]] = {}
+        self.scripts: dict[str, list[str]] = {}
+        self.slow_s = 30.0
+        self._ids = 0
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fake provider", daemon=True)
+        self.port = 0
+
+    # -- control, from the test's thread -----------------------------------------------------------
+
+    def start(self) -> "FakeProvider":
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("fake provider did not start")
+        return self
+
+    def stop(self) -> None:
+
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(30)
+        self._thread.join(30)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def script(self, name: str, *steps: str) -> None:
+        self.scripts[name] = list(steps)
+
+    def received(self, path: str | None = None) -> list[dict[str, object]]:
+        return [r for r in list(self.requests) if path is None or r["path"] == path]
+
+    def clear(self) -> None:
+        self.requests.clear()
+        self.scripts.clear()
+
+    # -- the server, in its own thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+
+        self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self._serve())
+        self._loop.run_forever()
+        self._loop.close()
+
+    async def _serve(self) -> None:
+
+        app = web.Application(middlewares=[self._auth])
+        app.router.add_get("/v1/models", self._list_models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/files", self._upload)
+        app.router.add_get("/v1/files/{id}/content", self._content)
+        app.router.add_delete("/v1/files/{id}", self._delete)
+        # handler_cancellation: a caller that hangs up ends a slow answer at once, as at a real provider.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._ready.set()
+
+    async def _shutdown(self) -> None:
+        await self._runner.cleanup()
+        self._loop.call_soon(self._loop.stop)
+
+    def _next(self, name: str) -> str:
+        steps = self.scripts.get(name)
+        return steps.pop(0) if steps else "ok"
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        body: object = None
+        if request.content_type == "application/json":
+            body = await request.json()
+        self.requests.append({"method": request.method, "path": request.path, "body": body,
+                              "authorization": request.headers.get("Authorization"), "at": time.monotonic()})
+        if request.headers.get("Authorization") != f"Bearer {self.key}":
+            return web.json_response({"error": {"message": "Invalid Authentication",
+                                                "type": "invalid_authentication_error"}}, status=401)
+        return await handler(request)
+
+    async def _fault(self, request: web.Request, step: str) -> web.Response | None:
+
+        if step.startswith("429"):
+            retry_after = step.split(":", 1)[1] if ":" in step else "1"
+            return web.json_response({"error": {"message": "rate limit reached", "type": "rate_limit_reached_error"}},
+                                     status=429, headers={"Retry-After": retry_after})
+        if step == "500":
+            return web.json_response({"error": {"message": "the fake provider is overloaded", "type": "server_error"}},
+                                     status=500)
+        if step == "400":   # a careless provider that echoes the caller's key in its message
+            return web.json_response({"error": {"message": f"max_tokens too large for key {self.key}"}}, status=400)
+        if step == "401":
+            return web.json_response({"error": {"message": "Invalid Authentication"}}, status=401)
+        if step == "slow":
+            await asyncio.sleep(self.slow_s)
+        if step == "drop":   # the connection breaks before any answer
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response(status=500)
+        return None
+
+    async def _list_models(self, request: web.Request) -> web.StreamResponse:
+
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
+
+    def _usage(self, model: str, prompt: int, output: int) -> dict[str, object]:
+        usage: dict[str, object] = {"prompt_tokens": prompt, "completion_tokens": output,
+                                    "total_tokens": prompt + output}
+        if model.startswith("moonshot"):
+            usage["cached_tokens"] = self.CACHED_TOKENS
+        else:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.CACHED_TOKENS}
+        return usage
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+
+
+        body = await request.json()
+        model = str(body.get("model"))
+        step = self._next(model)
+        fault = await self._fault(request, step)
+        if fault is not None:
+            return fault
+        words = ["Hello", " from", " the", " fake", " provider"]
+        prompt = sum(len(str(m.get("content"))) for m in body.get("messages", [])) // 4 + 1
+        if not body.get("stream"):
+            return web.json_response({
+                "id": "chatcmpl-fake", "object": "chat.completion", "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(words)},
+                             "finish_reason": "stop"}],
+                "usage": self._usage(model, prompt, len(words))})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+
+        def chunk(data: dict[str, object]) -> bytes:
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+        for i, word in enumerate(words):
+            await out.write(chunk({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": model,
+                                   "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}))
+            if i == 0 and step == "slow_stream":
+                await asyncio.sleep(self.slow_s)
+            if i == 0 and step == "broken":
+                assert request.transport is not None
+                request.transport.abort()   # the provider's connection drops mid-answer
+                return out
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await out.write(chunk({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": model,
+                                   "choices": [], "usage": self._usage(model, prompt, len(words))}))
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def _upload(self, request: web.Request) -> web.StreamResponse:
+
+        fault = await self._fault(request, self._next("files"))
+        if fault is not None:
+            return fault
+        form = await request.post()
+        upload = form["file"]
+        assert isinstance(upload, web.FileField)
+        self._ids += 1
+        file_id = f"file-{self._ids}"
+        self.files[file_id] = {"purpose": form.get("purpose"), "filename": upload.filename,
+                               "data": upload.file.read()}
+        self.requests[-1]["body"] = {"purpose": form.get("purpose"), "filename": upload.filename}
+        return web.json_response({"id": file_id, "object": "file", "purpose": form.get("purpose"),
+                                  "filename": upload.filename, "status": "ok"})
+
+    async def _content(self, request: web.Request) -> web.StreamResponse:
+
+
+        fault = await self._fault(request, self._next("files"))
+        if fault is not None:
+            return fault
+        file = self.files.get(request.match_info["id"])
+        if file is None:
+            return web.json_response({"error": {"message": "no such file"}}, status=404)
+        data = file["data"]
+        assert isinstance(data, bytes)
+        # Moonshot answers with a JSON document describing the extracted text.
+        return web.Response(text=json.dumps({"content": "EXTRACTED " + data.decode(errors="replace"),
+                                             "filename": file["filename"], "type": "file"}),
+                            content_type="application/json")
+
+    async def _delete(self, request: web.Request) -> web.StreamResponse:
+
+        file_id = request.match_info["id"]
+        found = self.files.pop(file_id, None) is not None
+        return web.json_response({"id": file_id, "object": "file", "deleted": found}, status=200 if found else 404)
 
 
 class FakeNvmlError(Exception):

@@ -8,9 +8,11 @@ Two proxies run side by side, one with the fairness scheduler and one with plain
     sequence; `batch` keeps 500 requests of 256 tokens outstanding; `ui` sends 32-token requests one
     after another): ui p99 under the flood / ui p99 idle, with the scheduler (with and without
     `anticipation_ms`) and with FIFO;
-(c) a lone key's throughput with the scheduler vs FIFO, alternating rounds.
+(c) a lone key's throughput with the scheduler vs FIFO, alternating rounds;
+(d) the scheduler alone (no processes): cost of one scheduling event with 1, 100, 1,000 and
+    10,000 active keys.
 
-    .venv/bin/python tests/bench/bench_fairness.py [--quick]
+    .venv/bin/python tests/bench/bench_fairness.py [--quick] [--scheduler-only]
 """
 from __future__ import annotations
 
@@ -24,8 +26,11 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this tree's proxy/, not an installed copy
 
 from helpers import ProxyProcess  # noqa: E402
+
+from proxy.fairness import FairnessPolicy, FairScheduler  # noqa: E402
 
 
 def sim(max_seqs: int, decode: float) -> dict[str, Any]:
@@ -117,6 +122,43 @@ async def throughput(proxy: ProxyProcess, seconds: float) -> float:
     return sum(1 for t in done if t0 <= t < t1) / (t1 - t0)
 
 
+def scheduler_event_cost(keys: int, scheduler: type = FairScheduler, policy: type = FairnessPolicy,
+                         budget_s: float = 0.5) -> tuple[float, float]:
+    """(d) Microseconds per event (a `done` that starts the next request, then the `submit` that keeps
+    its key active) with `keys` active keys, each with two requests in, 64 slots; and the setup time."""
+    now = [1000.0]
+    sched = scheduler(policy(max_pending_per_key=10, max_pending_per_executor=10**7), lambda: now[0])
+    sched.set_capacity(64)
+    t0 = time.perf_counter()
+    running: list[Any] = []
+    for i in range(keys):
+        for j in range(2):
+            running += sched.submit((i, j), f"key-{i}")
+    setup = time.perf_counter() - t0
+    events, n = 0, 2
+    head = 0
+    t0 = time.perf_counter()
+    while True:
+        for _ in range(100):
+            now[0] += 0.001
+            finished = running[head]
+            head += 1
+            running += sched.done(finished)
+            running += sched.submit((finished[0], n), f"key-{finished[0]}")
+            n += 1
+        events += 200
+        spent = time.perf_counter() - t0
+        if spent >= budget_s:
+            return spent / events * 1e6, setup
+
+
+def scheduler_costs(key_counts: tuple[int, ...] = (1, 100, 1000, 10_000)) -> None:
+    print("(d) scheduler cost per event (done + submit, 64 slots, 2 requests per key), pure Python, no I/O")
+    for keys in key_counts:
+        cost, setup = scheduler_event_cost(keys)
+        print(f"  {keys:>6} active keys: {cost:8.2f} us/event   (setup {setup:.2f}s)")
+
+
 async def main(quick: bool) -> None:
     window = 8 if quick else 20
     print("(a) two saturating keys, share of running time (identical requests, capacity 8)")
@@ -161,4 +203,8 @@ async def main(quick: bool) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    asyncio.run(main(parser.parse_args().quick))
+    parser.add_argument("--scheduler-only", action="store_true", help="only (d), which starts no process")
+    args = parser.parse_args()
+    if not args.scheduler_only:
+        asyncio.run(main(args.quick))
+    scheduler_costs()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import ProxyProcess, http
+from helpers import ProxyProcess, free_port, http
 
 pytestmark = pytest.mark.integration
 
@@ -28,3 +28,21 @@ def test_admin_endpoints_need_the_bearer_token_and_the_log_never_shows_it(proxie
     assert status == 200  # the public API needs no admin token
     proxy.stop()
     assert TOKEN not in proxy.log_path.read_text()
+
+
+def test_a_separate_admin_listener_serves_the_admin_api_and_only_it(proxies) -> None:
+    admin_port = free_port()
+    proxy = ProxyProcess({"sim": {"backend": "sim", "enabled": False}},
+                         service={"admin_host": "127.0.0.1", "admin_port": admin_port})
+    proxies.append(proxy)
+    proxy.start()
+    admin = f"http://127.0.0.1:{admin_port}"
+    status, _, body = http("GET", proxy.url + "/v1/admin/models")
+    assert (status, body["error"]["code"]) == (404, "not_found")
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/sim/load")
+    assert status == 404
+    status, _, body = http("GET", admin + "/v1/admin/models")
+    assert status == 200 and body["data"][0]["id"] == "sim"
+    assert http("GET", admin + "/v1/models")[0] == 404
+    assert http("GET", proxy.url + "/v1/models")[0] == 200
+    assert http("GET", admin + "/health")[0] == 200

@@ -183,7 +183,7 @@ def test_validation_rules_over_http(proxy: ProxyProcess, body: dict[str, Any], s
 def test_capabilities_are_advertised(proxy: ProxyProcess) -> None:
     assert proxy.admin_model("tiny")["capabilities"] == {
         "modalities": ["text"], "multi_turn": True, "file_inputs": False,
-        "thinking_modes": ["default", "enabled", "disabled"]}
+        "thinking_modes": ["default", "enabled", "disabled"], "embeddings": False}
     assert proxy.admin_model("single")["capabilities"]["thinking_modes"] == ["default"]
 
 
@@ -197,3 +197,16 @@ def test_prometheus_counts_requests_per_model_endpoint_and_status(proxy: ProxyPr
     assert 'llm_pool_requests_total{endpoint="/v1/responses",model="tiny",status="400"}' in text
     assert "no-such-model" not in text  # labels hold configured model ids only
     assert 'llm_pool_replicas_ready{model="tiny"} 1.0' in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unknown_fields_are_ignored_and_named_at_both_levels(proxy: ProxyProcess, stream: bool) -> None:
+    # Before: `decoding.min_p` was a 400 while an unknown top-level field passed silently.
+    body = {"model": "tiny", "input": "x", "stream": stream, "seed_hint": 1,
+            "decoding": {"min_p": 0.05, "max_tokens": 4}}
+    status, headers, answer = http("POST", proxy.url + "/v1/responses", body=body)
+    assert status == 200, answer
+    assert headers["X-Ignored-Fields"] == "seed_hint, decoding.min_p"
+    events = sse_events(answer) if stream else []
+    envelope = events[-1][1]["response"] if stream else answer
+    assert envelope["object"] == "response" and isinstance(envelope["output_text"], str)

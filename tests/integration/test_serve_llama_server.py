@@ -25,6 +25,17 @@ def client(proxy: ProxyProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
 
 
+def assert_answers(proxy: ProxyProcess, model: str = "tiny") -> None:
+    """A real answer: the tokens asked for, from the model asked, as text (random weights may emit
+    U+FFFD, never nothing)."""
+    reply = client(proxy).chat.completions.create(model=model, messages=CHAT, max_tokens=8,
+                                                  extra_body={"ignore_eos": True})
+    assert reply.model == model and reply.usage.completion_tokens == 8
+    content = reply.choices[0].message.content
+    assert isinstance(content, str) and content.strip()
+    assert reply.choices[0].finish_reason == "length"
+
+
 def replica_metric(replica: dict[str, Any], name: str) -> float:
     """A counter from one llama-server's own /metrics, read straight from the replica."""
     with urllib.request.urlopen(f"http://127.0.0.1:{replica['port']}/metrics", timeout=10) as resp:
@@ -115,8 +126,7 @@ def test_sigkill_costs_one_restart_and_service_resumes(start_proxy, llama_model)
 
     replica = wait_for(restarted, what="the killed replica to be restarted and healthy")
     assert replica["restarts"] >= 1
-    reply = client(proxy).chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)
-    assert reply.choices[0].message.content is not None
+    assert_answers(proxy)
 
 
 def test_restarted_proxy_adopts_running_replicas_and_drops_unconfigured_ones(start_proxy, llama_model) -> None:
@@ -138,8 +148,8 @@ def test_restarted_proxy_adopts_running_replicas_and_drops_unconfigured_ones(sta
     assert proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"] == pid
     assert proxy.wait_state("idle", "loaded")["replicas"][0]["pid"] == idle  # admin-loaded: adopted too
     wait_for(lambda: not pid_alive(gone), what="the unconfigured model's process to be stopped")
-    reply = client(proxy).chat.completions.create(model="tiny", messages=CHAT, max_tokens=8)
-    assert reply.choices[0].message.content is not None
+    assert_answers(proxy)
+    assert_answers(proxy, "idle")
 
 
 def test_two_replicas_both_receive_traffic(start_proxy, llama_model) -> None:

@@ -1,14 +1,17 @@
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from launchers import llama_server
+from launchers.llama_help import choices, help_text, options
 from launchers.spec import group_name, ports_in_file, program_name, render_group
-from proxy.config import ModelConfig
+from proxy.config import REPO_ROOT, ModelConfig
 
 GOLDEN = Path(__file__).parent / "golden"
 ENVIRON = {"LD_LIBRARY_PATH": "/usr/local/lib"}
@@ -31,6 +34,9 @@ def model(name: str = "gemma-4-26b-a4b-it-ud-q5ks-llama-server", **options: obje
         "llama_server_spec_draft_p_min": 0.1,
         "llama_server_spec_draft_ngl": "-1",
         "llama_server_reasoning": "none",
+        "llama_server_embeddings": True,
+        "llama_server_pooling": "mean",
+        "llama_server_media_path": "/srv/media",
         "llama_server_extra_args": ["--threads", "8"],
         "enable_thinking": False,
         **options,
@@ -60,18 +66,21 @@ def test_every_field_maps_to_its_flag() -> None:
     argv = llama_server.argv(model(), "127.0.0.1", 18100)
     pairs = dict(zip(argv, argv[1:]))
     assert pairs["--model"] == "/models/gemma-4-26B-A4B-it-UD-Q5_K_S.gguf"
-    assert pairs["--ctx-size"] == "4096"
+    assert pairs["--ctx-size"] == "8192"  # 4096 for each of the 2 slots
     assert pairs["--n-gpu-layers"] == "-1"
     assert pairs["--flash-attn"] == "on"
     assert pairs["--mmproj"] == "/models/mmproj-model-f16.gguf"
     assert pairs["--image-max-tokens"] == "512"
     assert pairs["--spec-draft-model"] == "/models/draft 50% small.gguf"
-    assert pairs["--spec-type"] == "draft"
+    assert pairs["--spec-type"] == "draft-simple"  # the seed's `draft`, as the pinned build names it
     assert pairs["--spec-draft-n-max"] == "5"
     assert pairs["--spec-draft-p-min"] == "0.1"
     assert pairs["--spec-draft-ngl"] == "-1"
     assert pairs["--reasoning-format"] == "none"
     assert pairs["--reasoning"] == "off"
+    assert pairs["--pooling"] == "mean"
+    assert pairs["--media-path"] == "/srv/media"
+    assert "--embeddings" in argv
     assert pairs["--alias"] == "gemma-4-26b-a4b-it-ud-q5ks-llama-server"
     assert pairs["--parallel"] == "2"
     assert argv[-2:] == ("--threads", "8")
@@ -88,16 +97,125 @@ def test_unset_fields_add_no_flags() -> None:
                                                               "llama_server_binary": "/bin/llama-server"})
     spec = llama_server.launch(cfg, 0, 18100, 15, {})
     assert spec.argv == ("/bin/llama-server", "--model", "/m.gguf", "--host", "127.0.0.1", "--port", "18100",
-                         "--alias", "m", "--parallel", "1", "--metrics", "--no-webui")
+                         "--alias", "m", "--parallel", "1", "--metrics", "--no-webui", "--kv-unified")
     assert spec.env == ()
 
 
+@pytest.mark.parametrize("n_ctx, slots, expected", [(2048, 4, ["--ctx-size", "8192"]),
+                                                     (4096, 1, ["--ctx-size", "4096"]),
+                                                     (None, 4, ["--kv-unified"]), (0, 2, ["--kv-unified"])])
+def test_n_ctx_is_the_context_of_one_request(n_ctx: int | None, slots: int, expected: list[str]) -> None:
+    # llama-server divides --ctx-size over its --parallel slots; the field is per request.
+    cfg = replace(model(llama_server_n_ctx=n_ctx), target_inflight=slots)
+    argv = llama_server.argv(cfg, "127.0.0.1", 18100)
+    i = argv.index(expected[0])
+    assert list(argv[i:i + len(expected)]) == expected
+    assert argv[argv.index("--parallel") + 1] == str(slots)
+
+
+@pytest.mark.parametrize("seed_value, flag_value", [("draft", "draft-simple"), ("mtp", "draft-mtp"),
+                                                    ("draft-simple", "draft-simple"), ("ngram-mod", "ngram-mod"),
+                                                    ("draft,ngram-mod", "draft-simple,ngram-mod")])
+def test_spec_types_map_to_the_pinned_builds_names(seed_value: str, flag_value: str) -> None:
+    argv = llama_server.argv(model(llama_server_spec_type=seed_value), "127.0.0.1", 18100)
+    assert argv[argv.index("--spec-type") + 1] == flag_value
+
+
+HELP = """----- common params -----
+
+-h,    --help, --usage                  print usage and exit
+-c,    --ctx-size N                     size of the prompt context (default: 0, 0 = loaded from model)
+-fa,   --flash-attn [on|off|auto]       set Flash Attention use ('on', 'off', or 'auto', default: 'auto')
+--pooling {none,mean,cls,last,rank}     pooling type for embeddings, use model default if unspecified
+--spec-type none,draft-simple,draft-mtp,ngram-mod
+                                        comma-separated list of types of speculative decoding to use
+--reasoning-format FORMAT               controls whether thought tags are allowed; one of:
+                                        - none: leaves thoughts unparsed in `message.content`
+                                        - deepseek: puts thoughts in `message.reasoning_content`
+                                        (default: auto)
+--embedding, --embeddings               restrict to only support embedding use case
+--port PORT                             port to listen (default: 8080) see also --ctx-size
+"""
+
+
+def test_help_is_read_into_whole_flags_and_their_values() -> None:
+    opts = options(HELP)
+    assert {"-c", "--ctx-size", "-fa", "--flash-attn", "--pooling", "--spec-type", "--reasoning-format",
+            "--embedding", "--embeddings", "--port", "-h", "--help", "--usage"} == set(opts)
+    assert choices(opts["--flash-attn"]) == {"on", "off", "auto"}
+    assert choices(opts["--pooling"]) == {"none", "mean", "cls", "last", "rank"}
+    assert choices(opts["--spec-type"]) == {"none", "draft-simple", "draft-mtp", "ngram-mod"}
+    assert choices(opts["--reasoning-format"]) == {"none", "deepseek", "auto"}
+    assert choices(opts["--ctx-size"]) is None and choices(opts["--embeddings"]) is None
+
+
+def test_help_is_read_once_per_binary_and_again_when_it_changes(tmp_path: Path) -> None:
+    calls = tmp_path / "calls"
+    exe = tmp_path / "llama-server"
+    exe.write_text(f"#!/bin/sh\necho run >> {calls}\ncat <<'EOF'\n{HELP}EOF\n")
+    exe.chmod(0o755)
+    cache = tmp_path / "cache"
+    assert help_text(exe, cache) == HELP
+    assert help_text(exe, cache) == HELP
+    assert calls.read_text().count("run") == 1
+    os.utime(exe, ns=(1, 1))  # another build at the same path
+    help_text(exe, cache)
+    assert calls.read_text().count("run") == 2
+
+
+def test_values_the_binary_refuses_are_config_errors_listing_what_it_accepts(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_POOL_CACHE_DIR", str(tmp_path / "cache"))
+    exe = tmp_path / "llama-server"
+    exe.write_text(f"#!/bin/sh\ncat <<'EOF'\n{HELP}EOF\n")
+    exe.chmod(0o755)
+    ok = model(llama_server_binary=str(exe), llama_server_spec_type="draft", llama_server_reasoning=None)
+    assert llama_server.option_problems(ok) == []
+    bad = model(llama_server_binary=str(exe), llama_server_spec_type="draft-eagle3", llama_server_reasoning=None)
+    (problem,) = llama_server.option_problems(bad)
+    assert problem == (f"engine.models.{bad.name}.llama_server_spec_type: 'draft-eagle3' is not accepted by {exe} "
+                       "(--spec-type draft-eagle3); it accepts: draft-mtp, draft-simple, ngram-mod, none")
+
+
+def _built_help(llama_server_bin: Path) -> str:
+    return subprocess.run([str(llama_server_bin), "--help"], capture_output=True, text=True, timeout=60).stdout
+
+
 def test_flags_exist_in_the_built_llama_server(llama_server_bin: Path) -> None:
-    help_text = subprocess.run([str(llama_server_bin), "--help"], capture_output=True, text=True, timeout=60).stdout
+    known = options(_built_help(llama_server_bin))
     argv = llama_server.argv(model(), "127.0.0.1", 18100)
     flags = {a for a in argv if a.startswith("--")} - {"--threads"}
-    missing = sorted(f for f in flags if f not in help_text)
+    missing = sorted(f for f in flags if f not in known)  # whole flags: `--ctx` would not match `--ctx-size`
     assert not missing, missing
+    unified = llama_server.argv(model(llama_server_n_ctx=None), "127.0.0.1", 18100)
+    assert "--kv-unified" in unified and "--kv-unified" in known
+
+
+def test_every_enumerated_value_is_accepted_by_the_built_llama_server(llama_server_bin: Path) -> None:
+    schema = json.loads((REPO_ROOT / "conf" / "schema.json").read_text())["$defs"]["model"]["properties"]
+    known = options(_built_help(llama_server_bin))
+    for key, flag in llama_server.ENUM_FIELDS:
+        accepted = choices(known[flag])
+        assert accepted, flag
+        values = [v for v in schema[key].get("enum", []) if v is not None]
+        if key == "llama_server_spec_type":
+            values = list(llama_server.SPEC_TYPE_NAMES)
+        if key == "llama_server_reasoning":
+            values = ["none"]  # the seed's value
+        for value in values:
+            flag_value = llama_server.argv(model(**{key: value}), "h", 1)
+            given = flag_value[flag_value.index(flag) + 1]
+            assert set(given.split(",")) <= accepted, (key, value, given, sorted(accepted))
+
+
+def test_the_seed_example_passes_the_built_binarys_check(llama_server_bin: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_POOL_CACHE_DIR", str(tmp_path))
+    cfg = model(llama_server_binary=str(llama_server_bin))   # the seed's fields, spec type `draft`
+    assert llama_server.option_problems(cfg) == []
+    (problem,) = llama_server.option_problems(model(llama_server_binary=str(llama_server_bin),
+                                                    llama_server_spec_type="draft-turbo"))
+    assert "'draft-turbo' is not accepted" in problem and "draft-simple" in problem and "draft-mtp" in problem
 
 
 @pytest.mark.parametrize("name", ["demo", "Qwen/Qwen2.5", "a b;rm -rf /", "x" * 128, "gemma:7b@q4+x"])

@@ -148,6 +148,8 @@ def test_url_and_token_come_from_the_settings(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LLM_POOL_LOCAL_SETTINGS_PATH", str(tmp_path / "none.yaml"))
     assert ctl.resolve_target(args, {"MY_TOKEN": "t1", "LLM_POOL_ADMIN_TOKEN": "t2"}) == ("http://127.0.0.1:9123", "t1")
     assert ctl.resolve_target(args, {"LLM_POOL_ADMIN_TOKEN": "t2"}) == ("http://127.0.0.1:9123", "t2")
+    conf.write_text("service: {port: 9123, admin_host: '::1', admin_port: 9124, state_dir: %s}\n" % tmp_path)
+    assert ctl.resolve_target(args, {}) == ("http://[::1]:9124", None)
 
 
 def test_gpu_table_says_why_nothing_was_measured_and_shows_unknown_memory() -> None:

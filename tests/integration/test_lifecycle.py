@@ -1,0 +1,160 @@
+"""Lifecycle under faults, with real supervisord and real replica processes: unload always
+finishes, ports come back, orphans of a dead supervisord are stopped, secrets stay with the proxy."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from helpers import ProxyProcess, free_port_range, http, pid_alive, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def sim_model(**fields: Any) -> dict[str, Any]:
+    return {"backend": "sim", "target_inflight": 2, "enabled": True,
+            "sim": {"max_seqs": 2, "decode_tokens_per_s": 200, "ttft_ms": 1}, **fields}
+
+
+def start(proxies: list[ProxyProcess], models: dict[str, Any], ports: list[int] | None = None,
+          **service: Any) -> ProxyProcess:
+    proxy = ProxyProcess(models, service=service)
+    if ports is not None:
+        proxy.config["supervisor"]["port_range"] = ports
+        proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxies.append(proxy)
+    return proxy.start()
+
+
+def chat(proxy: ProxyProcess, model: str = "sim", **fields: Any) -> tuple[int, Any]:
+    status, _, body = http("POST", proxy.url + "/v1/chat/completions",
+                           {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                            **fields})
+    return status, body
+
+
+def test_unload_and_load_again_on_a_one_port_range(proxies) -> None:
+    port = free_port_range(1)[0]
+    proxy = start(proxies, {"sim": sim_model()}, ports=[port, port])
+    for _ in range(2):
+        model = proxy.wait_state("sim", "loaded")
+        assert model["replicas"][0]["port"] == port
+        # Requests and health probes leave connections that the replica's exit puts in TIME_WAIT.
+        assert chat(proxy)[0] == 200
+        status, _, body = http("POST", proxy.url + "/v1/admin/models/sim/unload")
+        assert (status, body["state"]) == (200, "unloaded")
+        status, _, body = http("POST", proxy.url + "/v1/admin/models/sim/load")
+        assert status == 200, body
+
+
+def _stream_until_killed(proxy: ProxyProcess, started: threading.Event) -> None:
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000, "stream": True}
+    req = urllib.request.Request(proxy.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            resp.readline()
+            started.set()
+            while resp.readline():
+                pass
+    except OSError:
+        pass
+    finally:
+        started.set()
+
+
+def test_unload_while_a_replica_crashes_mid_stream_ends_unloaded(proxies) -> None:
+    proxy = start(proxies, {"sim": sim_model()}, drain_timeout_s=60)
+    model = proxy.wait_state("sim", "loaded")
+    pid = model["replicas"][0]["pid"]
+    started = threading.Event()
+    stream = threading.Thread(target=_stream_until_killed, args=(proxy, started))
+    stream.start()
+    assert started.wait(60)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        unload = pool.submit(http, "POST", proxy.url + "/v1/admin/models/sim/unload")
+        wait_for(lambda: proxy.admin_model("sim")["state"] == "unloading", what="the unload to start draining")
+        os.kill(pid, signal.SIGKILL)     # the replica crashes mid-stream; supervisord restarts it
+        status, _, body = unload.result(120)
+    stream.join(60)
+    assert (status, body.get("state")) == (200, "unloaded"), (body, proxy.log_path.read_text()[-3000:])
+    assert not proxy.supervisorctl("status").stdout.strip()   # no program left running
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/sim/load")
+    assert (status, body["state"]) == (200, "loaded"), body
+
+
+def test_an_unload_whose_client_leaves_still_finishes(proxies) -> None:
+    proxy = start(proxies, {"sim": sim_model()}, drain_timeout_s=3)
+    proxy.wait_state("sim", "loaded")
+    started = threading.Event()
+    stream = threading.Thread(target=_stream_until_killed, args=(proxy, started))
+    stream.start()
+    assert started.wait(60)
+    # The drain waits for the stream; the admin's client gives up long before.
+    req = urllib.request.Request(proxy.url + "/v1/admin/models/sim/unload", data=b"", method="POST")
+    with pytest.raises(OSError):
+        urllib.request.urlopen(req, timeout=0.5)
+    model = proxy.wait_state("sim", "unloaded")
+    assert model["replicas"] == [] and not proxy.supervisorctl("status").stdout.strip()
+    stream.join(60)
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_model_servers_get_a_minimal_environment_without_the_proxys_secrets(proxies) -> None:
+    proxy = ProxyProcess({"sim": sim_model(),
+                          "remote": {"backend": "openai_remote", "remote_api_key_env": "LLM_POOL_TEST_PROVIDER_KEY",
+                                     "remote_base_url": "http://127.0.0.1:9/v1", "enabled": False}},
+                         service={"admin_token_env": "LLM_POOL_TEST_ADMIN_TOKEN"})
+    proxy.config["supervisor"]["pass_env"] = ["LLM_POOL_TEST_PASSED"]
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxy.env.update(LLM_POOL_TEST_ADMIN_TOKEN="admin-secret-4711", LLM_POOL_TEST_PROVIDER_KEY="provider-secret-4712",
+                     LLM_POOL_TEST_UNRELATED="not-for-models", LLM_POOL_TEST_PASSED="for-models",
+                     LC_ALL="C.UTF-8", PATH="/usr/bin:/bin")
+    proxies.append(proxy)
+    proxy.start()
+    headers = {"Authorization": "Bearer admin-secret-4711"}
+    status, _, body = http("GET", proxy.url + "/v1/admin/models", headers=headers)
+    assert status == 200
+    wait_for(lambda: any(m["state"] == "loaded" for m in http("GET", proxy.url + "/v1/admin/models",
+                                                              headers=headers)[2]["data"]), what="sim loaded")
+    (sim,) = [m for m in http("GET", proxy.url + "/v1/admin/models", headers=headers)[2]["data"] if m["id"] == "sim"]
+    pid = sim["replicas"][0]["pid"]
+    proxy.seen_pids.add(pid)
+    supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
+    for environ in (_environ_of(pid), _environ_of(supervisord)):
+        values = "\n".join(environ.values())
+        assert "admin-secret-4711" not in values and "provider-secret-4712" not in values
+        assert "LLM_POOL_TEST_UNRELATED" not in environ
+        assert environ["PATH"] == "/usr/bin:/bin" and environ["LC_ALL"] == "C.UTF-8"
+        assert environ["LLM_POOL_TEST_PASSED"] == "for-models"
+    # The shim's own setting, from its program's environment=.
+    assert _environ_of(pid)["PYTHONPATH"] == str(Path(__file__).resolve().parents[2])
+
+
+def test_a_serve_stops_the_replicas_a_killed_supervisord_left_running(proxies) -> None:
+    proxy = start(proxies, {"sim": sim_model()})
+    before = proxy.wait_state("sim", "loaded")["replicas"][0]
+    supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
+    os.kill(supervisord, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(supervisord), what="supervisord to die")
+    assert pid_alive(before["pid"])            # its model server lives on, holding its port
+    proxy.stop()
+    assert pid_alive(before["pid"])
+    proxy.start()                              # same state folder, same settings
+    assert not pid_alive(before["pid"])        # stopped before the new supervisord started
+    after = proxy.wait_state("sim", "loaded")["replicas"][0]
+    assert after["pid"] != before["pid"] and after["port"] == before["port"]   # its port came back
+    assert chat(proxy)[0] == 200
+
