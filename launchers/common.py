@@ -1,6 +1,9 @@
 """Pieces every launcher shares: the replica's environment and file checks."""
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -39,3 +42,38 @@ def shim_env(model: ModelConfig, library_field: str | None,
     proxy runs from, never from whatever copy that interpreter might happen to have.
     """
     return tuple(sorted({**dict(library_env(model, library_field, environ)), "PYTHONPATH": str(REPO_ROOT)}.items()))
+
+
+def shim_problems(model: ModelConfig, module: str, python_field: str, extra: str) -> list[str]:
+    """What stops a shim backend from starting: no model file, or no interpreter with its engine.
+
+    Without `<engine>_python` the shim runs under the proxy's own interpreter, so the engine must be
+    importable there; `find_spec` finds it without importing it (heavy imports stay in the shim).
+    """
+    where = f"engine.models.{model.name}"
+    problems = []
+    path = model.get("model_path")
+    if not path:
+        problems.append(f"{where}.model_path: required for backend {model.backend!r}")
+    else:
+        problems += missing_file(where, "model_path", path)
+    python = model.get(python_field)
+    if python:
+        if not (Path(python).is_file() and os.access(python, os.X_OK)):
+            problems.append(f"{where}.{python_field}: {python} is not an executable interpreter")
+    elif importlib.util.find_spec(module) is None:
+        problems.append(f"{where}.backend: {model.backend!r} needs the {module} package in this interpreter "
+                        f"(pip install 'llm-pool[{extra}]'), or {python_field} naming one that has it")
+    return problems
+
+
+def shim_argv(model: ModelConfig, python_field: str, engine: str, host: str, port: int,
+              stopwaitsecs: int) -> list[str]:
+    """`python -m shims.<engine>` with the arguments every shim takes.
+
+    The shim's own drain deadline is inside supervisord's stop wait, so it exits by itself after
+    finishing what it can instead of being killed mid-write.
+    """
+    python = model.get(python_field) or sys.executable
+    return [python, "-m", f"shims.{engine}", "--host", host, "--port", str(port), "--model", model.name,
+            "--shutdown-timeout", str(max(1, stopwaitsecs - 2)), "--model-path", str(model.get("model_path"))]

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from typing import Callable
 
+from proxy.llama_cpp_wheel import ensure_llama_cpp_python
+from proxy.tiny_ct2 import cached_tiny_ct2
+
 # name -> step; each step prints what it did and raises on failure.
-STEPS: dict[str, Callable[[], object]] = {}
+STEPS: dict[str, Callable[[], object]] = {
+    "ct2-tiny-models": cached_tiny_ct2,
+    "llama-cpp-python": ensure_llama_cpp_python,
+}
 
 
 def prepare(names: list[str] | None = None) -> None:

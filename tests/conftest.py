@@ -20,6 +20,22 @@ def llama_server_bin() -> Path:
     return build_llama_server()
 
 
+@pytest.fixture(scope="session")
+def tiny_ct2() -> dict[str, Path]:
+    """{"decoder": folder, "seq2seq": folder}; written once into the cache by `llm-pool setup --all-engines`."""
+    from proxy.tiny_ct2 import cached_tiny_ct2
+
+    return cached_tiny_ct2()
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_python() -> None:
+    """llama-cpp-python importable here; returns at once when `llm-pool setup --all-engines` installed it."""
+    from proxy.llama_cpp_wheel import ensure_llama_cpp_python
+
+    ensure_llama_cpp_python()
+
+
 @pytest.fixture
 def proxies() -> Iterator[list]:
     """Proxies a test starts go in this list; each is stopped, and its processes checked gone, after."""

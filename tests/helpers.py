@@ -65,6 +65,20 @@ def wait_for(predicate: Callable[[], Any], timeout: float = DEADLINE_S, what: st
         time.sleep(0.05)
 
 
+async def until_healthy(session: Any, url: str, timeout: float = DEADLINE_S) -> None:
+    """Poll a shim's /health until 200, bounded: one that never loads fails the test, not hangs it."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while True:
+        async with session.get(url + "/health") as resp:
+            if resp.status == 200:
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} not healthy after {timeout:.0f}s")
+        await asyncio.sleep(0.01)
+
+
 def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
          headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)

@@ -115,7 +115,8 @@ def _environ_of(pid: int) -> dict[str, str]:
 def test_model_servers_get_a_minimal_environment_without_the_proxys_secrets(proxies) -> None:
     proxy = ProxyProcess({"sim": sim_model(),
                           "remote": {"backend": "openai_remote", "remote_api_key_env": "LLM_POOL_TEST_PROVIDER_KEY",
-                                     "remote_base_url": "http://127.0.0.1:9/v1", "enabled": False}},
+                                     "remote_base_url": "http://127.0.0.1:9/v1", "remote_model": "m",
+                                     "enabled": False}},
                          service={"admin_token_env": "LLM_POOL_TEST_ADMIN_TOKEN"})
     proxy.config["supervisor"]["pass_env"] = ["LLM_POOL_TEST_PASSED"]
     proxy.config_path.write_text(yaml.safe_dump(proxy.config))

@@ -88,3 +88,11 @@ def test_definition_shows_metadata_and_redacts_secrets(tmp_path: Path) -> None:
     assert remote["fields"]["remote_base_url"] == f"https://{REDACTED}@api.example.com/v1"
     assert "sk-remote-000" not in json.dumps(remote) and "pw-789" not in json.dumps(remote)
     assert definition(model["r"], environ={})["fields"]["remote_api_key_env"]["set"] is False
+
+
+def test_every_launchers_overrides_have_a_schema_rule() -> None:
+    from launchers import LAUNCHERS
+    properties = model_schema()
+    for backend, launcher in LAUNCHERS.items():
+        for name in getattr(launcher, "LOAD_OVERRIDES", ()):
+            assert name in properties, f"{backend}: LOAD_OVERRIDES names {name}, which the schema does not define"

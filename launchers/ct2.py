@@ -1,0 +1,49 @@
+"""CTranslate2 models (shims/ct2.py) as supervisord programs: `device`, `compute_type`, `prompt_format`."""
+from __future__ import annotations
+
+from typing import Mapping
+
+from launchers.common import shim_argv, shim_env, shim_problems
+from launchers.spec import EngineMetrics, ProgramSpec, program_name
+from proxy.config import ModelConfig
+
+PORT_FIELD = "ct2_port"
+PYTHON_FIELD = "ct2_python"
+LOAD_OVERRIDES = ("compute_type",)
+DEFAULT_START_TIMEOUT_S = 300.0
+DEFAULT_COMPUTE_TYPE = "int8"       # the seed's default
+METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_requests_waiting",
+                        kv_cache="vllm:kv_cache_usage_perc")
+
+
+def check(model: ModelConfig) -> list[str]:
+    return shim_problems(model, "ctranslate2", PYTHON_FIELD, "ct2")
+
+
+def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[str, ...]:
+    args = shim_argv(model, PYTHON_FIELD, "ct2", host, port, stopwaitsecs)
+    args += ["--device", str(model.get("device", "cpu")),
+             "--compute-type", str(model.get("compute_type", DEFAULT_COMPUTE_TYPE)),
+             "--prompt-format", str(model.get("prompt_format", "generic")),
+             # One CT2 worker per request the scheduler may send at once, so none waits behind another.
+             "--max-concurrency", str(model.target_inflight)]
+    if model.get("enable_thinking") is not None:
+        args += ["--enable-thinking", str(bool(model.get("enable_thinking"))).lower()]
+    return tuple(args)
+
+
+def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
+    host = "127.0.0.1"
+    return ProgramSpec(
+        program=program_name(model.name, replica),
+        argv=argv(model, host, port, stopwaitsecs),
+        env=shim_env(model, None, environ),
+        host=host,
+        port=port,
+        health_path="/health",
+        models_path="/v1/models",
+        served_model=model.name,
+        start_timeout_s=DEFAULT_START_TIMEOUT_S,
+        stopwaitsecs=stopwaitsecs,
+        metrics=METRICS,
+    )

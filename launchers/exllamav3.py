@@ -1,0 +1,63 @@
+"""ExLlamaV3 (EXL3) models (shims/exllamav3.py) as supervisord programs; every `exllama_*` field."""
+from __future__ import annotations
+
+from typing import Mapping
+
+from launchers.common import shim_argv, shim_env, shim_problems
+from launchers.spec import EngineMetrics, ProgramSpec, program_name
+from proxy.config import ModelConfig
+
+PORT_FIELD = "exllamav3_port"
+PYTHON_FIELD = "exllamav3_python"
+LOAD_OVERRIDES = ("exllama_cache_size",)
+DEFAULT_START_TIMEOUT_S = 600.0      # large quantized models take minutes to load
+# (config field, shim flag), emitted in this order when set.
+FLAGS = (
+    ("exllama_cache_size", "--cache-size"),
+    ("exllama_cache_quant", "--cache-quant"),
+    ("exllama_tp_backend", "--tp-backend"),
+    ("exllama_max_batch_size", "--max-batch-size"),
+    ("exllama_max_chunk_size", "--max-chunk-size"),
+    ("exllama_max_q_size", "--max-q-size"),
+    ("exllama_max_rq_tokens", "--max-rq-tokens"),
+)
+METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_requests_waiting",
+                        kv_cache="vllm:kv_cache_usage_perc")
+
+
+def check(model: ModelConfig) -> list[str]:
+    return shim_problems(model, "exllamav3", PYTHON_FIELD, "exllamav3")
+
+
+def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[str, ...]:
+    args = shim_argv(model, PYTHON_FIELD, "exllamav3", host, port, stopwaitsecs)
+    args += ["--prompt-format", str(model.get("prompt_format", "generic")),
+             # The continuous-batching generator runs every request the scheduler sends together.
+             "--max-concurrency", str(model.target_inflight)]
+    for key, flag in FLAGS:
+        if model.get(key) is not None:
+            args += [flag, str(model.get(key))]
+    if model.get("exllama_gpu_split"):
+        args += ["--gpu-split", ",".join(repr(float(x)) for x in model.get("exllama_gpu_split"))]
+    if model.get("exllama_tensor_parallel") is not None:
+        args += ["--tensor-parallel", str(bool(model.get("exllama_tensor_parallel"))).lower()]
+    if model.get("enable_thinking") is not None:
+        args += ["--enable-thinking", str(bool(model.get("enable_thinking"))).lower()]
+    return tuple(args)
+
+
+def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
+    host = "127.0.0.1"
+    return ProgramSpec(
+        program=program_name(model.name, replica),
+        argv=argv(model, host, port, stopwaitsecs),
+        env=shim_env(model, None, environ),
+        host=host,
+        port=port,
+        health_path="/health",
+        models_path="/v1/models",
+        served_model=model.name,
+        start_timeout_s=DEFAULT_START_TIMEOUT_S,
+        stopwaitsecs=stopwaitsecs,
+        metrics=METRICS,
+    )

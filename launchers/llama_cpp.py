@@ -1,0 +1,65 @@
+"""GGUF models through llama-cpp-python (shims/llama_cpp.py) as supervisord programs.
+
+`gguf_n_gpu_layers`, `gguf_n_ctx`, `gguf_flash_attn`, `gguf_type_k`, `gguf_type_v`, `prompt_format`.
+One request at a time per replica (a `Llama` is not thread-safe): the schema holds `target_inflight`
+to 1, and throughput comes from `replicas`.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from launchers.common import shim_argv, shim_env, shim_problems
+from launchers.spec import EngineMetrics, ProgramSpec, program_name
+from proxy.config import ModelConfig
+
+PORT_FIELD = "llama_cpp_port"
+PYTHON_FIELD = "llama_cpp_python"
+LOAD_OVERRIDES = ("gguf_n_ctx",)
+DEFAULT_START_TIMEOUT_S = 300.0
+DEFAULT_N_CTX = 4096
+# (config field, shim flag), emitted in this order when set.
+FLAGS = (
+    ("gguf_n_gpu_layers", "--n-gpu-layers"),
+    ("gguf_n_ctx", "--n-ctx"),
+    ("gguf_type_k", "--type-k"),
+    ("gguf_type_v", "--type-v"),
+)
+METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_requests_waiting",
+                        kv_cache="vllm:kv_cache_usage_perc")
+
+
+def check(model: ModelConfig) -> list[str]:
+    return shim_problems(model, "llama_cpp", PYTHON_FIELD, "llama_cpp")
+
+
+def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[str, ...]:
+    args = shim_argv(model, PYTHON_FIELD, "llama_cpp", host, port, stopwaitsecs)
+    for key, flag in FLAGS:
+        if model.get(key) is not None:
+            args += [flag, str(model.get(key))]
+    flash = model.get("gguf_flash_attn")
+    if flash is not None:
+        args += ["--flash-attn", ("on" if flash else "off") if isinstance(flash, bool) else str(flash)]
+    # Without prompt_format the GGUF's own chat template renders chat (the shim falls back to generic).
+    if model.get("prompt_format"):
+        args += ["--prompt-format", str(model.get("prompt_format"))]
+    if model.get("enable_thinking") is not None:
+        args += ["--enable-thinking", str(bool(model.get("enable_thinking"))).lower()]
+    return tuple(args)
+
+
+def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
+    host = "127.0.0.1"
+    return ProgramSpec(
+        program=program_name(model.name, replica),
+        argv=argv(model, host, port, stopwaitsecs),
+        env=shim_env(model, None, environ),
+        host=host,
+        port=port,
+        health_path="/health",
+        models_path="/v1/models",
+        served_model=model.name,
+        start_timeout_s=DEFAULT_START_TIMEOUT_S,
+        stopwaitsecs=stopwaitsecs,
+        metrics=METRICS,
+    )
