@@ -1,7 +1,10 @@
 """The aiohttp application: routes, middleware, and the pool's lifetime in cleanup_ctx."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 import time
 from typing import Any, AsyncIterator
 
@@ -11,11 +14,12 @@ from aiohttp import web
 from proxy import managed, routes_admin, routes_public, routes_responses
 from proxy.config import Settings
 from proxy.errors import NotFound, error_middleware
-from proxy.keys import HTTP, METRICS, MODEL, POOL, SETTINGS
+from proxy.keys import HTTP, METRICS, MODEL, POOL, SETTINGS, VRAM
 from proxy.metrics import ProxyMetrics
 from proxy.orphans import PidRecord
 from proxy.pool import Pool
 from proxy.supervisor import SupervisorClient
+from proxy.vram_estimate import Estimator
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,10 @@ def admin_listener_middleware(admin_port: int) -> Any:
 
 def create_app(settings: Settings, *, keep_models: bool = False) -> web.Application:
     """The proxy app. On cleanup it unloads every model and, in managed mode, stops supervisord,
-    unless `keep_models`: then both keep running for the next proxy to adopt."""
+    unless `keep_models`: then both keep running for the next proxy to adopt.
+
+    SIGUSR1 makes a running proxy exit as if started with `--keep-models`: an upgrade or a settings
+    change without unloading anything (the systemd unit's `reload`)."""
     # metrics outside errors: it sees the status the error middleware rendered.
     middlewares = [metrics_middleware, error_middleware]
     if settings.service.admin_port is not None:
@@ -60,6 +67,7 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
     app = web.Application(client_max_size=settings.service.max_body_bytes, middlewares=middlewares)
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
+    app[VRAM] = Estimator()
     app.add_routes(routes_public.routes)
     app.add_routes(routes_admin.routes)
     app.add_routes(routes_responses.routes)
@@ -85,10 +93,23 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
         app[HTTP] = http
         app[METRICS].watch(pool)
         pool.load_in_background()
+        keep = [keep_models]
+
+        def exit_keeping_models() -> None:
+            log.info("SIGUSR1: exiting, leaving supervisord and the models running for the next proxy")
+            keep[0] = True
+            raise web.GracefulExit()  # what aiohttp's own SIGTERM handler raises
+
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            loop.add_signal_handler(signal.SIGUSR1, exit_keeping_models)
         yield
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGUSR1)
+        keep_models_now = keep[0]
         try:
-            await pool.close(stop_models=not keep_models)
-            if settings.supervisor.mode == "managed" and not keep_models:
+            await pool.close(stop_models=not keep_models_now)
+            if settings.supervisor.mode == "managed" and not keep_models_now:
                 await managed.stop_supervisord(supervisor)
         finally:
             await supervisor.close()

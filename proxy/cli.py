@@ -1,4 +1,4 @@
-"""The `llm-pool` command: serve, check-config, setup."""
+"""The `llm-pool` command: serve, check-config, setup, ctl."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Mapping
 
 from launchers import launcher_for
+from proxy import ctl
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.kinds import kinds_for
 from proxy.managed import StateDirBusy, claim_state_dir
@@ -189,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     setup.add_argument("--all-engines", action="store_true",
                        help="also prepare every other engine's environment in the cache (what the tests need)")
     setup.set_defaults(func=cmd_setup)
+    ctl.add_parser(sub)
     for p in (serve, check, setup):
         p.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser

@@ -7,11 +7,13 @@ from aiohttp import web
 from proxy.config import Settings
 from proxy.metrics import ProxyMetrics
 from proxy.pool import Pool
+from proxy.vram_estimate import Estimator
 
 SETTINGS = web.AppKey("settings", Settings)
 POOL = web.AppKey("pool", Pool)
 HTTP = web.AppKey("http", aiohttp.ClientSession)
 METRICS = web.AppKey("metrics", ProxyMetrics)
+VRAM = web.AppKey("vram_estimator", Estimator)
 # The model a request was admitted for, set once it is known to be a served model (so metric
 # labels only ever hold configured model ids, never whatever a client typed).
 MODEL = web.RequestKey("model", str)

@@ -66,6 +66,8 @@ class Pool:
         self._processes: dict[str, ProcessInfo] = {}
         self.stop_grace_s = STOP_GRACE_S
         self.pid_record = pid_record   # managed mode: what to stop should supervisord die (proxy/orphans.py)
+        # Models whose load at startup has not finished (loaded or failed): /ready waits for them.
+        self.startup_pending: set[str] = set()
 
     # -- lifecycle of the pool itself ------------------------------------------------------------
 
@@ -81,6 +83,7 @@ class Pool:
         running = {i.group for i in self._processes.values() if i.state == ProcessState.RUNNING}
         for runtime in self.models.values():
             if runtime.config.enabled or group_name(runtime.name) in running:
+                self.startup_pending.add(runtime.name)
                 self._spawn(self._load_logged(runtime.name))
         self._spawn(self._remove_orphans())
 
@@ -512,6 +515,10 @@ class Pool:
             await self.load(name)
         except Exception as exc:
             log.error("loading %s failed: %s", name, exc)
+            # A load refused before it began (e.g. not loadable) left no error on the model: /ready shows it.
+            self.models[name].last_error = self.models[name].last_error or str(exc)
+        finally:
+            self.startup_pending.discard(name)
 
     def _spawn(self, coro: Any) -> "asyncio.Task[Any]":
         task = asyncio.create_task(coro)

@@ -1,6 +1,7 @@
-"""The admin API: model state, load with temporary overrides, graceful unload, GPU memory."""
+"""The admin API: model state, load with temporary overrides, graceful unload, GPU memory, replica logs."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import os
 from typing import Any
@@ -8,11 +9,13 @@ from typing import Any
 from aiohttp import web
 
 from launchers import launcher_for
+from proxy.admin_view import admin_row, model_schema
 from proxy.config import override_problems
-from proxy.errors import BadRequest, Unauthorized
+from proxy.errors import BadRequest, Conflict, Unauthorized, Unavailable
 from proxy.forward import read_json
-from proxy.gpu import gpu_memory
-from proxy.keys import POOL, SETTINGS
+from proxy.gpu import gpu_report, snapshot
+from proxy.keys import POOL, SETTINGS, VRAM
+from proxy.supervisor import SupervisorError
 
 routes = web.RouteTableDef()
 
@@ -35,7 +38,10 @@ def _authorize(request: web.Request) -> None:
 async def admin_models(request: web.Request) -> web.Response:
     _authorize(request)
     pool = request.app[POOL]
-    return web.json_response({"object": "list", "data": [rt.describe() for rt in pool.models.values()]})
+    properties = model_schema()
+    return web.json_response({"object": "list", "data": [admin_row(rt.describe(), rt.config, properties, pool.environ,
+                                                                   loadable=rt.kind is not None)
+                                                         for rt in pool.models.values()]})
 
 
 async def _load_request(request: web.Request, name: str) -> dict[str, Any]:
@@ -90,4 +96,54 @@ async def admin_unload(request: web.Request) -> web.Response:
 @routes.get("/v1/admin/gpu-memory")
 async def admin_gpu_memory(request: web.Request) -> web.Response:
     _authorize(request)
-    return web.json_response(gpu_memory(request.app[POOL]))
+    # NVML, /proc and model file headers are blocking reads: off the event loop.
+    report = await asyncio.to_thread(gpu_report, snapshot(request.app[POOL]), request.app[VRAM])
+    return web.json_response(report)
+
+
+MAX_LOG_BYTES = 1024 * 1024
+
+
+def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise BadRequest(f"`{name}` must be an integer from {lo} to {hi}", code="invalid_log_request", param=name)
+    return value
+
+
+@routes.get("/v1/admin/models/{name}/logs")
+async def admin_logs(request: web.Request) -> web.Response:
+    """A replica's log (stdout and stderr) through supervisord: the last `bytes` bytes, or with
+    `offset` what came after it; the answer's `offset` is where the next poll starts (follow)."""
+    _authorize(request)
+    runtime = request.app[POOL].get(request.match_info["name"])
+    if not runtime.replicas:
+        raise Conflict(f"model {runtime.name!r} has no replicas to read a log from; load it first",
+                       code="model_not_loaded")
+    index = _int_param(request, "replica", 0, 0, len(runtime.replicas) - 1)
+    length = _int_param(request, "bytes", 16384, 1, MAX_LOG_BYTES)
+    offset = _int_param(request, "offset", 0, 0, 2 ** 62)
+    replica = runtime.replicas[index]
+    supervisor = request.app[POOL].supervisor
+    overflow = False
+    try:
+        if "offset" not in request.query:
+            text, end = await supervisor.tail_log_end(replica.fullname, length)
+        else:
+            _, size = await supervisor.tail_log_end(replica.fullname, 0)
+            if offset > size:
+                offset = 0  # supervisord rotated the log: the new file from its start
+            if size - offset > length:
+                offset, overflow = size - length, True  # more came than one poll takes: skip ahead
+            text = await supervisor.read_log(replica.fullname, offset, size - offset) if size > offset else ""
+            end = offset + len(text.encode("utf-8"))
+    except SupervisorError as exc:
+        raise Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=1) from exc
+    return web.json_response({"model": runtime.name, "replica": index, "program": replica.fullname,
+                              "text": text, "offset": end, "overflow": overflow})

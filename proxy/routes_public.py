@@ -51,6 +51,25 @@ async def health(request: web.Request) -> web.Response:
                                          if rt.state == ModelState.FAILED and rt.last_error}})
 
 
+@routes.get("/ready")
+async def ready(request: web.Request) -> web.Response:
+    """Readiness, unlike /health (liveness): 503 until every model loading at startup has loaded
+    or failed; the body gives each one's state, and a failed model's reason."""
+    pool = request.app[POOL]
+    pending = pool.startup_pending
+    models = {}
+    for name, rt in pool.models.items():
+        if rt.config.enabled or name in pending:
+            entry: dict[str, object] = {"state": rt.state.value}
+            if rt.state != ModelState.LOADED and rt.last_error and name not in pending:
+                entry["reason"] = rt.last_error
+            models[name] = entry
+    if pending:
+        return web.json_response({"status": "loading", "waiting_for": sorted(pending), "models": models},
+                                 status=503, headers={"Retry-After": "1"})
+    return web.json_response({"status": "ready", "models": models})
+
+
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[METRICS].registry)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from aiohttp import web
@@ -95,6 +96,8 @@ class ScriptedSupervisor(FakeSupervisor):
         self.calls.append(("reload", ""))
         self._fault("reload_config")
         return [], [], []
+
+
 class FakeProvider:
     """FAKE remote OpenAI-compatible provider (Moonshot- or OpenAI-like), for the `openai_remote`
     tests and benchmark: an aiohttp app on a loopback port 0, in a thread of its own so that a test
@@ -494,3 +497,47 @@ class FakeSSEResponse:
 
     def close(self) -> None:
         self.closed = True
+
+
+class FakeNvmlError(Exception):
+    """FAKE pynvml.NVMLError."""
+
+
+class FakeNvml:
+    """FAKE pynvml (nvidia-ml-py) module: NVML needs an NVIDIA driver and GPU, which these tests do
+    not have. It answers the calls proxy/gpu.py makes from a table of GPUs, each with its memory and
+    the processes NVML would list (pid, used bytes; None when NVML cannot tell)."""
+
+    NVMLError = FakeNvmlError
+
+    def __init__(self, gpus: list[dict[str, Any]]) -> None:
+        self.gpus = gpus
+        self.initialised = False
+        self.shutdowns = 0
+
+    def nvmlInit(self) -> None:
+        self.initialised = True
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        assert self.initialised
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> dict[str, Any]:
+        return self.gpus[index]
+
+    def nvmlDeviceGetName(self, handle: dict[str, Any]) -> bytes:
+        return handle.get("name", "FAKE GPU").encode()  # older nvidia-ml-py returns bytes
+
+    def nvmlDeviceGetMemoryInfo(self, handle: dict[str, Any]) -> SimpleNamespace:
+        return SimpleNamespace(used=handle["used"], total=handle["total"], free=handle["total"] - handle["used"])
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: dict[str, Any]) -> list[SimpleNamespace]:
+        if handle.get("processes_error"):
+            raise FakeNvmlError(handle["processes_error"])
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in handle.get("processes", [])]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: dict[str, Any]) -> list[SimpleNamespace]:
+        return []

@@ -17,7 +17,7 @@ def test_admin_endpoints_need_the_bearer_token_and_the_log_never_shows_it(proxie
     proxies.append(proxy)
     proxy.start()
     for method, path in (("GET", "/v1/admin/models"), ("POST", "/v1/admin/models/sim/load"),
-                         ("GET", "/v1/admin/gpu-memory")):
+                         ("GET", "/v1/admin/gpu-memory"), ("GET", "/v1/admin/models/sim/logs")):
         status, _, body = http(method, proxy.url + path)
         assert (status, body["error"]["code"]) == (401, "invalid_admin_token")
         status, _, body = http(method, proxy.url + path, headers={"Authorization": "Bearer wrong"})

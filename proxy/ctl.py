@@ -1,0 +1,285 @@
+"""`llm-pool ctl`: operate a running proxy through its admin API.
+
+Human tables by default, `--json` for scripts. Exit codes (documented in the README):
+0 success; 1 the server refused the request (4xx: unknown model, bad override, missing token);
+2 usage error (bad arguments, caught before anything is sent); 3 the server failed or did not
+answer (5xx, connection refused, timeout): worth retrying later.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Callable, Mapping, Sequence, TextIO
+
+import yaml
+
+from proxy.config import ConfigError, load_settings
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+EXIT_SERVER = 3
+TOKEN_ENV = "LLM_POOL_ADMIN_TOKEN"
+DEFAULT_URL = "http://127.0.0.1:8011"
+FOLLOW_INTERVAL_S = 1.0
+
+
+class CtlError(Exception):
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class AdminClient:
+    """The admin API over HTTP; errors become CtlError with the exit code they mean."""
+
+    def __init__(self, url: str, token: str | None, timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as err:
+            raise CtlError(_error_text(err), EXIT_REFUSED if err.code < 500 else EXIT_SERVER) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise CtlError(f"no answer from {self.url}: {reason}", EXIT_SERVER) from None
+        except ValueError:
+            raise CtlError(f"{self.url}{path} did not answer JSON", EXIT_SERVER) from None
+
+
+def _error_text(err: urllib.error.HTTPError) -> str:
+    try:
+        error = json.loads(err.read())["error"]
+        return f"{err.code} {error.get('code')}: {error.get('message')}"
+    except (ValueError, KeyError, TypeError):
+        return f"{err.code} {err.reason}"
+
+
+def _quote(name: str) -> str:
+    return urllib.parse.quote(name, safe="")
+
+
+# -- output -----------------------------------------------------------------------------------------
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[("-" if c is None else str(c)) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def models_table(data: list[dict[str, Any]]) -> str:
+    rows = []
+    for m in data:
+        replicas = m.get("replicas") or []
+        ready = sum(1 for r in replicas if r.get("state") == "ready")
+        error = m.get("last_error") or next((r.get("last_error") for r in replicas if r.get("last_error")), None)
+        rows.append([m["id"], m.get("backend"), m.get("state"), f"{ready}/{len(replicas)}",
+                     m.get("replica_max"), m.get("active"), m.get("waiting"),
+                     (error or "").splitlines()[0][:60] if error else None])
+    return table(["MODEL", "BACKEND", "STATE", "READY", "MAX", "ACTIVE", "WAITING", "LAST ERROR"], rows)
+
+
+def model_summary(m: dict[str, Any]) -> str:
+    lines = [f"{m['id']}: {m.get('state')}"]
+    for r in m.get("replicas") or []:
+        lines.append(f"  replica {r['index']}: {r['state']} pid={r.get('pid') or '-'} port={r.get('port')}")
+    if m.get("last_error"):
+        lines.append(f"  last error: {m['last_error']}")
+    return "\n".join(lines)
+
+
+def gpu_text(report: dict[str, Any]) -> str:
+    parts = []
+    if report.get("available"):
+        parts.append(table(["GPU", "NAME", "USED MIB", "TOTAL MIB", "FREE MIB", "NOTE"],
+                           [[g["index"], g["name"], g["used_mib"], g["total_mib"], g["free_mib"], g.get("note")]
+                            for g in report.get("gpus", [])]))
+    else:
+        parts.append(f"GPU memory not measured: {report.get('reason')}")
+    rows = []
+    for name, m in report.get("models", {}).items():
+        measured = m.get("measured")
+        used = None if measured is None else (measured.get("used_mib") if measured.get("used_mib") is not None
+                                              else "unknown")
+        est = m.get("estimate") or {}
+        fits = m.get("fits")
+        rows.append([name, m.get("state"), used, est.get("per_replica_mib"), est.get("total_mib"),
+                     None if fits is None else ",".join(f"{i}:{'yes' if ok else 'no'}" for i, ok in fits.items())])
+    parts.append(table(["MODEL", "STATE", "USED MIB", "EST/REPLICA MIB", "EST TOTAL MIB", "FITS"], rows))
+    return "\n\n".join(parts)
+
+
+# -- commands ---------------------------------------------------------------------------------------
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """`k=v` pairs; each value is read as YAML, so numbers, booleans, null and {...} keep their type."""
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise CtlError(f"--override {pair!r}: expected KEY=VALUE", EXIT_USAGE)
+        try:
+            overrides[key] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            raise CtlError(f"--override {pair!r}: the value is not valid YAML", EXIT_USAGE) from None
+    return overrides
+
+
+def cmd_models(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
+    data = client.call("GET", "/v1/admin/models")
+    if args.json:
+        json.dump(data, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(models_table(data["data"]) + "\n")
+
+
+def cmd_load(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
+    body: dict[str, Any] = {}
+    if args.override:
+        body["overrides"] = parse_overrides(args.override)
+    if args.replicas is not None:
+        body["replicas"] = args.replicas
+    _show_model(client.call("POST", f"/v1/admin/models/{_quote(args.name)}/load", body), args, out)
+
+
+def cmd_unload(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
+    _show_model(client.call("POST", f"/v1/admin/models/{_quote(args.name)}/unload"), args, out)
+
+
+def cmd_scale(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
+    _show_model(client.call("POST", f"/v1/admin/models/{_quote(args.name)}/scale", {"replicas": args.replicas}),
+                args, out)
+
+
+def _show_model(model: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None:
+    if args.json:
+        json.dump(model, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(model_summary(model) + "\n")
+
+
+def cmd_gpu(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
+    report = client.call("GET", "/v1/admin/gpu-memory")
+    if args.json:
+        json.dump(report, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(gpu_text(report) + "\n")
+
+
+def cmd_logs(client: AdminClient, args: argparse.Namespace, out: TextIO,
+             sleep: Callable[[float], None] = time.sleep) -> None:
+    """Print the replica's log tail; with --follow keep polling from the last offset until
+    interrupted (Ctrl-C ends it with exit 0)."""
+    base = f"/v1/admin/models/{_quote(args.name)}/logs?replica={args.replica}&bytes={args.bytes}"
+    chunk = client.call("GET", base)
+    _write_log(chunk, args, out)
+    try:
+        while args.follow:
+            sleep(FOLLOW_INTERVAL_S)
+            chunk = client.call("GET", f"{base}&offset={chunk['offset']}")
+            _write_log(chunk, args, out)
+    except KeyboardInterrupt:
+        pass
+
+
+def _write_log(chunk: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None:
+    if args.json:
+        out.write(json.dumps(chunk) + "\n")
+    else:
+        out.write(chunk.get("text", ""))
+    out.flush()
+
+
+COMMANDS: dict[str, Callable[..., None]] = {"models": cmd_models, "load": cmd_load, "unload": cmd_unload,
+                                            "scale": cmd_scale, "logs": cmd_logs, "gpu": cmd_gpu}
+
+
+# -- wiring -----------------------------------------------------------------------------------------
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add `ctl` and its commands to the `llm-pool` subparsers."""
+    ctl = sub.add_parser("ctl", help="operate a running proxy through its admin API",
+                         description="Exit codes: 0 ok, 1 refused by the server (4xx), 2 usage error, "
+                                     "3 server error or no answer (5xx, connection refused, timeout).")
+    ctl.add_argument("--url", help="the proxy's base URL (default: service.host and service.port of the settings)")
+    ctl.add_argument("--json", action="store_true", help="print the API's JSON instead of tables")
+    ctl.add_argument("--timeout", type=float, default=600.0,
+                     help="seconds to wait for an answer (a load waits until the model is ready)")
+    ctl.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    cmds = ctl.add_subparsers(dest="ctl_command", required=True)
+    cmds.add_parser("models", help="every configured model: state, ready replicas, queues, last error")
+    load = cmds.add_parser("load", help="load a configured model (answers once it is ready or failed)")
+    load.add_argument("name")
+    load.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                      help="temporary override, repeatable (see `ctl models --json` load_constraints)")
+    load.add_argument("--replicas", type=int, help="replica count, up to the model's replica_max")
+    unload = cmds.add_parser("unload", help="drain and stop a model")
+    unload.add_argument("name")
+    scale = cmds.add_parser("scale", help="change a loaded model's replica count")
+    scale.add_argument("name")
+    scale.add_argument("replicas", type=int)
+    logs = cmds.add_parser("logs", help="a replica's log, read through the admin API")
+    logs.add_argument("name")
+    logs.add_argument("--replica", type=int, default=0, help="replica index (default 0)")
+    logs.add_argument("--bytes", type=int, default=16384, help="how much of the end of the log (default 16384)")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing what is written, like tail -f")
+    cmds.add_parser("gpu", help="GPU memory: measured per GPU and model, estimated per model")
+    ctl.set_defaults(func=run)
+    return ctl
+
+
+def resolve_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str | None]:
+    """The proxy's URL and the admin token: --url, else the settings' admin listener (service.admin_host
+    and admin_port) or host and port; the token from
+    the variable service.admin_token_env names, else LLM_POOL_ADMIN_TOKEN."""
+    token_env = None
+    url = args.url
+    try:
+        settings = load_settings(getattr(args, "config", None))
+    except ConfigError as exc:
+        if url is None:
+            print(f"llm-pool ctl: settings unusable ({exc.problems[0]}); trying {DEFAULT_URL}", file=sys.stderr)
+        settings = None
+    if settings is not None:
+        token_env = settings.service.admin_token_env
+        if url is None:
+            service = settings.service
+            # The admin API answers on its own listener when service.admin_port is set.
+            host, port = ((service.admin_host or service.host, service.admin_port) if service.admin_port is not None
+                          else (service.host, service.port))
+            # A wildcard listen address is reached on loopback.
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+            host = f"[{host}]" if ":" in host else host
+            url = f"http://{host}:{port}"
+    token = (environ.get(token_env) if token_env else None) or environ.get(TOKEN_ENV)
+    return url or DEFAULT_URL, token
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout, environ: Mapping[str, str] | None = None) -> int:
+    try:
+        url, token = resolve_target(args, os.environ if environ is None else environ)
+        COMMANDS[args.ctl_command](AdminClient(url, token, args.timeout), args, out)
+    except CtlError as exc:
+        print(f"llm-pool ctl: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return EXIT_OK

@@ -1,0 +1,194 @@
+"""Operating a real proxy (real supervisord, real llama-server): /ready, the admin view, replica logs,
+GPU memory, `llm-pool ctl` as a real command, and SIGUSR1 (the systemd unit's reload)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+
+from helpers import REPO, ProxyProcess, free_port, http, pid_alive, wait_for
+
+pytestmark = pytest.mark.integration
+
+SECRETS = ("sk-vllm-secret-1", "hf-secret-2", "sk-remote-secret-3")
+
+
+def ctl(proxy: ProxyProcess, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`llm-pool ctl` as an admin runs it: the URL comes from the proxy's settings file."""
+    env = {**os.environ, "LLM_POOL_LOCAL_SETTINGS_PATH": str(proxy.state_dir / "no-local.yaml"), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "proxy.cli", "--config", str(proxy.config_path), "ctl", *argv],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_ready_waits_for_every_enabled_model_and_shows_why_one_failed(start_proxy, tiny_gguf, tmp_path) -> None:
+    flag = tmp_path / "give-up"
+    stuck = tmp_path / "stuck-server"
+    # A "llama-server" that never becomes healthy until the test says so, then fails.
+    stuck.write_text(f"#!/bin/sh\nwhile [ ! -e {flag} ]; do sleep 0.05; done\necho 'stuck-server: giving up'\nexit 3\n")
+    stuck.chmod(0o755)
+    proxy = start_proxy({"fast": {"backend": "sim", "enabled": True},
+                         "stuck": {"backend": "llama_server", "model_path": str(tiny_gguf),
+                                   "llama_server_binary": str(stuck), "enabled": True},
+                         "off": {"backend": "sim", "enabled": False}})
+    status, headers, body = http("GET", proxy.url + "/ready")
+    assert status == 503 and "stuck" in body["waiting_for"] and headers.get("Retry-After")
+    assert set(body["models"]) == {"fast", "stuck"}  # a disabled model is not waited for
+    proxy.wait_state("fast", "loaded")
+    status, _, body = http("GET", proxy.url + "/ready")
+    assert (status, body["waiting_for"], body["models"]["fast"]) == (503, ["stuck"], {"state": "loaded"})
+    assert http("GET", proxy.url + "/health")[0] == 200  # liveness all along
+    flag.touch()
+
+    def ready() -> dict[str, Any] | None:
+        status, _, body = http("GET", proxy.url + "/ready")
+        return body if status == 200 else None
+
+    body = wait_for(ready, what="/ready to answer 200")
+    assert body["status"] == "ready" and body["models"]["fast"] == {"state": "loaded"}
+    assert body["models"]["stuck"]["state"] == "failed" and "giving up" in body["models"]["stuck"]["reason"]
+
+
+def test_admin_view_logs_and_gpu_memory_through_ctl(start_proxy, llama_model, proxies) -> None:
+    proxy = ProxyProcess({
+        "tiny": llama_model(description="the tiny demo"),
+        "idle": llama_model(enabled=False, replica_max=2),
+        "vl": {"backend": "vllm_serve", "vllm_model": "/nowhere/qwen", "vllm_serve_api_key": SECRETS[0],
+               "vllm_serve_env": {"HF_TOKEN": SECRETS[1]}, "enabled": False},
+        "remote": {"backend": "openai_remote", "remote_base_url": "http://127.0.0.1:9/v1", "remote_model": "x",
+                   "remote_api_key_env": "TEST_REMOTE_KEY", "enabled": False},
+    })
+    proxy.env["TEST_REMOTE_KEY"] = SECRETS[2]
+    proxies.append(proxy)
+    proxy.start()
+    proxy.wait_state("tiny", "loaded")
+
+    listing = ctl(proxy, "--json", "models")
+    assert listing.returncode == 0, listing.stderr
+    assert not any(s in listing.stdout for s in SECRETS)
+    models = {m["id"]: m for m in json.loads(listing.stdout)["data"]}
+    tiny = models["tiny"]
+    assert tiny["definition"]["model_path"] == llama_model()["model_path"]
+    assert tiny["definition"]["description"] == "the tiny demo"
+    assert tiny["load_constraints"]["overrides"]["llama_server_spec_draft_n_max"]["maximum"] == 6
+    assert models["idle"]["load_constraints"]["replicas"]["maximum"] == 2
+    assert models["remote"]["definition"]["fields"]["remote_api_key_env"] == {"variable": "TEST_REMOTE_KEY",
+                                                                               "set": True}
+    table = ctl(proxy, "models").stdout.splitlines()
+    assert table[0].split()[:3] == ["MODEL", "BACKEND", "STATE"]
+    assert any(line.split()[:4] == ["tiny", "llama_server", "loaded", "1/1"] for line in table)
+
+    loaded = ctl(proxy, "load", "idle", "--override", "llama_server_n_ctx=1024", "--replicas", "2")
+    assert loaded.returncode == 0, loaded.stderr
+    assert "replica 1: ready" in loaded.stdout
+    idle = proxy.admin_model("idle")
+    assert idle["overrides"] == {"llama_server_n_ctx": 1024, "replicas": 2}
+
+    port = idle["replicas"][1]["port"]
+    logs = ctl(proxy, "logs", "idle", "--replica", "1")
+    assert logs.returncode == 0 and str(port) in logs.stdout  # llama-server logs where it listens
+    assert ctl(proxy, "logs", "idle", "--replica", "2").returncode == 1
+
+    assert ctl(proxy, "unload", "idle").returncode == 0
+    assert ctl(proxy, "unload", "idle").returncode == 1        # 409 model_not_loaded
+    assert ctl(proxy, "load", "nosuch").returncode == 1        # 404
+    assert ctl(proxy, "load", "tiny", "--override", "llama_server_n_gpu_layers=1").returncode == 1  # not live
+
+    gpu = ctl(proxy, "--json", "gpu")
+    assert gpu.returncode == 0, gpu.stderr
+    report = json.loads(gpu.stdout)
+    if not report["available"]:  # this machine: no GPU, the reason is said and estimates are still given
+        assert report["reason"] and report["gpus"] == []
+    estimate = report["models"]["tiny"]["estimate"]
+    assert estimate["weights_mib"] > 0 and estimate["kv_cache_mib"] > 0
+    assert any("llama_server_n_ctx" in c for c in estimate["counted"])
+    assert report["models"]["vl"]["estimate"]["not_counted"]
+    assert "MODEL" in ctl(proxy, "gpu").stdout
+
+    dead = subprocess.run([sys.executable, "-m", "proxy.cli", "ctl", "--url", f"http://127.0.0.1:{free_port()}",
+                           "models"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert dead.returncode == 3 and "no answer" in dead.stderr
+
+
+def test_logs_follow_prints_what_the_replica_writes(start_proxy, llama_model) -> None:
+    proxy = start_proxy({"tiny": llama_model()})
+    proxy.wait_state("tiny", "loaded")
+    env = {**os.environ, "LLM_POOL_LOCAL_SETTINGS_PATH": str(proxy.state_dir / "no-local.yaml")}
+    follow = subprocess.Popen([sys.executable, "-m", "proxy.cli", "--config", str(proxy.config_path), "ctl", "logs",
+                               "tiny", "--bytes", "200", "--follow"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(follow.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: lines, what="the log tail")
+        before = len(lines)
+        status, _, _ = http("POST", proxy.url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4})
+        assert status == 200
+        # llama-server logs each task its slots run; the follow shows it without being asked again.
+        wait_for(lambda: any("task" in line for line in lines[before:]), what="the request in the log")
+    finally:
+        follow.send_signal(signal.SIGINT)
+        assert follow.wait(30) == 0
+
+
+def test_sigusr1_exits_and_the_next_proxy_adopts_the_models(proxies, llama_model) -> None:
+    proxy = ProxyProcess({"tiny": llama_model()})
+    proxies.append(proxy)
+    proxy.start()
+    pid = proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"]
+    assert proxy.proc is not None
+    proxy.proc.send_signal(signal.SIGUSR1)
+    assert proxy.proc.wait(60) == 0
+    assert pid_alive(pid)  # the model outlived the proxy, as with --keep-models
+    proxy.stop()
+    proxy.start()
+    assert proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"] == pid  # adopted, not reloaded
+
+
+def test_log_polls_resume_at_the_offset_skip_ahead_and_restart_after_rotation(start_proxy) -> None:
+    proxy = start_proxy({"sim": {"backend": "sim", "enabled": True}})
+    program = proxy.wait_state("sim", "loaded")["replicas"][0]["program"]
+    # supervisord's log file of the replica; the sim writes nothing once started, so the test's
+    # own appends are all that changes in it.
+    log = proxy.state_dir / "logs" / (program.split(":")[1] + ".log")
+    base = proxy.url + "/v1/admin/models/sim/logs?replica=0&bytes=100"
+
+    status, _, first = http("GET", base)
+    assert status == 200 and first["offset"] == log.stat().st_size and first["program"] == program
+    with log.open("a") as f:
+        f.write("hello\n")
+    _, _, new = http("GET", f"{base}&offset={first['offset']}")
+    assert (new["text"], new["offset"], new["overflow"]) == ("hello\n", first["offset"] + 6, False)
+    _, _, idle = http("GET", f"{base}&offset={new['offset']}")
+    assert (idle["text"], idle["offset"]) == ("", new["offset"])
+    with log.open("a") as f:
+        f.write("x" * 499 + "\n")
+    _, _, burst = http("GET", f"{base}&offset={new['offset']}")
+    assert burst["overflow"] is True and burst["text"] == "x" * 99 + "\n" and burst["offset"] == log.stat().st_size
+    # An offset past the end: the log was rotated, so the new file is read from its start.
+    _, _, rotated = http("GET", f"{base}&offset={burst['offset'] + 10_000}")
+    assert rotated["overflow"] is True and rotated["offset"] == log.stat().st_size
+    for query, param in (("replica=1", "replica"), ("bytes=0", "bytes"), ("offset=-1", "offset")):
+        status, _, body = http("GET", f"{proxy.url}/v1/admin/models/sim/logs?{query}")
+        assert (status, body["error"]["param"]) == (400, param)
+    status, _, body = http("GET", proxy.url + "/v1/admin/models/nosuch/logs")
+    assert status == 404
+
+
+def test_ctl_sends_the_admin_token_from_the_variable_the_settings_name(proxies) -> None:
+    proxy = ProxyProcess({"sim": {"backend": "sim", "enabled": False}},
+                         service={"admin_token_env": "LLM_POOL_TEST_CTL_TOKEN"})
+    proxy.env["LLM_POOL_TEST_CTL_TOKEN"] = "ctl-token-for-tests"
+    proxies.append(proxy)
+    proxy.start()
+    refused = ctl(proxy, "models")
+    assert refused.returncode == 1 and "401 invalid_admin_token" in refused.stderr
+    allowed = ctl(proxy, "models", env={"LLM_POOL_TEST_CTL_TOKEN": "ctl-token-for-tests"})
+    assert allowed.returncode == 0 and "sim" in allowed.stdout
+    assert "ctl-token-for-tests" not in allowed.stdout + allowed.stderr

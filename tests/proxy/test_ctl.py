@@ -1,0 +1,167 @@
+"""`llm-pool ctl` against a small aiohttp app on port 0: request shapes, follow offsets, exit codes.
+(tests/integration/test_operating.py runs it against a real proxy.)"""
+from __future__ import annotations
+
+import asyncio
+import io
+from typing import Any, Callable
+
+import pytest
+from aiohttp import web
+
+from helpers import free_port
+from proxy import ctl
+from proxy.cli import build_parser
+
+
+class Upstream:
+    """A stand-in admin API that records what it was sent and answers from a script."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, Any, str | None]] = []
+        self.answers: dict[str, Callable[[web.Request], web.Response]] = {}
+        self.url = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else None
+        self.seen.append((request.method, request.path_qs, body, request.headers.get("Authorization")))
+        return self.answers[request.path](request)
+
+
+@pytest.fixture
+async def upstream() -> Any:
+    up = Upstream()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", up.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    up.url = f"http://127.0.0.1:{port}"
+    yield up
+    await runner.cleanup()
+
+
+async def run_ctl(up: Upstream, *argv: str, environ: dict[str, str] | None = None) -> tuple[int, str]:
+    args = build_parser().parse_args(["ctl", "--url", up.url, *argv])
+    out = io.StringIO()
+    # ctl is synchronous (urllib): run it off this loop, which serves the upstream.
+    code = await asyncio.to_thread(ctl.run, args, out, environ or {})
+    return code, out.getvalue()
+
+
+MODEL = {"id": "qwen", "backend": "llama_server", "state": "loaded", "replica_max": 4, "active": 1, "waiting": 0,
+         "last_error": None, "replicas": [{"index": 0, "state": "ready", "pid": 11, "port": 18100},
+                                          {"index": 1, "state": "starting", "pid": 12, "port": 18101}]}
+
+
+async def test_scale_sends_the_replica_count(upstream: Upstream) -> None:
+    upstream.answers["/v1/admin/models/qwen/scale"] = lambda r: web.json_response(MODEL)
+    code, out = await run_ctl(upstream, "scale", "qwen", "2", environ={"LLM_POOL_ADMIN_TOKEN": "tok"})
+    assert code == 0
+    assert upstream.seen == [("POST", "/v1/admin/models/qwen/scale", {"replicas": 2}, "Bearer tok")]
+    assert "replica 1: starting pid=12 port=18101" in out
+
+
+async def test_load_sends_typed_overrides_and_replicas(upstream: Upstream) -> None:
+    upstream.answers["/v1/admin/models/a b/load"] = lambda r: web.json_response(MODEL)
+    code, _ = await run_ctl(upstream, "load", "a b", "--override", "llama_server_n_ctx=8192",
+                            "--override", "llama_server_spec_type=draft", "--override", "sim={ttft_ms: 5}",
+                            "--replicas", "2")
+    assert code == 0
+    method, path, body, auth = upstream.seen[0]
+    assert (method, path, auth) == ("POST", "/v1/admin/models/a%20b/load", None)
+    assert body == {"overrides": {"llama_server_n_ctx": 8192, "llama_server_spec_type": "draft",
+                                  "sim": {"ttft_ms": 5}}, "replicas": 2}
+
+
+async def test_models_table_and_json(upstream: Upstream) -> None:
+    upstream.answers["/v1/admin/models"] = lambda r: web.json_response({"object": "list", "data": [MODEL]})
+    code, out = await run_ctl(upstream, "models")
+    header, row = out.splitlines()
+    assert code == 0 and header.split()[:4] == ["MODEL", "BACKEND", "STATE", "READY"]
+    assert row.split()[:4] == ["qwen", "llama_server", "loaded", "1/2"]
+    code, out = await run_ctl(upstream, "--json", "models")
+    assert code == 0 and out.startswith("{") and '"qwen"' in out
+
+
+async def test_logs_follow_polls_from_the_last_offset(upstream: Upstream) -> None:
+    chunks = iter([("started\n", 8), ("line 2\n", 15), ("", 15)])
+
+    def answer(request: web.Request) -> web.Response:
+        text, offset = next(chunks)
+        return web.json_response({"text": text, "offset": offset, "overflow": False})
+
+    upstream.answers["/v1/admin/models/qwen/logs"] = answer
+    polls = []
+
+    def sleep(_s: float) -> None:
+        polls.append(_s)
+        if len(polls) == 3:
+            raise KeyboardInterrupt  # what Ctrl-C does to a follow
+
+    code, out = await _logs(upstream, sleep)
+    assert code == 0 and out == "started\nline 2\n"
+    assert [q for _, q, _, _ in upstream.seen] == [
+        "/v1/admin/models/qwen/logs?replica=1&bytes=100",
+        "/v1/admin/models/qwen/logs?replica=1&bytes=100&offset=8",
+        "/v1/admin/models/qwen/logs?replica=1&bytes=100&offset=15"]
+
+
+async def _logs(up: Upstream, sleep: Callable[[float], None]) -> tuple[int, str]:
+    """`ctl logs -f` with an injected sleep, so the test decides when the follow ends."""
+    args = build_parser().parse_args(["ctl", "--url", up.url, "logs", "qwen", "--replica", "1", "--bytes", "100",
+                                      "-f"])
+    out = io.StringIO()
+
+    def call() -> int:
+        client = ctl.AdminClient(up.url, None, 10)
+        ctl.cmd_logs(client, args, out, sleep=sleep)
+        return 0
+
+    return await asyncio.to_thread(call), out.getvalue()
+
+
+@pytest.mark.parametrize("status,code", [(404, ctl.EXIT_REFUSED), (401, ctl.EXIT_REFUSED), (409, ctl.EXIT_REFUSED),
+                                         (502, ctl.EXIT_SERVER), (503, ctl.EXIT_SERVER)])
+async def test_exit_codes_tell_refusals_from_server_failures(upstream: Upstream, status: int, code: int,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    error = {"error": {"message": "nope", "type": "x", "code": "some_code", "param": None}}
+    upstream.answers["/v1/admin/models/qwen/unload"] = lambda r: web.json_response(error, status=status)
+    got, out = await run_ctl(upstream, "unload", "qwen")
+    assert (got, out) == (code, "")
+    assert f"{status} some_code: nope" in capsys.readouterr().err
+
+
+async def test_no_answer_is_a_server_error_and_a_bad_override_a_usage_error(upstream: Upstream) -> None:
+    args = build_parser().parse_args(["ctl", "--url", f"http://127.0.0.1:{free_port()}", "gpu"])
+    assert await asyncio.to_thread(ctl.run, args, io.StringIO(), {}) == ctl.EXIT_SERVER
+    code, _ = await run_ctl(upstream, "load", "qwen", "--override", "no-equals-sign")
+    assert code == ctl.EXIT_USAGE and upstream.seen == []
+
+
+def test_url_and_token_come_from_the_settings(tmp_path, monkeypatch) -> None:
+    conf = tmp_path / "pool.yaml"
+    conf.write_text("service: {host: 0.0.0.0, port: 9123, admin_token_env: MY_TOKEN, state_dir: %s}\n" % tmp_path)
+    args = build_parser().parse_args(["--config", str(conf), "ctl", "models"])
+    monkeypatch.setenv("LLM_POOL_LOCAL_SETTINGS_PATH", str(tmp_path / "none.yaml"))
+    assert ctl.resolve_target(args, {"MY_TOKEN": "t1", "LLM_POOL_ADMIN_TOKEN": "t2"}) == ("http://127.0.0.1:9123", "t1")
+    assert ctl.resolve_target(args, {"LLM_POOL_ADMIN_TOKEN": "t2"}) == ("http://127.0.0.1:9123", "t2")
+    conf.write_text("service: {port: 9123, admin_host: '::1', admin_port: 9124, state_dir: %s}\n" % tmp_path)
+    assert ctl.resolve_target(args, {}) == ("http://[::1]:9124", None)
+
+
+def test_gpu_table_says_why_nothing_was_measured_and_shows_unknown_memory() -> None:
+    report = {"available": False, "reason": "NVML unavailable: ImportError: no pynvml", "gpus": [],
+              "models": {"q": {"state": "loaded", "measured": None, "fits": None,
+                               "estimate": {"per_replica_mib": 120.5, "total_mib": 241.0}}}}
+    text = ctl.gpu_text(report)
+    assert text.splitlines()[0] == "GPU memory not measured: NVML unavailable: ImportError: no pynvml"
+    assert text.splitlines()[-1].split() == ["q", "loaded", "-", "120.5", "241.0", "-"]
+    report.update(available=True, gpus=[{"index": 0, "name": "H100", "used_mib": 10.0, "total_mib": 80.0,
+                                         "free_mib": 70.0, "note": None}])
+    report["models"]["q"].update(measured={"used_mib": None, "reason": "container"}, fits={"0": True})
+    lines = ctl.gpu_text(report).splitlines()
+    assert lines[1].split() == ["0", "H100", "10.0", "80.0", "70.0", "-"]
+    assert lines[-1].split() == ["q", "loaded", "unknown", "120.5", "241.0", "0:yes"]
