@@ -98,15 +98,20 @@ def render_program(spec: ProgramSpec, log_dir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_group(model_id: str, specs: list[ProgramSpec], log_dir: Path) -> str:
-    """The whole programs/<group>.conf file for one model: its group and one program per replica."""
-    group = group_name(model_id)
-    parts = [HEADER + "\n", f"; model={model_id}\n",
-             f"[group:{group}]\nprograms={','.join(s.program for s in specs)}\n"]
-    parts += ["\n" + render_program(s, log_dir) for s in specs]
-    return "".join(parts)
+def replica_index(model_id: str, name: str) -> int | None:
+    """Which replica of `model_id` the program (and group, and file stem) `name` is, or None."""
+    prefix = group_name(model_id) + "-r"
+    tail = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() and str(int(tail)) == tail else None
+
+
+def render_replica(model_id: str, spec: ProgramSpec, log_dir: Path) -> str:
+    """The whole programs/<program>.conf file of one replica: a plain program, which supervisord
+    runs as a group of its own, so that adding or removing one replica (live scaling) never
+    touches the others. `supervisorctl status` lists them side by side under the model's prefix."""
+    return f"{HEADER}\n; model={model_id}\n\n" + render_program(spec, log_dir)
 
 
 def ports_in_file(text: str) -> dict[str, int]:
-    """The port each replica program of an existing group file was given, by program name."""
+    """The port each replica program of an existing program file was given, by program name."""
     return {m["program"]: int(m["port"]) for m in _META.finditer(text)}

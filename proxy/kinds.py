@@ -19,6 +19,7 @@ from proxy.remote import EndpointKind
 if TYPE_CHECKING:
     from proxy.config import ModelConfig
     from proxy.pool import Pool
+    from proxy.replicas import Replica
     from proxy.runtime import ModelRuntime
 
 
@@ -56,6 +57,16 @@ class Kind(Protocol):
 
     async def stop(self, runtime: ModelRuntime) -> None:
         """Whatever runs for the replicas is gone when this returns."""
+        ...
+
+    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: range) -> list[Replica]:
+        """Live scaling up: append replicas `indices` to runtime.replicas and set them going, leaving
+        the others alone; health decides READY (the pool waits for it). Returns the new replicas."""
+        ...
+
+    async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
+        """Live scaling down: whatever runs for `replicas` (already drained) is gone when this
+        returns; the others are left alone."""
         ...
 
     def gate(self, config: ModelConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
@@ -114,6 +125,14 @@ class ProgramKind:
     async def stop(self, runtime: ModelRuntime) -> None:
         assert self.pool is not None
         await self.pool._stop_group(runtime.name)
+
+    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: range) -> list[Replica]:
+        assert self.pool is not None
+        return await self.pool._add_programs(runtime, config, launcher_for(config.backend), indices)
+
+    async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
+        assert self.pool is not None
+        await self.pool._remove_programs(runtime.name, [r.spec.program for r in replicas if r.spec is not None])
 
     def gate(self, config: ModelConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
         return None

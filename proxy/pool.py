@@ -1,8 +1,10 @@
-"""The pool: load, adopt and unload models as supervisord program groups, and keep their replicas' states true.
+"""The pool: load, adopt, scale and unload models as supervisord programs, and keep their replicas' states true.
 
-Load writes the model's program file, has supervisord add the group, starts one program per
-replica and waits until each passes its health check. A restarted proxy adopts a group whose file
-is unchanged and whose programs are running: same processes, no reload. The monitor polls
+Each replica is a program of its own (programs/<model prefix>-r<i>.conf, a group of one in
+supervisord), so that a live scale adds or removes one without touching the others. Load writes
+the replicas' files, has supervisord add them, starts them and waits until each passes its health
+check. A restarted proxy adopts each replica whose file is unchanged and whose program is running:
+same process, no reload. The monitor polls
 supervisord and probes health so that a crash costs one replica until supervisord has restarted
 it and it answers again, and an admin's `supervisorctl stop` is respected.
 """
@@ -19,7 +21,7 @@ from typing import Any, Awaitable, Mapping, TypeVar
 
 import aiohttp
 
-from launchers.spec import ProgramSpec, group_name, ports_in_file, program_name, render_group
+from launchers.spec import ProgramSpec, ports_in_file, program_name, render_replica, replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from proxy.config import ModelConfig, Settings
 from proxy.fairness import FairnessPolicy
@@ -30,6 +32,7 @@ from proxy.kinds import kinds_for
 from proxy.health import HealthPolicy, ReadyChecks, note_failure, note_success, state_after_check
 from proxy.replicas import ModelState, Replica, ReplicaState
 from proxy.runtime import ModelRuntime
+from proxy.scaling import scale
 from proxy.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning, SupervisorClient,
                               SupervisorError)
 
@@ -82,16 +85,15 @@ class Pool:
         by models no longer configured are stopped and removed."""
         running = {i.group for i in self._processes.values() if i.state == ProcessState.RUNNING}
         for runtime in self.models.values():
-            if runtime.config.enabled or group_name(runtime.name) in running:
+            if runtime.config.enabled or any(replica_index(runtime.name, g) is not None for g in running):
                 self.startup_pending.add(runtime.name)
                 self._spawn(self._load_logged(runtime.name))
         self._spawn(self._remove_orphans())
 
     async def _remove_orphans(self) -> None:
-        configured = {group_name(name) for name in self.models}
         for path in sorted(self.settings.supervisor.programs_dir.glob("*.conf")):
-            if path.stem in configured:
-                continue
+            if any(replica_index(name, path.stem) is not None for name in self.models):
+                continue   # a configured model's replica: its load adopts, restarts or removes it
             log.warning("removing %s: its model is no longer configured", path.name)
             try:
                 await self._remove_group(path.stem)
@@ -180,40 +182,78 @@ class Pool:
         runtime.last_error = error.message
         return error
 
-    def _group_file(self, name: str) -> Path:
-        return self.settings.supervisor.programs_dir / f"{group_name(name)}.conf"
+    def _replica_file(self, name: str, index: int) -> Path:
+        return self.settings.supervisor.programs_dir / f"{program_name(name, index)}.conf"
+
+    def _replica_files(self, name: str) -> dict[int, Path]:
+        """The program files of model `name`'s replicas in the programs folder, by replica index."""
+        found: dict[int, Path] = {}
+        for path in self.settings.supervisor.programs_dir.glob("*.conf"):
+            index = replica_index(name, path.stem)
+            if index is not None:
+                found[index] = path
+        return found
+
+    def _running(self, program: str) -> ProcessInfo | None:
+        info = self._processes.get(f"{program}:{program}")
+        return info if info is not None and info.state == ProcessState.RUNNING else None
 
     async def _start_group(self, runtime: ModelRuntime, config: ModelConfig, launcher: Any) -> None:
-        group = group_name(config.name)
-        path = self._group_file(config.name)
-        existing = path.read_text() if path.exists() else ""
+        files = self._replica_files(config.name)
         self._processes = await self._snapshot()
-        ports = self._assign_ports(config, launcher, ports_in_file(existing))
-        specs = [launcher.launch(config, i, port, self.settings.supervisor.stopwaitsecs, self.environ)
-                 for i, port in enumerate(ports)]
-        text = render_group(config.name, specs, self.settings.service.state_dir / "logs")
-        runtime.replicas = [Replica(model=config.name, index=i, spec=s, fullname=f"{group}:{s.program}")
-                            for i, s in enumerate(specs)]
-        infos = [self._processes.get(r.fullname) for r in runtime.replicas]
-        if existing == text and all(i is not None and i.state == ProcessState.RUNNING for i in infos):
-            log.info("model %s: adopting running replicas %s", config.name, [i.pid for i in infos if i])
-            for replica, info in zip(runtime.replicas, infos):
-                assert info is not None
+        if config.replicas == runtime.config.replicas:
+            # A proxy restarted after a live scale: running replicas past the configured count
+            # (their files in place, contiguous) are the model's too, and are adopted with it.
+            count = config.replicas
+            while count < config.replica_max and count in files and self._running(program_name(config.name, count)):
+                count += 1
+            if count != config.replicas:
+                config = runtime.active = runtime.with_replicas(count)
+        stale = [path.stem for index, path in files.items() if index >= config.replicas]
+        if stale:
+            await self._remove_programs(config.name, stale)
+        await self._add_programs(runtime, config, launcher, range(config.replicas), adopt=True)
+
+    async def _add_programs(self, runtime: ModelRuntime, config: ModelConfig, launcher: Any, indices: range,
+                            adopt: bool = False) -> list[Replica]:
+        """Write, add and start the programs of replicas `indices` and append them to
+        runtime.replicas. With `adopt`, a replica whose file is unchanged and whose program runs is
+        taken over as it is."""
+        self._processes = await self._snapshot()
+        previous: dict[str, int] = {}
+        for path in self._replica_files(config.name).values():
+            previous.update(ports_in_file(path.read_text()))
+        ports = self._assign_ports(config, launcher, previous)
+        log_dir = self.settings.service.state_dir / "logs"
+        added = []
+        for i in indices:
+            spec = launcher.launch(config, i, ports[i], self.settings.supervisor.stopwaitsecs, self.environ)
+            added.append(Replica(model=config.name, index=i, spec=spec, fullname=f"{spec.program}:{spec.program}"))
+        runtime.replicas = runtime.replicas + added
+        to_start = []
+        for replica in added:
+            text = render_replica(config.name, replica.spec, log_dir)
+            path = self._replica_file(config.name, replica.index)
+            info = self._running(replica.spec.program)
+            if adopt and info is not None and path.exists() and path.read_text() == text:
+                log.info("model %s: adopting running replica %d (pid %d)", config.name, replica.index, info.pid)
                 replica.pid = info.pid
                 runtime.set_replica_state(replica, ReplicaState.STARTING)
-            self._wake.set()
-            return
-        await self._remove_group(group)
-        (self.settings.service.state_dir / "logs").mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".conf.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-        await self.supervisor.reload_config()
-        await self.supervisor.add_process_group(group)
-        for replica in runtime.replicas:
-            runtime.set_replica_state(replica, ReplicaState.STARTING)
-            await self.supervisor.start_process(replica.fullname)
+                continue
+            await self._remove_group(replica.spec.program)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".conf.tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+            to_start.append(replica)
+        if to_start:
+            await self.supervisor.reload_config()
+            for replica in to_start:
+                await self.supervisor.add_process_group(replica.spec.program)
+                runtime.set_replica_state(replica, ReplicaState.STARTING)
+                await self.supervisor.start_process(replica.fullname)
         self._wake.set()
+        return added
 
     def _assign_ports(self, config: ModelConfig, launcher: Any, previous: dict[str, int]) -> list[int]:
         """Stable ports: the fixed port if configured, else the one this replica had, else the
@@ -228,8 +268,7 @@ class Pool:
         for i in range(config.replicas):
             program = program_name(config.name, i)
             old = previous.get(program)
-            info = self._processes.get(f"{group_name(config.name)}:{program}")
-            ours_running = info is not None and info.state == ProcessState.RUNNING
+            ours_running = self._running(program) is not None
             if old and old not in taken and old not in ports and (ours_running or _port_free(old)):
                 ports.append(old)
                 continue
@@ -242,21 +281,21 @@ class Pool:
         return ports
 
     def _ports_of_other_groups(self, name: str) -> set[int]:
-        mine = self._group_file(name)
         taken: set[int] = set()
         for path in self.settings.supervisor.programs_dir.glob("*.conf"):
-            if path != mine:
+            if replica_index(name, path.stem) is None:
                 taken.update(ports_in_file(path.read_text()).values())
         for runtime in self.models.values():
             if runtime.name != name:
                 taken.update(r.spec.port for r in runtime.replicas if r.spec is not None)
         return taken
 
-    async def _await_replicas(self, runtime: ModelRuntime) -> None:
+    async def _await_replicas(self, runtime: ModelRuntime, replicas: list[Replica] | None = None) -> None:
         # Endpoints are judged inside their kind's start; only programs take time to become healthy.
-        deadline = time.monotonic() + max((r.spec.start_timeout_s for r in runtime.replicas if r.spec), default=0.0)
+        replicas = runtime.replicas if replicas is None else replicas
+        deadline = time.monotonic() + max((r.spec.start_timeout_s for r in replicas if r.spec), default=0.0)
         while True:
-            starting = [r for r in runtime.replicas if r.state == ReplicaState.STARTING]
+            starting = [r for r in replicas if r.state == ReplicaState.STARTING]
             if not starting:
                 return
             left = deadline - time.monotonic()
@@ -301,6 +340,10 @@ class Pool:
             log.info("model %s unloaded", name)
             return runtime
 
+    async def scale(self, name: str, replicas: int) -> ModelRuntime:
+        """Start or stop replicas of a loaded model, leaving the others running (proxy/scaling.py)."""
+        return await scale(self, self.get(name), replicas)
+
     async def _teardown(self, runtime: ModelRuntime, drain: bool) -> None:
         runtime.admission.close(Unavailable(f"model {runtime.name!r} is being unloaded", code="model_unloading"))
         if drain:
@@ -320,12 +363,27 @@ class Pool:
         runtime.replicas = []
 
     async def _stop_group(self, name: str) -> None:
-        """Stop model `name`'s programs and remove its group and file (the program kind's stop)."""
-        await self._remove_group(group_name(name))
-        path = self._group_file(name)
-        if path.exists():
-            path.unlink()
+        """Stop every replica program of model `name` and remove their groups and files (the
+        program kind's stop): those of its runtime and any other file of its in the folder."""
+        programs = {r.spec.program for r in self.models[name].replicas if r.spec is not None}
+        programs.update(path.stem for path in self._replica_files(name).values())
+        await self._remove_programs(name, sorted(programs))
+
+    async def _remove_programs(self, name: str, programs: list[str]) -> None:
+        """Stop these replica programs of model `name` together, remove each one's group and file.
+        A file is removed only once its program is gone, so that a failed stop is retried."""
+        results = await asyncio.gather(*(self._remove_group(p) for p in programs), return_exceptions=True)
+        removed = False
+        for program, result in zip(programs, results):
+            path = self.settings.supervisor.programs_dir / f"{program}.conf"
+            if result is None and path.exists():
+                path.unlink()
+                removed = True
+        if removed:
             await self.supervisor.reload_config()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _remove_group(self, group: str) -> None:
         """Stop every program of `group`, wait until each has exited, then remove the group.

@@ -247,6 +247,19 @@ class EndpointKind:
     async def stop(self, runtime: ModelRuntime) -> None:
         return None   # nothing runs here; requests in flight were drained or cancelled by the pool
 
+    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: range) -> list[Replica]:
+        """Scaling an endpoint model changes how many requests the proxy sends it at once (each
+        replica is target_inflight more); the provider is not asked again, it was judged at load."""
+        reach = RemoteReach(config, self._key(config))
+        added = [Replica(model=config.name, index=i, reach=reach) for i in indices]
+        runtime.replicas = runtime.replicas + added
+        for replica in added:
+            runtime.set_replica_state(replica, ReplicaState.READY)
+        return added
+
+    async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
+        return None   # nothing runs for them
+
     def gate(self, config: ModelConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
         if not allowed(headers, body):
             raise Forbidden(f"model {config.name!r} is served by a remote provider and calls to it may cost "

@@ -15,6 +15,7 @@ from proxy.errors import BadRequest, Conflict, Unauthorized, Unavailable
 from proxy.forward import read_json
 from proxy.gpu import gpu_report, snapshot
 from proxy.keys import POOL, SETTINGS, VRAM
+from proxy.scaling import scale_problem
 from proxy.supervisor import SupervisorError
 
 routes = web.RouteTableDef()
@@ -90,6 +91,21 @@ async def admin_unload(request: web.Request) -> web.Response:
     _authorize(request)
     pool = request.app[POOL]
     runtime = await pool.detached(pool.unload(request.match_info["name"]))
+    return web.json_response(runtime.describe())
+
+
+@routes.post("/v1/admin/models/{name}/scale")
+async def admin_scale(request: web.Request) -> web.Response:
+    _authorize(request)
+    pool = request.app[POOL]
+    name = request.match_info["name"]
+    runtime = pool.get(name)
+    body = await read_json(request) if request.can_read_body else {}
+    problem = "a scale request is {\"replicas\": N}" if not isinstance(body, dict) or set(body) != {"replicas"} \
+        else scale_problem(runtime, body["replicas"])
+    if problem:
+        raise BadRequest(problem, code="invalid_scale_request", param="replicas")
+    runtime = await pool.detached(pool.scale(name, body["replicas"]))
     return web.json_response(runtime.describe())
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from proxy.admission import Admission
@@ -37,6 +37,15 @@ class ModelRuntime:
     @property
     def target_inflight(self) -> int:
         return (self.active or self.config).target_inflight
+
+    def with_replicas(self, count: int) -> ModelConfig:
+        """The active settings with `count` replicas (a live scale): shown as an override unless it
+        is the configured count, so that a load asking for the same count finds the same settings."""
+        active = self.active or self.config
+        options = {k: v for k, v in active.options.items() if k != "replicas"}
+        if count != self.config.replicas:
+            options["replicas"] = count
+        return replace(active, options=options, replicas=count)
 
     def ready(self) -> list[Replica]:
         return [r for r in self.replicas if r.state == ReplicaState.READY]

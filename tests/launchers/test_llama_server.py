@@ -10,7 +10,7 @@ import pytest
 
 from launchers import llama_server
 from launchers.llama_help import choices, help_text, options
-from launchers.spec import group_name, ports_in_file, program_name, render_group
+from launchers.spec import group_name, ports_in_file, program_name, render_replica, replica_index
 from proxy.config import REPO_ROOT, ModelConfig
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -47,7 +47,8 @@ def model(name: str = "gemma-4-26b-a4b-it-ud-q5ks-llama-server", **options: obje
 
 def render(cfg: ModelConfig) -> str:
     specs = [llama_server.launch(cfg, i, 18100 + i, 15, ENVIRON) for i in range(cfg.replicas)]
-    return render_group(cfg.name, specs, Path("/state/logs"))
+    # One file per replica (programs/<program>.conf); the golden holds them one after the other.
+    return "\n".join(render_replica(cfg.name, s, Path("/state/logs")) for s in specs)
 
 
 def test_render_matches_golden() -> None:
@@ -224,6 +225,8 @@ def test_program_names_are_safe_and_distinct(name: str) -> None:
     assert all(c.isalnum() or c == "-" for c in group) and len(group) <= 49
     assert program_name(name, 1) == f"{group}-r1"
     assert group_name(name + "_") != group
+    assert replica_index(name, program_name(name, 12)) == 12
+    assert replica_index(name, group) is None and replica_index(name + "_", program_name(name, 0)) is None
 
 
 def test_ports_are_read_back_from_a_rendered_file() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from launchers import ct2, exllamav3, launcher_for, llama_cpp
-from launchers.spec import render_group
+from launchers.spec import render_replica
 from proxy.config import REPO_ROOT, ConfigError, ModelConfig, load_settings
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -32,7 +32,7 @@ def test_seed_examples_render_byte_identical_programs(seed_models: dict[str, Mod
         launcher = launcher_for(model.backend)
         pinned = model.with_overrides({launcher.PYTHON_FIELD: "/opt/venvs/engine/bin/python"})
         spec = launcher.launch(pinned, 0, port, 15, {"LD_LIBRARY_PATH": "/usr/lib"})
-        parts.append(render_group(name, [spec], Path("/var/log/llm-pool")))
+        parts.append(render_replica(name, spec, Path("/var/log/llm-pool")))
     text = "\n".join(parts).replace(str(REPO_ROOT), "{REPO}")
     assert text == (GOLDEN / "shims.conf").read_text()
 

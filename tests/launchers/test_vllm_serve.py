@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from launchers import launcher_for, vllm_serve
-from launchers.spec import render_group
+from launchers.spec import render_replica
 from proxy.config import ModelConfig
 from seed_vllm_examples import SEED_EXAMPLES
 
@@ -33,7 +33,7 @@ def seed(name: str, **options: object) -> ModelConfig:
 
 
 def render(cfg: ModelConfig) -> str:
-    return render_group(cfg.name, [vllm_serve.launch(cfg, 0, 18100, 15, ENVIRON)], Path("/state/logs"))
+    return render_replica(cfg.name, vllm_serve.launch(cfg, 0, 18100, 15, ENVIRON), Path("/state/logs"))
 
 
 def pairs(argv: tuple[str, ...]) -> dict[str, str]:

@@ -10,7 +10,7 @@ import pytest
 
 from fakes import ScriptedSupervisor
 from launchers import sim
-from launchers.spec import group_name, program_name
+from launchers.spec import program_name
 from proxy.config import load_settings
 from proxy.errors import Unavailable
 from proxy.pool import Pool
@@ -19,8 +19,8 @@ from proxy.supervisor import BadName, ProcessState, StillRunning, SupervisorUnav
 
 RUNNING, STARTING, BACKOFF = ProcessState.RUNNING, ProcessState.STARTING, ProcessState.BACKOFF
 STOPPED, EXITED = ProcessState.STOPPED, ProcessState.EXITED
-GROUP = group_name("m")
-R0, R1 = (f"{GROUP}:{program_name('m', i)}" for i in range(2))
+P0, P1 = (program_name("m", i) for i in range(2))   # each replica is a supervisord group of its own
+R0, R1 = f"{P0}:{P0}", f"{P1}:{P1}"
 
 
 @pytest.fixture
@@ -35,7 +35,8 @@ def world(tmp_path: Path) -> Any:
     runtime.state = ModelState.LOADED
     runtime.active = runtime.config
     settings.supervisor.programs_dir.mkdir(parents=True)
-    pool._group_file("m").write_text("; the group file\n")
+    for i in range(2):
+        pool._replica_file("m", i).write_text("; the replica's program file\n")
     for i, fullname in enumerate((R0, R1)):
         replica = Replica(model="m", index=i, spec=sim.launch(settings.models["m"], i, 18000 + i, 1, {}),
                           fullname=fullname, pid=100 + i)
@@ -49,14 +50,16 @@ def world(tmp_path: Path) -> Any:
 def assert_unloaded(pool: Pool, fake: ScriptedSupervisor) -> None:
     runtime = pool.models["m"]
     assert runtime.state == ModelState.UNLOADED and runtime.replicas == []
-    assert fake.processes == {} and fake.removed[-1] == GROUP
-    assert not pool._group_file("m").exists()
+    assert fake.processes == {} and {P0, P1} <= set(fake.removed)
+    assert pool._replica_files("m") == {}
 
 
 async def test_a_replica_that_crashed_and_restarts_during_the_unload_is_stopped_too(world: Any) -> None:
     pool, _, fake = world
     fake.set(R0, EXITED, 0)                            # crashed mid-stream just before the unload...
-    fake.script = [lambda f: None, lambda f: f.set(R0, RUNNING, 200)]   # ...and autorestart brings it back
+    # ...and autorestart brings it back before its group is removed (the replicas stop together,
+    # each its own group: the first look the pool takes is already the restarted process).
+    fake.script = [lambda f: f.set(R0, RUNNING, 200)]
     await pool.unload("m", drain=False)
     assert_unloaded(pool, fake)
 
@@ -112,7 +115,7 @@ async def test_a_process_that_will_not_stop_fails_the_unload_instead_of_wedging_
 
 async def test_a_restart_between_the_last_look_and_the_removal_is_one_more_pass(world: Any) -> None:
     pool, _, fake = world
-    fake.faults["remove_process_group"] = [StillRunning(91, "STILL_RUNNING: " + GROUP)]
+    fake.faults["remove_process_group"] = [StillRunning(91, "STILL_RUNNING: " + P0)]
     await pool.unload("m", drain=False)
     assert_unloaded(pool, fake)
-    assert fake.calls.count(("remove", GROUP)) == 2
+    assert fake.calls.count(("remove", P0)) + fake.calls.count(("remove", P1)) == 3
