@@ -254,6 +254,7 @@ class EndpointKind:
         added = [Replica(model=config.name, index=i, reach=reach) for i in indices]
         runtime.replicas = runtime.replicas + added
         for replica in added:
+            runtime.set_replica_state(replica, ReplicaState.STARTING)
             runtime.set_replica_state(replica, ReplicaState.READY)
         return added
 

@@ -83,13 +83,14 @@ async def _remove(runtime: ModelRuntime, leaving: list[Replica]) -> None:
     assert runtime.kind is not None
     for replica in leaving:
         replica.cancel_tasks()
+        runtime.set_replica_state(replica, ReplicaState.STOPPING)
     try:
         await runtime.kind.remove(runtime, leaving)
     except (SupervisorError, asyncio.CancelledError) as exc:
-        # They stay listed, FAILED with the reason, so that the admin view shows them and the next
-        # scale (or unload) stops them again.
+        # They stay listed, STOPPING with the reason, so that the admin view shows them and the
+        # next scale (or unload) stops them again.
         for replica in leaving:
-            runtime.set_replica_state(replica, ReplicaState.FAILED, f"scale down did not finish: {exc}")
+            runtime.set_replica_state(replica, ReplicaState.STOPPING, f"stop did not finish: {exc}")
         raise
     runtime.replicas = [r for r in runtime.replicas if r not in leaving]
     for replica in leaving:
