@@ -50,7 +50,8 @@ class ProgramSpec:
 
 
 def group_name(model_id: str) -> str:
-    """A supervisord group name for a model id: safe characters plus a short hash.
+    """The prefix of a model's program names (each replica's is `<prefix>-r<i>`, a supervisord
+    group of its own): safe characters plus a short hash.
 
     The hash keeps two ids that sanitize alike apart; a model id never reaches a path or a
     shell word unescaped.

@@ -115,7 +115,8 @@ class Replica:
     def describe(self) -> dict[str, object]:
         assert self.reach is not None
         return {"index": self.index, "state": self.state.value, "pid": self.pid or None,
-                "port": self.spec.port if self.spec else None, "program": self.fullname or None,
+                # The name `supervisorctl status` shows (each replica is a group of one).
+                "port": self.spec.port if self.spec else None, "program": self.spec.program if self.spec else None,
                 "restarts": self.restarts, "inflight": self.inflight, "reported": dict(self.reported),
                 "last_error": self.last_error, "consecutive_failures": self.failures,
                 "ejections": self.ejected_total,

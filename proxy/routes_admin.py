@@ -161,5 +161,5 @@ async def admin_logs(request: web.Request) -> web.Response:
             end = offset + len(text.encode("utf-8"))
     except SupervisorError as exc:
         raise Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=1) from exc
-    return web.json_response({"model": runtime.name, "replica": index, "program": replica.fullname,
+    return web.json_response({"model": runtime.name, "replica": index, "program": replica.spec.program if replica.spec else None,
                               "text": text, "offset": end, "overflow": overflow})

@@ -156,7 +156,7 @@ def test_log_polls_resume_at_the_offset_skip_ahead_and_restart_after_rotation(st
     program = proxy.wait_state("sim", "loaded")["replicas"][0]["program"]
     # supervisord's log file of the replica; the sim writes nothing once started, so the test's
     # own appends are all that changes in it.
-    log = proxy.state_dir / "logs" / (program.split(":")[1] + ".log")
+    log = proxy.state_dir / "logs" / (program + ".log")
     base = proxy.url + "/v1/admin/models/sim/logs?replica=0&bytes=100"
 
     status, _, first = http("GET", base)

@@ -90,7 +90,7 @@ def scale_under_load(proxy: ProxyProcess, name: str, up: int, report: Callable[[
         report(f"{name}: scale 1->{up} (call to all READY) {took:.2f}s")
         # Each replica is a supervisord program of its own, all named after the model.
         listed = [line.split()[0] for line in proxy.supervisorctl("status").stdout.splitlines()]
-        assert listed == [r["program"].split(":")[1] for r in body["replicas"]]
+        assert listed == [r["program"] for r in body["replicas"]]
         proxy.seen_pids.update(pids(body))
         before = load.answered()
         # The new replicas take requests too before we scale back down.
@@ -106,7 +106,7 @@ def scale_under_load(proxy: ProxyProcess, name: str, up: int, report: Callable[[
     report(f"{name}: {load.ok} requests answered during the scale up and down, {len(load.failures)} failed")
     wait_for(lambda: not any(pid_alive(p) for p in removed), what="the removed replicas to exit")
     assert pid_alive(pid0)
-    assert program_files(proxy) == [f"{body['replicas'][0]['program'].split(':')[1]}.conf"]
+    assert program_files(proxy) == [f"{body['replicas'][0]['program']}.conf"]
 
 
 def test_scale_up_and_down_under_load_fails_no_request(start_proxy, capsys: pytest.CaptureFixture[str]) -> None:
