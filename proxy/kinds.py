@@ -132,7 +132,7 @@ class ProgramKind:
 
     async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
         assert self.pool is not None
-        await self.pool._remove_programs(runtime.name, [r.spec.program for r in replicas if r.spec is not None])
+        await self.pool._remove_programs([r.spec.program for r in replicas if r.spec is not None])
 
     def gate(self, config: ModelConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
         return None

@@ -211,7 +211,7 @@ class Pool:
                 config = runtime.active = runtime.with_replicas(count)
         stale = [path.stem for index, path in files.items() if index >= config.replicas]
         if stale:
-            await self._remove_programs(config.name, stale)
+            await self._remove_programs(stale)
         await self._add_programs(runtime, config, launcher, range(config.replicas), adopt=True)
 
     async def _add_programs(self, runtime: ModelRuntime, config: ModelConfig, launcher: Any, indices: range,
@@ -367,10 +367,10 @@ class Pool:
         program kind's stop): those of its runtime and any other file of its in the folder."""
         programs = {r.spec.program for r in self.models[name].replicas if r.spec is not None}
         programs.update(path.stem for path in self._replica_files(name).values())
-        await self._remove_programs(name, sorted(programs))
+        await self._remove_programs(sorted(programs))
 
-    async def _remove_programs(self, name: str, programs: list[str]) -> None:
-        """Stop these replica programs of model `name` together, remove each one's group and file.
+    async def _remove_programs(self, programs: list[str]) -> None:
+        """Stop these replica programs together, remove each one's group and file.
         A file is removed only once its program is gone, so that a failed stop is retried."""
         results = await asyncio.gather(*(self._remove_group(p) for p in programs), return_exceptions=True)
         removed = False

@@ -176,7 +176,11 @@ def test_ctl_scale_round_trip(start_proxy) -> None:
     assert [r["state"] for r in model["replicas"]] == ["ready", "ready"]
     proxy.seen_pids.update(pids(model))
     refused = ctl("scale", "sim", "9")
-    assert refused.returncode != 0 and "replica_max" in refused.stderr + refused.stdout
+    assert refused.returncode == 1 and "replica_max" in refused.stderr + refused.stdout
+    # An unload stops and removes every replica, scaled ones included.
+    assert ctl("unload", "sim").returncode == 0
+    assert program_files(proxy) == []
+    wait_for(lambda: not any(pid_alive(p) for p in pids(model)), what="the replicas to exit")
 
 
 def test_scale_a_llama_server_model_under_load(start_proxy, llama_model, capsys: pytest.CaptureFixture[str]) -> None:
