@@ -212,6 +212,7 @@ class Pool:
         stale = [path.stem for index, path in files.items() if index >= config.replicas]
         if stale:
             await self._remove_programs(stale)
+        runtime.replicas = []   # those of a failed unload, if any: their programs are judged afresh below
         await self._add_programs(runtime, config, launcher, range(config.replicas), adopt=True)
 
     async def _add_programs(self, runtime: ModelRuntime, config: ModelConfig, launcher: Any, indices: range,
