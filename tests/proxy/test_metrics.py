@@ -82,8 +82,10 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "conf" / "grafana" / "llm-pool
 
 @pytest.fixture
 def pool(tmp_path: Path) -> Pool:
-    (tmp_path / "pool.yaml").write_text(f"service: {{state_dir: {tmp_path}}}\nengine: {{models: {{s: {{backend: sim}}}}}}\n")
-    return Pool(load_settings(tmp_path / "pool.yaml"), FakeSupervisor(), http=None, environ={})  # type: ignore[arg-type]
+    (tmp_path / "pool.yaml").write_text(f"service: {{state_dir: {tmp_path}}}\n"
+                                        "engine: {models: {s: {backend: sim}}}\n")
+    settings = load_settings(tmp_path / "pool.yaml")
+    return Pool(settings, FakeSupervisor(), http=None, environ={})  # type: ignore[arg-type]
 
 
 def families(metrics: ProxyMetrics) -> dict[str, Any]:
@@ -125,5 +127,6 @@ def test_every_name_the_dashboard_uses_is_exposed(pool: Pool) -> None:
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
         exposed.update(name + s for s in suffixes)
     dashboard = json.loads(DASHBOARD.read_text())
-    used = {n for p in dashboard["panels"] for t in p["targets"] for n in re.findall(r"\bllm_pool_[a-z0-9_]+", t["expr"])}
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {n for e in exprs for n in re.findall(r"\bllm_pool_[a-z0-9_]+", e)}
     assert len(used) >= 20 and used <= exposed, used - exposed
