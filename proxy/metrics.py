@@ -102,7 +102,7 @@ class ProxyMetrics:
         self.latency = Histogram("llm_pool_request_seconds", "Time to the end of the response",
                                  ["model", "endpoint"], registry=r, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("llm_pool_time_to_first_token_seconds",
-                              "Streams: time from the request's arrival to the first bytes of the answer",
+                              "Streams: from the request's arrival to the answer's first bytes (/v1/responses: first text)",
                               ["model", "endpoint"], registry=r, buckets=LATENCY_BUCKETS)
         self.queue_wait = Histogram("llm_pool_queue_wait_seconds", "Time waiting for a slot (fairness queue)",
                                     ["model"], registry=r, buckets=QUEUE_BUCKETS)
@@ -130,8 +130,9 @@ class ProxyMetrics:
             if isinstance(value, (int, float)) and value > 0:
                 counter.labels(model, key).inc(value)
 
-    def count_response(self, model: str, key: str, metrics: Mapping[str, Any], streamed: bool) -> None:
-        """What a /v1/responses answer measured (its `metrics`), into the counters and histograms."""
+    def count_response(self, model: str, key: str, metrics: Mapping[str, Any], first_text_s: float | None) -> None:
+        """What a /v1/responses answer measured (its `metrics`), into the counters and histograms;
+        `first_text_s`: a stream's time from the request's arrival to its first text."""
         usage = {"prompt_tokens": metrics.get("engine_prompt_tokens"),
                  "cached_tokens": metrics.get("engine_cached_prompt_tokens"),
                  "completion_tokens": metrics.get("engine_output_tokens")}
@@ -139,9 +140,8 @@ class ProxyMetrics:
         wait = metrics.get("engine_queue_wait_ms")
         if wait is not None:
             self.queue_wait.labels(model).observe(wait / 1000)
-        first = metrics.get("backend_time_to_first_token_ms")
-        if streamed and first is not None:
-            self.ttft.labels(model, "/v1/responses").observe(first / 1000)
+        if first_text_s is not None:
+            self.ttft.labels(model, "/v1/responses").observe(first_text_s)
 
 
 def usage_in(raw: bytes) -> dict[str, Any] | None:

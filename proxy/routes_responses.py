@@ -108,7 +108,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     timer.mark("finished")
     metrics = response_metrics.build(timer, _numbers(answer.get("usage")),
                                      _numbers(answer.get("timings")) if own_timings else None)
-    _count(request, runtime.name, metrics, streamed=False)
+    _count(request, runtime.name, metrics, None)
     return web.json_response(_envelope(response_id, req.model, text, metrics), headers=headers)
 
 
@@ -170,16 +170,17 @@ async def _stream(request: web.Request, timer: response_metrics.Timer, queued: A
         return await _end_with(out, PoolError("internal error in llm-pool; see the proxy log"))
     timer.mark("finished")
     metrics = response_metrics.build(timer, usage, timings)
-    _count(request, runtime.name, metrics, streamed=True)
+    _count(request, runtime.name, metrics,
+           timer.first_token - timer.handler if timer.first_token is not None else None)
     await out.write(_event("response.metrics", {"metrics": metrics}))
     await out.write(_event("response.completed", {"response": _envelope(response_id, model, "".join(pieces), metrics)}))
     await out.write_eof()
     return out
 
 
-def _count(request: web.Request, model: str, metrics: Mapping[str, Any], streamed: bool) -> None:
+def _count(request: web.Request, model: str, metrics: Mapping[str, Any], first_text_s: float | None) -> None:
     counters = request.app[METRICS]
-    counters.count_response(model, counters.key_label(request.get(FAIRNESS_KEY)), metrics, streamed)
+    counters.count_response(model, counters.key_label(request.get(FAIRNESS_KEY)), metrics, first_text_s)
 
 
 async def _end_with(out: web.StreamResponse, err: PoolError) -> web.StreamResponse:

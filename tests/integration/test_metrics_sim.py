@@ -83,6 +83,13 @@ def test_metrics_count_what_was_sent_and_the_dashboard_uses_only_real_names(star
     assert status == 200, body
     prompt += body["metrics"]["engine_prompt_tokens"]
     output += body["metrics"]["engine_output_tokens"]
+    status, _, raw = http("POST", proxy.url + "/v1/responses",
+                          {"model": "sim", "input": "hi", "max_output_tokens": 4, "stream": True})
+    assert status == 200
+    (done,) = [json.loads(line[6:]) for line in raw.decode().splitlines()
+               if line.startswith("data: ") and '"response.metrics"' in line]
+    prompt += done["metrics"]["engine_prompt_tokens"]
+    output += done["metrics"]["engine_output_tokens"]
     status, _, body = http("POST", proxy.url + "/v1/chat/completions", {**chat, "model": "idle"})
     assert status == 409 and body["error"]["code"] == "model_not_loaded"
 
@@ -93,7 +100,7 @@ def test_metrics_count_what_was_sent_and_the_dashboard_uses_only_real_names(star
     assert value(m, "llm_pool_requests_total", model="sim", endpoint=chat_path, status="200", code="", key="gold") == 3
     assert value(m, "llm_pool_requests_total", model="sim", endpoint=chat_path, status="200", key="other") == 2
     assert value(m, "llm_pool_requests_total", model="sim", endpoint="/v1/completions", status="200") == 1
-    assert value(m, "llm_pool_requests_total", model="sim", endpoint="/v1/responses", status="200") == 1
+    assert value(m, "llm_pool_requests_total", model="sim", endpoint="/v1/responses", status="200") == 2
     assert value(m, "llm_pool_requests_total", model="idle", status="409", code="model_not_loaded") == 1
     assert {lab["key"] for lab, _ in m["samples"]["llm_pool_requests_total"]} == {"gold", "other"}
     # Token counters equal the usage the answers reported, summed over keys and endpoints.
@@ -102,11 +109,12 @@ def test_metrics_count_what_was_sent_and_the_dashboard_uses_only_real_names(star
     assert value(m, "llm_pool_output_tokens_total", model="sim", key="gold") == 3 * 5
     assert value(m, "llm_pool_request_seconds_count", model="sim", endpoint=chat_path) == 5
     assert value(m, "llm_pool_time_to_first_token_seconds_count", model="sim", endpoint=chat_path) == 2
-    assert value(m, "llm_pool_queue_wait_seconds_count", model="sim") == 7
+    assert value(m, "llm_pool_time_to_first_token_seconds_count", model="sim", endpoint="/v1/responses") == 1
+    assert value(m, "llm_pool_queue_wait_seconds_count", model="sim") == 8
     # Pool state, read at scrape time: states, requests per replica, load and warm-up times.
     assert value(m, "llm_pool_replica_state", model="sim", replica="0", state="ready") == 1
     assert value(m, "llm_pool_model_state", model="idle", state="unloaded") == 1
-    assert value(m, "llm_pool_replica_requests_total", model="sim", replica="0") == 7
+    assert value(m, "llm_pool_replica_requests_total", model="sim", replica="0") == 8
     assert value(m, "llm_pool_replica_restarts_total", model="sim") == 0
     assert value(m, "llm_pool_model_load_seconds", model="sim") > 0
     assert value(m, "llm_pool_replica_warmup_seconds", model="sim", replica="0") > 0

@@ -69,8 +69,8 @@ def test_a_responses_answer_counts_its_measured_metrics() -> None:
     metrics = ProxyMetrics()
     measured = {"engine_prompt_tokens": 7, "engine_cached_prompt_tokens": None, "engine_output_tokens": 3,
                 "engine_queue_wait_ms": 250.0, "backend_time_to_first_token_ms": 40.0}
-    metrics.count_response("m", "other", measured, streamed=True)
-    metrics.count_response("m", "other", measured, streamed=False)
+    metrics.count_response("m", "other", measured, first_text_s=0.04)
+    metrics.count_response("m", "other", measured, first_text_s=None)
     assert sample(metrics, "llm_pool_prompt_tokens_total", model="m") == 14
     assert sample(metrics, "llm_pool_queue_wait_seconds_count", model="m") == 2
     assert sample(metrics, "llm_pool_queue_wait_seconds_sum", model="m") == 0.5
