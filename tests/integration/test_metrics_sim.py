@@ -3,7 +3,9 @@ prometheus-client's own parser; and warm-up before a replica is READY."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -141,6 +143,13 @@ def test_warm_up_runs_before_ready_and_a_failed_one_keeps_the_replica_out(start_
                            headers={"X-Request-Id": "first-real"})
     assert status == 200, body
     assert [s["id"] for s in sim_started(proxy, "sim")][1:] == ["first-real"]
+    # A replica whose process crashed is warmed again before it is back in rotation.
+    old_pid = proxy.admin_model("sim")["replicas"][0]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    wait_for(lambda: (r := proxy.admin_model("sim")["replicas"][0])["state"] == "ready" and r["pid"] != old_pid,
+             what="the restarted replica back in rotation")
+    started = sim_started(proxy, "sim")
+    assert len(started) == 1 and started[0]["id"].startswith("llm-pool-warmup-")
     # The engine answers its health check but every generation fails: never READY, the reason shown,
     # and each retry counted as a failed check.
     replica = wait_for(lambda: (r := proxy.admin_model("broken")["replicas"][0])["last_error"] and
