@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.config import REPO_ROOT, ModelConfig
 
 
@@ -77,3 +78,24 @@ def shim_argv(model: ModelConfig, python_field: str, engine: str, host: str, por
     python = model.get(python_field) or sys.executable
     return [python, "-m", f"shims.{engine}", "--host", host, "--port", str(port), "--model", model.name,
             "--shutdown-timeout", str(max(1, stopwaitsecs - 2)), "--model-path", str(model.get("model_path"))]
+
+
+SHIM_HOST = "127.0.0.1"
+
+
+def shim_spec(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str],
+              argv: tuple[str, ...], start_timeout_s: float, metrics: EngineMetrics) -> ProgramSpec:
+    """The spec of a shim replica (shims/core.py): on loopback, with /health, /v1/models and /metrics."""
+    return ProgramSpec(
+        program=program_name(model.name, replica),
+        argv=argv,
+        env=shim_env(model, None, environ),
+        host=SHIM_HOST,
+        port=port,
+        health_path="/health",
+        models_path="/v1/models",
+        served_model=model.name,
+        start_timeout_s=start_timeout_s,
+        stopwaitsecs=stopwaitsecs,
+        metrics=metrics,
+    )

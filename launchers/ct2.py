@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from launchers.common import shim_argv, shim_env, shim_problems
-from launchers.spec import EngineMetrics, ProgramSpec, program_name
+from launchers.common import SHIM_HOST, shim_argv, shim_problems, shim_spec
+from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.config import ModelConfig
 
 PORT_FIELD = "ct2_port"
@@ -33,17 +33,4 @@ def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[s
 
 
 def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
-    host = "127.0.0.1"
-    return ProgramSpec(
-        program=program_name(model.name, replica),
-        argv=argv(model, host, port, stopwaitsecs),
-        env=shim_env(model, None, environ),
-        host=host,
-        port=port,
-        health_path="/health",
-        models_path="/v1/models",
-        served_model=model.name,
-        start_timeout_s=DEFAULT_START_TIMEOUT_S,
-        stopwaitsecs=stopwaitsecs,
-        metrics=METRICS,
-    )
+    return shim_spec(model, replica, port, stopwaitsecs, environ, argv(model, SHIM_HOST, port, stopwaitsecs), DEFAULT_START_TIMEOUT_S, METRICS)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import time
@@ -14,7 +15,7 @@ from aiohttp import web
 from proxy import managed, routes_admin, routes_public, routes_responses
 from proxy.config import Settings
 from proxy.errors import NotFound, error_middleware
-from proxy.keys import HTTP, METRICS, MODEL, POOL, SETTINGS, VRAM
+from proxy.keys import FAIRNESS_KEY, HTTP, METRICS, MODEL, POOL, SETTINGS, STARTED, STREAM_ERROR, VRAM
 from proxy.metrics import ProxyMetrics
 from proxy.orphans import PidRecord
 from proxy.pool import Pool
@@ -26,9 +27,11 @@ log = logging.getLogger(__name__)
 
 @web.middleware
 async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Count and time every request that reached a served model, with its final status."""
+    """Count and time every request that reached a served model, with its final status and error code."""
     started = time.perf_counter()
+    request[STARTED] = started
     status = "cancelled"
+    response: web.StreamResponse | None = None
     try:
         response = await handler(request)
         status = str(response.status)
@@ -37,8 +40,25 @@ async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamRe
         model = request.get(MODEL)
         if model is not None:
             metrics = request.app[METRICS]
-            metrics.requests.labels(model, request.path, status).inc()
+            metrics.requests.labels(model, request.path, status, _error_code(request, response),
+                                    metrics.key_label(request.get(FAIRNESS_KEY))).inc()
             metrics.latency.labels(model, request.path).observe(time.perf_counter() - started)
+
+
+def _error_code(request: web.Request, response: web.StreamResponse | None) -> str:
+    """"" for a success; else the OpenAI error code the client got (read from the small error body)."""
+    failed = request.get(STREAM_ERROR)
+    if failed is not None:
+        return failed
+    if response is None or response.status < 400 or not isinstance(response, web.Response) or \
+            not isinstance(response.body, bytes):
+        return ""
+    try:
+        error = json.loads(response.body).get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+    except (ValueError, AttributeError, RecursionError):
+        code = None
+    return code if isinstance(code, str) and code else "unknown"
 
 
 def admin_listener_middleware(admin_port: int) -> Any:

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from typing import Any, AsyncIterator, Hashable
 
@@ -14,7 +15,8 @@ from aiohttp import web
 from proxy.errors import (BackendError, BackendTimeout, BadRequest, Conflict, PoolError, TooLarge, Unavailable,
                           sse_error_event)
 from proxy.fairness import normalize_key
-from proxy.keys import MODEL, SETTINGS
+from proxy.keys import FAIRNESS_KEY, METRICS, MODEL, SETTINGS, STARTED, STREAM_ERROR
+from proxy.metrics import usage_in
 from proxy.pool import Pool
 from proxy.relay import Timeouts, backend_error, chunks, read_capped, within
 from proxy.replicas import ModelState, Replica
@@ -77,7 +79,9 @@ def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
     key = body.get("fairness_key")
     if key is not None and not isinstance(key, str):
         raise BadRequest("`fairness_key` must be a string", code="invalid_fairness_key", param="fairness_key")
-    return normalize_key(key if key is not None else request.headers.get("X-Fairness-Key"))
+    key = normalize_key(key if key is not None else request.headers.get("X-Fairness-Key"))
+    request[FAIRNESS_KEY] = key
+    return key
 
 
 def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) -> ModelRuntime:
@@ -148,6 +152,7 @@ async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntim
             break
         assert replica.reach is not None
         replica.inflight += 1
+        replica.sent += 1
         try:
             try:
                 resp = await within(replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT),
@@ -176,9 +181,12 @@ async def forward(request: web.Request, pool: Pool, http: aiohttp.ClientSession,
     """Pass an OpenAI request through to a replica and its answer back, streams as they arrive."""
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
     payload = {k: v for k, v in body.items() if k not in PROXY_ONLY_FIELDS}
-    async with slot(runtime, runtime.admission.enqueue(fairness_key(request, body))), \
-            upstream(pool, http, runtime, path, payload, request_id) as (replica, resp):
-        return await _relay(request, pool, replica, resp, request_id, timeouts_of(pool, runtime))
+    queued = runtime.admission.enqueue(fairness_key(request, body))
+    enqueued = time.perf_counter()
+    async with slot(runtime, queued):
+        request.app[METRICS].queue_wait.labels(runtime.name).observe(time.perf_counter() - enqueued)
+        async with upstream(pool, http, runtime, path, payload, request_id) as (replica, resp):
+            return await _relay(request, pool, replica, resp, request_id, timeouts_of(pool, runtime))
 
 
 async def read_answer(pool: Pool, replica: Replica, resp: aiohttp.ClientResponse, timeouts: Timeouts) -> bytes:
@@ -204,16 +212,24 @@ async def read_answer(pool: Pool, replica: Replica, resp: aiohttp.ClientResponse
 async def _relay(request: web.Request, pool: Pool, replica: Replica, upstream: aiohttp.ClientResponse,
                  request_id: str, timeouts: Timeouts) -> web.StreamResponse:
     content_type = upstream.headers.get("Content-Type", "application/json")
+    metrics = request.app[METRICS]
     if not content_type.startswith("text/event-stream") or upstream.status != 200:
         body = await read_answer(pool, replica, upstream, timeouts)
+        metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(body))
         return web.Response(status=upstream.status, body=body,
                             headers={"Content-Type": content_type, "X-Request-Id": request_id})
     out = web.StreamResponse(status=upstream.status, headers={
         "Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id})
     await out.prepare(request)
+    # The last three reads: the usage chunk (sent last, with stream_options.include_usage) is among
+    # them, so only they are scanned, once, after the stream; nothing is copied per chunk.
+    oldest = older = last = b""
     try:
         # Whatever bytes arrived, so each token reaches the client as it is made.
         async for chunk in chunks(upstream, timeouts, label(replica)):
+            if not last:
+                metrics.ttft.labels(replica.model, request.path).observe(time.perf_counter() - request[STARTED])
+            oldest, older, last = older, last, chunk
             try:
                 await out.write(chunk)
             except ConnectionResetError:
@@ -225,11 +241,13 @@ async def _relay(request: web.Request, pool: Pool, replica: Replica, upstream: a
         err = exc if isinstance(exc, PoolError) else \
             BackendError(f"{label(replica)} broke off the stream: {type(exc).__name__}")
         log.warning("%s %s: %s", request.method, request.path, err.message)
+        request[STREAM_ERROR] = err.code
         pool.report_outcome(replica, err.message)
         with contextlib.suppress(ConnectionResetError):
             await out.write(sse_error_event(err))
             await out.write_eof()
         return out
     pool.report_outcome(replica, None)
+    metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(oldest + older + last))
     await out.write_eof()
     return out

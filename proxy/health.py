@@ -121,6 +121,7 @@ class ReadyChecks:
         ok, error = await self.probe(replica.spec, self.policy.timeout_s)
         if ok or replica.state != ReplicaState.READY or replica.pid != pid:
             return
+        replica.probe_failures += 1
         reason = "health check failed while ready: " + \
             (error or f"no healthy answer within {self.policy.timeout_s:g}s (service.health_timeout_s)")
         log.warning("model %s replica %d: %s", replica.model, replica.index, reason)
@@ -128,6 +129,8 @@ class ReadyChecks:
 
     async def recheck(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
         ok, _error = await self.probe(replica.spec, self.policy.timeout_s)
+        if not ok:
+            replica.probe_failures += 1
         if not ok or replica.state != ReplicaState.UNHEALTHY or replica.pid != pid:
             return
         if state_after_check(runtime, replica, self.policy) == ReplicaState.READY:

@@ -17,3 +17,8 @@ VRAM = web.AppKey("vram_estimator", Estimator)
 # The model a request was admitted for, set once it is known to be a served model (so metric
 # labels only ever hold configured model ids, never whatever a client typed).
 MODEL = web.RequestKey("model", str)
+# For the request metrics: the request's fairness key, when it arrived (perf_counter), and the
+# error code of a stream that failed after its 200 went out.
+FAIRNESS_KEY = web.RequestKey("fairness_key", str)
+STARTED = web.RequestKey("started", float)
+STREAM_ERROR = web.RequestKey("stream_error", str)

@@ -33,6 +33,7 @@ from proxy.health import HealthPolicy, ReadyChecks, note_failure, note_success, 
 from proxy.replicas import ModelState, Replica, ReplicaState
 from proxy.runtime import ModelRuntime
 from proxy.scaling import scale
+from proxy.warmup import warm_up
 from proxy.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning, SupervisorClient,
                               SupervisorError)
 
@@ -146,6 +147,7 @@ class Pool:
             if config.replicas < 1:
                 raise Conflict(f"model {name!r}: replicas must be at least 1 to load", code="model_not_loadable")
             runtime.state = ModelState.LOADING
+            started = time.monotonic()
             runtime.active = config
             runtime.last_error = None
             runtime.admission = Admission(runtime.policy, max_wait_s=self.settings.fairness.get(
@@ -171,6 +173,7 @@ class Pool:
                 runtime.state = ModelState.FAILED
                 raise BackendError(f"model {name!r} failed to load: {errors}", code="model_load_failed")
             runtime.state = ModelState.LOADED
+            runtime.load_s = time.monotonic() - started
             log.info("model %s loaded: %d of %d replicas ready", name, len(runtime.ready()), len(runtime.replicas))
             return runtime
 
@@ -303,8 +306,9 @@ class Pool:
             if left <= 0:
                 for replica in starting:
                     tail = await self._log_tail(replica)
+                    last = f" (last: {replica.last_error})" if replica.last_error else ""
                     runtime.set_replica_state(replica, ReplicaState.FAILED,
-                                              f"not healthy within {replica.spec.start_timeout_s:.0f}s{tail}")
+                                              f"not healthy within {replica.spec.start_timeout_s:.0f}s{last}{tail}")
                 return
             await runtime.wait_changed(min(left, 1.0))
 
@@ -323,6 +327,7 @@ class Pool:
             if runtime.state == ModelState.UNLOADED:
                 raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
             runtime.state = ModelState.UNLOADING
+            started = time.monotonic()
             try:
                 await self._teardown(runtime, drain=drain)
             except BaseException as exc:
@@ -336,6 +341,7 @@ class Pool:
                                       "unload it again to retry", code="unload_failed", retry_after=5) from exc
                 raise
             runtime.state = ModelState.UNLOADED
+            runtime.unload_s = time.monotonic() - started
             runtime.active = None
             runtime.last_error = None
             log.info("model %s unloaded", name)
@@ -528,7 +534,20 @@ class Pool:
         if replica.state != ReplicaState.STARTING or replica.pid != pid:
             return
         if ok:
-            runtime.set_replica_state(replica, state_after_check(runtime, replica, self.health))
+            after = state_after_check(runtime, replica, self.health)
+            if after == ReplicaState.READY and (runtime.active or runtime.config).get("warmup"):
+                # READY only once one generation went through; a failure is retried like a failed check.
+                seconds, error = await warm_up(self.http, replica, replica.spec.start_timeout_s)
+                if replica.state != ReplicaState.STARTING or replica.pid != pid:
+                    return
+                if seconds is None:
+                    replica.probe_failures += 1
+                    replica.last_error = error
+                    log.warning("model %s replica %d: %s", replica.model, replica.index, error)
+                    return
+                replica.warmup_s = seconds
+                log.info("model %s replica %d warmed up in %.3fs", replica.model, replica.index, seconds)
+            runtime.set_replica_state(replica, after)
             if replica.state == ReplicaState.READY:
                 replica.last_error = None
         elif error:

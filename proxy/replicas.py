@@ -77,6 +77,11 @@ class Replica:
     ejections: int = 0
     ejected_total: int = 0
     eject_until: float = 0.0
+    # For /metrics: requests sent to it, failed health checks (in rotation or ejected) and failed
+    # warm-ups, and how long its last warm-up took (None: none ran).
+    sent: int = 0
+    probe_failures: int = 0
+    warmup_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.reach is None:

@@ -41,7 +41,7 @@ class Timer:
         setattr(self, name, time.perf_counter())
 
 
-def _usage_numbers(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None, int | None]:
+def usage_numbers(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None, int | None]:
     if not usage:
         return None, None, None
     details = usage.get("prompt_tokens_details") or {}
@@ -55,7 +55,7 @@ def build(timer: Timer, usage: Mapping[str, Any] | None, timings: Mapping[str, A
           now: float | None = None) -> dict[str, Any]:
     """All metric keys; `usage` is the backend's OpenAI usage, `timings` llama-server's own timings."""
     end = now if now is not None else time.perf_counter()
-    prompt, cached, output = _usage_numbers(usage)
+    prompt, cached, output = usage_numbers(usage)
     prefill = timings.get("prompt_ms") if timings else None
     decode = timings.get("predicted_ms") if timings else None
     generate = round(prefill + decode, 1) if prefill is not None and decode is not None else None

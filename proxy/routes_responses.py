@@ -21,7 +21,7 @@ from proxy.capabilities import capabilities
 from proxy.errors import BackendError, PoolError, sse_error_event
 from proxy.forward import fairness_key, label, read_answer, read_json, servable, slot, timeouts_of, upstream
 from proxy.image_urls import check_image_urls
-from proxy.keys import HTTP, POOL, SETTINGS
+from proxy.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, SETTINGS, STREAM_ERROR
 from proxy.relay import sse_data
 from proxy.responses import IGNORED_HEADER, backend_request, parse, validate_for_model
 from proxy.runtime import ModelRuntime
@@ -108,6 +108,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     timer.mark("finished")
     metrics = response_metrics.build(timer, _numbers(answer.get("usage")),
                                      _numbers(answer.get("timings")) if own_timings else None)
+    _count(request, runtime.name, metrics, None)
     return web.json_response(_envelope(response_id, req.model, text, metrics), headers=headers)
 
 
@@ -160,17 +161,26 @@ async def _stream(request: web.Request, timer: response_metrics.Timer, queued: A
         err = exc if isinstance(exc, PoolError) else \
             BackendError(f"the backend broke off the stream: {type(exc).__name__}")
         log.warning("POST /v1/responses stream ended with an error: %s", err.message)
+        request[STREAM_ERROR] = err.code
         return await _end_with(out, err)
     except Exception:
         # A bug of ours: the client still gets an error event, never a silent close.
         log.exception("POST /v1/responses stream failed")
+        request[STREAM_ERROR] = "internal_error"
         return await _end_with(out, PoolError("internal error in llm-pool; see the proxy log"))
     timer.mark("finished")
     metrics = response_metrics.build(timer, usage, timings)
+    _count(request, runtime.name, metrics,
+           timer.first_token - timer.handler if timer.first_token is not None else None)
     await out.write(_event("response.metrics", {"metrics": metrics}))
     await out.write(_event("response.completed", {"response": _envelope(response_id, model, "".join(pieces), metrics)}))
     await out.write_eof()
     return out
+
+
+def _count(request: web.Request, model: str, metrics: Mapping[str, Any], first_text_s: float | None) -> None:
+    counters = request.app[METRICS]
+    counters.count_response(model, counters.key_label(request.get(FAIRNESS_KEY)), metrics, first_text_s)
 
 
 async def _end_with(out: web.StreamResponse, err: PoolError) -> web.StreamResponse:

@@ -25,6 +25,8 @@ class ModelRuntime:
     admission: Admission = field(default_factory=Admission)
     last_error: str | None = None
     kind: "Kind | None" = None              # how its replicas start, stop and are reached; None: unsupported
+    load_s: float | None = None             # how long its last load and unload took (for /metrics)
+    unload_s: float | None = None
     _turn: int = 0
     # Serialises admin operations on this model; request routing never takes it.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -140,6 +140,12 @@ def test_a_stream_that_stalls_ends_with_an_error_event_and_the_backend_stops(pro
     # The proxy closed the upstream connection: the sim's generation was cancelled.
     wait_for(lambda: sim_counter(proxy, "stall", "vllm:num_requests_running") == 0, what="the sim to stop")
     assert proxy.admin_model("stall")["active"] == 0
+    # /metrics counts both by the code of their error event, though their status was 200.
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    for endpoint in ("/v1/chat/completions", "/v1/responses"):
+        assert f'llm_pool_requests_total{{code="backend_timeout",endpoint="{endpoint}",key="other",model="stall",' \
+               'status="200"} 1.0' in metrics
 
 
 # 9. Garbage in /v1/responses streams.
@@ -255,7 +261,7 @@ def test_a_replica_failing_every_request_is_ejected_but_never_the_last(proxy: Pr
     assert ejected["ejections"] == 1 and ejected["ejected_for_s"] > 0 and "ejected" in ejected["last_error"]
     with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as resp:
         metrics = resp.read().decode()
-    assert re.search(rf'llm_pool_replica_ejections\{{model="flaky",replica="{ejected["index"]}"\}} 1', metrics)
+    assert re.search(rf'llm_pool_replica_ejections_total\{{model="flaky",replica="{ejected["index"]}"\}} 1.0', metrics)
 
 
 # 7. Image URLs; 10. poison bodies.

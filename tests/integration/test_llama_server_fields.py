@@ -111,12 +111,13 @@ def test_media_path_reaches_llama_server(start_proxy, llama_model, tmp_path) -> 
 def test_a_model_that_cannot_start_costs_that_model_not_the_service(start_proxy, llama_model, tmp_path) -> None:
     proxy = start_proxy({
         "tiny": llama_model(),
-        "vl": {"backend": "vllm", "model_path": None, "vllm_model": "Qwen/Qwen2.5-VL-3B-Instruct", "enabled": True},
+        "vl": {"backend": "vllm", "model_path": None, "vllm_model": "Qwen/Qwen2.5-VL-3B-Instruct", "enabled": True,
+               "vllm_serve_binary": str(tmp_path / "no-vllm")},
         "gone": llama_model(model_path=str(tmp_path / "missing.gguf")),
         "picky": llama_model(llama_server_spec_type="draft-turbo"),
     }, engine={"backend": "llama_server"})
     proxy.wait_state("tiny", "loaded")
-    for name, reason in (("vl", "backend 'vllm' cannot be run by this version"),
+    for name, reason in (("vl", "no-vllm does not exist or is not executable"),
                          ("gone", "missing.gguf does not exist"),
                          ("picky", "'draft-turbo' is not accepted by")):
         model = proxy.wait_state(name, "failed")
@@ -131,7 +132,7 @@ def test_a_model_that_cannot_start_costs_that_model_not_the_service(start_proxy,
     assert reply.usage.completion_tokens == 8 and reply.choices[0].message.content
     log = wait_for(lambda: (t := proxy.log_path.read_text()) and "missing.gguf" in t and t,
                    what="the reasons in the proxy log")
-    assert "backend 'vllm' cannot be run" in log
+    assert "no-vllm does not exist or is not executable" in log
 
 
 def test_serve_starts_with_unknown_keys_and_logs_them(start_proxy, llama_model) -> None:

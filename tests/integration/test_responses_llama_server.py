@@ -3,6 +3,7 @@ what llama-server counted, live streaming, and the validation rules over HTTP.""
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
@@ -193,8 +194,9 @@ def test_prometheus_counts_requests_per_model_endpoint_and_status(proxy: ProxyPr
     http("POST", proxy.url + "/v1/responses", body={"model": "no-such-model", "input": "x"})
     with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    assert 'llm_pool_requests_total{endpoint="/v1/responses",model="tiny",status="200"}' in text
-    assert 'llm_pool_requests_total{endpoint="/v1/responses",model="tiny",status="400"}' in text
+    assert 'llm_pool_requests_total{code="",endpoint="/v1/responses",key="other",model="tiny",status="200"}' in text
+    assert re.search(r'llm_pool_requests_total\{code="[a-z_]+",endpoint="/v1/responses",key="other",model="tiny",'
+                     r'status="400"\}', text)
     assert "no-such-model" not in text  # labels hold configured model ids only
     assert 'llm_pool_replicas_ready{model="tiny"} 1.0' in text
 
