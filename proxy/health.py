@@ -24,7 +24,7 @@ from proxy.runtime import ModelRuntime
 log = logging.getLogger(__name__)
 
 # A replica's health check: (healthy, why not when known), within the given seconds.
-Probe = Callable[[ProgramSpec, float], Awaitable[tuple[bool, "str | None"]]]
+Probe = Callable[["ProgramSpec | None", float], Awaitable[tuple[bool, "str | None"]]]
 
 
 @dataclass(frozen=True)

@@ -464,7 +464,11 @@ class Pool:
                     if runtime.state in (ModelState.LOADING, ModelState.LOADED):
                         for replica in runtime.replicas:
                             if replica.spec is None:
-                                continue  # an endpoint: no program, nothing of supervisord's to judge
+                                # An endpoint: no program for supervisord to judge, no health path
+                                # to probe. An ejected one comes back once its ejection is over;
+                                # failing again ejects it again, for longer.
+                                self.checks.maybe_recheck(runtime, replica)
+                                continue
                             # A replica whose state changed while the snapshot was in flight (a load
                             # just started it) is judged on the next, fresher snapshot.
                             if replica.state_since <= taken:
@@ -613,9 +617,12 @@ class Pool:
         return await asyncio.shield(task)
 
 
-async def probe(http: aiohttp.ClientSession, spec: ProgramSpec,
+async def probe(http: aiohttp.ClientSession, spec: ProgramSpec | None,
                 timeout_s: float = PROBE_TIMEOUT_S) -> tuple[bool, str | None]:
-    """Healthy when the health path answers 200 and the server serves the expected model."""
+    """Healthy when the health path answers 200 and the server serves the expected model. An
+    endpoint (no spec) has nothing to probe between requests: its requests are its health check."""
+    if spec is None:
+        return True, None
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with http.get(spec.base_url + spec.health_path, timeout=timeout, headers=dict(spec.headers)) as resp:

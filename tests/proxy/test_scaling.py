@@ -102,3 +102,26 @@ async def test_a_remote_model_scales_its_endpoint_slots(tmp_path: Path) -> None:
     assert [r.state for r in runtime.replicas] == [ReplicaState.READY] * 4 and runtime.admission.capacity == 12
     await pool.scale("r", 2)
     assert len(runtime.replicas) == 2 and runtime.admission.capacity == 6 and runtime.active.replicas == 2
+
+
+async def test_an_ejected_remote_slot_comes_back_once_its_ejection_is_over(tmp_path: Path) -> None:
+    (tmp_path / "pool.yaml").write_text(f"service: {{state_dir: {tmp_path}}}\n"
+                                        "supervisor: {poll_interval_s: 0.05}\n"
+                                        "engine: {models: {r: {backend: openai_remote, remote_base_url: 'https://x/v1',"
+                                        " remote_model: m, replicas: 2, replica_max: 2, target_inflight: 1}}}\n")
+    pool = Pool(load_settings(tmp_path / "pool.yaml"), ScriptedSupervisor(), http=None, environ={})  # type: ignore[arg-type]
+    runtime = await pool.load("r")
+    slot = runtime.replicas[1]
+    for _ in range(pool.health.eject_after):
+        pool.report_outcome(slot, "HTTP 500 from the provider")
+    assert slot.state == ReplicaState.UNHEALTHY and runtime.admission.capacity == 1
+    slot.eject_until = 0.0   # its back-off is over (rather than waiting eject_base_s)
+    await pool.start()
+    try:
+        async def back() -> None:
+            while slot.state != ReplicaState.READY:
+                await runtime.wait_changed(1.0)
+        await asyncio.wait_for(back(), 30)
+    finally:
+        await pool.close(stop_models=False)
+    assert runtime.admission.capacity == 2
