@@ -82,18 +82,25 @@ def too_large(label: str, limit: int) -> BackendError:
                         code="backend_response_too_large")
 
 
+async def _next(resp: aiohttp.ClientResponse, read: Awaitable[T], first: bool, timeouts: Timeouts,
+                label: str) -> T:
+    """One read of a stream: the first within first_byte_timeout_s, each next one within
+    stream_idle_timeout_s; on expiry the upstream connection is closed so the backend stops."""
+    seconds, setting = (timeouts.first_byte_s, "first_byte_timeout_s") if first else \
+        (timeouts.idle_s, "stream_idle_timeout_s")
+    try:
+        return await within(read, seconds)
+    except asyncio.TimeoutError:
+        resp.close()
+        raise timed_out(label, seconds, setting) from None
+
+
 async def chunks(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str) -> AsyncIterator[bytes]:
     """A stream's bytes as they arrive, the first within first_byte_timeout_s and each next one
     within stream_idle_timeout_s."""
     first = True
     while True:
-        seconds, setting = (timeouts.first_byte_s, "first_byte_timeout_s") if first else \
-            (timeouts.idle_s, "stream_idle_timeout_s")
-        try:
-            chunk = await within(resp.content.readany(), seconds)
-        except asyncio.TimeoutError:
-            resp.close()
-            raise timed_out(label, seconds, setting) from None
+        chunk = await _next(resp, resp.content.readany(), first, timeouts, label)
         if not chunk:
             return
         first = False
@@ -109,13 +116,8 @@ async def sse_data(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str)
     first = True
     error_event = False
     while True:
-        seconds, setting = (timeouts.first_byte_s, "first_byte_timeout_s") if first else \
-            (timeouts.idle_s, "stream_idle_timeout_s")
         try:
-            line = await within(resp.content.readline(), seconds)
-        except asyncio.TimeoutError:
-            resp.close()
-            raise timed_out(label, seconds, setting) from None
+            line = await _next(resp, resp.content.readline(), first, timeouts, label)
         except ValueError:  # a line over aiohttp's limit
             raise BackendError(f"{label} sent a stream line too long to be an SSE event") from None
         if not line:

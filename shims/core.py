@@ -121,6 +121,19 @@ def prometheus(model_name: str, gauges: dict[str, float], counters: dict[str, fl
     return "\n".join(lines) + "\n"
 
 
+def engine_counters(counters: dict[str, float]) -> dict[str, float]:
+    """The counters every engine shim exports for `prometheus`, from its own tallies."""
+    return {"vllm:prompt_tokens": counters["prompt_tokens"],
+            "vllm:generation_tokens": counters["generation_tokens"],
+            "vllm:request_success": counters["request_success"],
+            "llm_pool_shim:requests_cancelled": counters["requests_cancelled"]}
+
+
+def flag(text: str) -> bool:
+    """A boolean command-line value, as launchers write them (`true`/`false`)."""
+    return text.lower() in ("1", "true", "yes", "on")
+
+
 def _error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error" if status < 500
                                         else "server_error", "code": code, "param": None}}, status=status,

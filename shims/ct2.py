@@ -20,7 +20,8 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from shims.core import GenerationRequest, RequestRejected, base_parser, create_app, prometheus, run
+from shims.core import (GenerationRequest, RequestRejected, base_parser, create_app, engine_counters, flag,
+                        prometheus, run)
 from shims.prompts import PromptError, render
 from shims.threaded import TokenPipe
 
@@ -170,18 +171,11 @@ class CT2Engine:
         return prometheus(self.model_name,
                           {"vllm:num_requests_running": min(self.active, workers),
                            "vllm:num_requests_waiting": max(0, self.active - workers)},
-                          {"vllm:prompt_tokens": self.counters["prompt_tokens"],
-                           "vllm:generation_tokens": self.counters["generation_tokens"],
-                           "vllm:request_success": self.counters["request_success"],
-                           "llm_pool_shim:requests_cancelled": self.counters["requests_cancelled"]})
+                          engine_counters(self.counters))
 
 
 def build_app(engine: CT2Engine) -> web.Application:
     return create_app(engine)
-
-
-def _bool(text: str) -> bool:
-    return text.lower() in ("1", "true", "yes", "on")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -190,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compute-type", default="int8")
     parser.add_argument("--prompt-format", default="generic")
-    parser.add_argument("--enable-thinking", type=_bool, default=None)
+    parser.add_argument("--enable-thinking", type=flag, default=None)
     parser.add_argument("--max-concurrency", type=int, default=1)
     parser.add_argument("--intra-threads", type=int, default=0)
     args = parser.parse_args(argv)

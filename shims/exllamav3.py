@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from shims.core import GenerationRequest, RequestRejected, base_parser, create_app, prometheus, run
+from shims.core import (GenerationRequest, RequestRejected, base_parser, create_app, engine_counters, flag,
+                        prometheus, run)
 from shims.prompts import PromptError, render
 from shims.threaded import TokenPipe
 
@@ -224,29 +225,22 @@ class ExLlamaV3Engine:
         return prometheus(self.model_name,
                           {"vllm:num_requests_running": running,
                            "vllm:num_requests_waiting": pending + len(self._inbox)},
-                          {"vllm:prompt_tokens": self.counters["prompt_tokens"],
-                           "vllm:generation_tokens": self.counters["generation_tokens"],
-                           "vllm:request_success": self.counters["request_success"],
-                           "llm_pool_shim:requests_cancelled": self.counters["requests_cancelled"]})
+                          engine_counters(self.counters))
 
 
 def build_app(engine: ExLlamaV3Engine) -> web.Application:
     return create_app(engine)
 
 
-def _bool(text: str) -> bool:
-    return text.lower() in ("1", "true", "yes", "on")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = base_parser("ExLlamaV3 (EXL3) model behind an OpenAI-compatible server; needs CUDA.")
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--prompt-format", default="generic")
-    parser.add_argument("--enable-thinking", type=_bool, default=None)
+    parser.add_argument("--enable-thinking", type=flag, default=None)
     parser.add_argument("--cache-size", type=int, default=8192)
     parser.add_argument("--cache-quant", default=None)
     parser.add_argument("--gpu-split", default="", help="GB per GPU, comma-separated")
-    parser.add_argument("--tensor-parallel", type=_bool, default=False)
+    parser.add_argument("--tensor-parallel", type=flag, default=False)
     parser.add_argument("--tp-backend", default=None)
     parser.add_argument("--max-batch-size", type=int, default=None)
     parser.add_argument("--max-chunk-size", type=int, default=None)

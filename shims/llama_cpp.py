@@ -18,7 +18,8 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from shims.core import GenerationRequest, RequestRejected, base_parser, create_app, prometheus, run
+from shims.core import (GenerationRequest, RequestRejected, base_parser, create_app, engine_counters, flag,
+                        prometheus, run)
 from shims.prompts import PromptError, render, split_messages
 from shims.threaded import TokenPipe
 
@@ -183,25 +184,18 @@ class LlamaCppEngine:
         return prometheus(self.model_name,
                           {"vllm:num_requests_running": self.running, "vllm:num_requests_waiting": self.waiting,
                            "vllm:kv_cache_usage_perc": min(1.0, kv)},
-                          {"vllm:prompt_tokens": self.counters["prompt_tokens"],
-                           "vllm:generation_tokens": self.counters["generation_tokens"],
-                           "vllm:request_success": self.counters["request_success"],
-                           "llm_pool_shim:requests_cancelled": self.counters["requests_cancelled"]})
+                          engine_counters(self.counters))
 
 
 def build_app(engine: LlamaCppEngine) -> web.Application:
     return create_app(engine)
 
 
-def _bool(text: str) -> bool:
-    return text.lower() in ("1", "true", "yes", "on")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = base_parser("llama-cpp-python (GGUF) behind an OpenAI-compatible server.")
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--prompt-format", default=None)
-    parser.add_argument("--enable-thinking", type=_bool, default=None)
+    parser.add_argument("--enable-thinking", type=flag, default=None)
     parser.add_argument("--n-gpu-layers", type=int, default=0)
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--flash-attn", default="auto")
