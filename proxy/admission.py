@@ -64,13 +64,13 @@ class Admission:
     async def wait(self, queued: tuple[Hashable, "asyncio.Future[None]"]) -> Hashable:
         ticket, fut = queued
         try:
-            if self.max_wait_s is None or fut.done():
-                await fut
-            else:
-                # shield: the timeout must not cancel the future itself, so that a slot granted in
-                # the same instant is seen (and passed on) by `abandon` below.
-                await asyncio.wait_for(asyncio.shield(fut), self.max_wait_s)
-        except asyncio.TimeoutError:
+            # shield: the timeout must not cancel the future itself, so that a slot granted in the
+            # same instant is seen (and passed on) by `abandon` below. asyncio.timeout, not wait_for:
+            # on 3.11 wait_for swallows a cancellation that lands as the slot is granted, and the
+            # handler of a client that has left would go on to run its request.
+            async with asyncio.timeout(self.max_wait_s):
+                await asyncio.shield(fut)
+        except TimeoutError:
             self.abandon(queued)
             raise Unavailable(f"no slot freed within {self.max_wait_s:g}s (engine.fairness.max_queue_wait_s)",
                               code="queue_timeout",

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from proxy import managed, routes_admin, routes_public, routes_responses
 from proxy.config import Settings
-from proxy.errors import NotFound, error_middleware
+from proxy.errors import ERROR_CODE, NotFound, error_middleware
 from proxy.keys import FAIRNESS_KEY, HTTP, METRICS, MODEL, POOL, SETTINGS, STARTED, STREAM_ERROR, VRAM
 from proxy.metrics import ProxyMetrics
 from proxy.orphans import PidRecord
@@ -23,6 +23,7 @@ from proxy.supervisor import SupervisorClient
 from proxy.vram_estimate import Estimator
 
 log = logging.getLogger(__name__)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 @web.middleware
@@ -46,8 +47,9 @@ async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamRe
 
 
 def _error_code(request: web.Request, response: web.StreamResponse | None) -> str:
-    """"" for a success; else the OpenAI error code the client got (read from the small error body)."""
-    failed = request.get(STREAM_ERROR)
+    """"" for a success; else the error's code for the metrics (PoolError.metric_code), recorded
+    where the error was answered, or read from a small error body built elsewhere."""
+    failed = request.get(STREAM_ERROR) or request.get(ERROR_CODE)
     if failed is not None:
         return failed
     if response is None or response.status < 400 or not isinstance(response, web.Response) or \
@@ -92,6 +94,24 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
     app.add_routes(routes_admin.routes)
     app.add_routes(routes_responses.routes)
 
+    keep = [keep_models]   # SIGUSR1 sets it
+
+    def already_stopping(sig: signal.Signals) -> None:
+        # A second Ctrl-C used to interrupt the unload half-way; the unload is bounded by each
+        # program's stop wait, so it is let finish, and the way out is said plainly.
+        log.warning("%s ignored: already shutting down (%s); SIGKILL would leave supervisord and the "
+                    "models running for the next serve to adopt", sig.name,
+                    "keeping the models" if keep[0] else "unloading the models")
+
+    async def ignore_further_signals(_: web.Application) -> None:
+        # on_shutdown runs before in-flight requests are waited for and before pool_ctx's exit
+        # unloads the models: from here on, one more signal must not cut the shutdown short.
+        log.info("shutting down: requests in flight finish, then the models are %s",
+                 "left running" if keep[0] else "unloaded")
+        for sig in STOP_SIGNALS:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                asyncio.get_running_loop().add_signal_handler(sig, already_stopping, sig)
+
     async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
         # One pooled session for every upstream call; no per-connection limit, since admission
         # already bounds how many requests a replica gets.
@@ -113,7 +133,6 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
         app[HTTP] = http
         app[METRICS].watch(pool)
         pool.load_in_background()
-        keep = [keep_models]
 
         def exit_keeping_models() -> None:
             log.info("SIGUSR1: exiting, leaving supervisord and the models running for the next proxy")
@@ -124,8 +143,6 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
             loop.add_signal_handler(signal.SIGUSR1, exit_keeping_models)
         yield
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.remove_signal_handler(signal.SIGUSR1)
         keep_models_now = keep[0]
         try:
             await pool.close(stop_models=not keep_models_now)
@@ -134,6 +151,10 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
         finally:
             await supervisor.close()
             await http.close()
+            for sig in STOP_SIGNALS:
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.remove_signal_handler(sig)
 
+    app.on_shutdown.append(ignore_further_signals)
     app.cleanup_ctx.append(pool_ctx)
     return app

@@ -4,11 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proxy.config import ModelConfig
+from shims.prompts import MULTI_TURN_FORMATS
 
 THINKING_MODES = ("default", "enabled", "disabled")
 # Backends that take multi-turn `messages` (chat endpoints); CT2 and ExLlamaV3 are single-turn.
 MULTI_TURN_BACKENDS = {"llama_server", "vllm", "vllm_serve", "openai_remote", "sim"}
-LLAMA_CPP_MULTI_TURN_FORMATS = {"generic", "mistral_template", "qwen3_template", "gemma4_template"}
 # Backends whose chat template can switch thinking on or off per request.
 THINKING_BACKENDS = {"llama_server", "vllm", "vllm_serve", "openai_remote"}
 # The field that makes a model of each backend serve /v1/embeddings (its server must be started so).
@@ -32,7 +32,7 @@ class Capabilities:
 def capabilities(model: ModelConfig) -> Capabilities:
     backend = model.backend
     multi_turn = backend in MULTI_TURN_BACKENDS or (
-        backend == "llama_cpp" and (model.get("prompt_format") or "generic") in LLAMA_CPP_MULTI_TURN_FORMATS)
+        backend == "llama_cpp" and (model.get("prompt_format") or "generic") in MULTI_TURN_FORMATS)
     modalities = model.modalities if backend != "llama_cpp" else ("text",)  # in-process GGUF is text-only
     if model.get("thinking_modes"):
         thinking = tuple(model.get("thinking_modes"))

@@ -31,6 +31,9 @@ class PoolError(Exception):
             self.status = status
         self.param = param
         self.retry_after = retry_after
+        # The `code` label of the request metrics. Ours are a fixed set; one a backend chose is kept
+        # only when well known (see relay.backend_error), so the label's values stay bounded.
+        self.metric_code = self.code
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
@@ -125,11 +128,17 @@ def from_http_exception(exc: web.HTTPException) -> PoolError:
     return cls(exc.reason if exc.status != 413 else exc.text or exc.reason, code=code, status=exc.status)
 
 
+# The metrics' error code of a request answered by `error_middleware` (kept here, not in keys.py,
+# which imports what imports this module).
+ERROR_CODE = web.RequestKey("error_code", str)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
     except PoolError as err:
+        request[ERROR_CODE] = err.metric_code
         return error_response(err)
     except web.HTTPException as exc:
         if exc.status < 400:

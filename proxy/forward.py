@@ -241,7 +241,7 @@ async def _relay(request: web.Request, pool: Pool, replica: Replica, upstream: a
         err = exc if isinstance(exc, PoolError) else \
             BackendError(f"{label(replica)} broke off the stream: {type(exc).__name__}")
         log.warning("%s %s: %s", request.method, request.path, err.message)
-        request[STREAM_ERROR] = err.code
+        request[STREAM_ERROR] = err.metric_code
         pool.report_outcome(replica, err.message)
         with contextlib.suppress(ConnectionResetError):
             await out.write(sse_error_event(err))

@@ -83,8 +83,9 @@ async def _addresses(host: str, port: int, param: str) -> list[ipaddress.IPv4Add
         pass
     loop = asyncio.get_running_loop()
     try:
-        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT_S)
-    except (OSError, asyncio.TimeoutError, UnicodeError):
+        async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, TimeoutError, UnicodeError):
         raise BadRequest(f"image URL host {host!r} does not resolve; it cannot be checked against the "
                          "address rules (image_url_allow_private: false)", code=CODE, param=param) from None
     return [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]

@@ -480,10 +480,9 @@ class Pool:
             except Exception:
                 log.exception("monitor iteration failed")
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: a stop's cancel is never lost
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()
 
     async def _observe(self, runtime: ModelRuntime, replica: Replica, info: ProcessInfo | None) -> None:
         state = replica.state

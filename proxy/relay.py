@@ -23,6 +23,13 @@ from proxy.errors import BackendError, BackendTimeout, PoolError
 
 T = TypeVar("T")
 EXCERPT_CHARS = 200
+# Error codes a backend may send that the request metrics keep as they are: the shims' own and the
+# common OpenAI ones. Any other becomes `backend_error` there (the client still gets it as sent),
+# so an engine cannot grow the label without bound.
+KNOWN_BACKEND_CODES = frozenset({
+    "context_length_exceeded", "invalid_request", "invalid_request_error", "invalid_messages",
+    "model_not_found", "model_loading", "model_load_failed", "shutting_down", "engine_fault", "engine_error",
+    "rate_limit_exceeded", "server_error"})
 
 
 @dataclass(frozen=True)
@@ -36,13 +43,13 @@ class Timeouts:
                    idle_s=float(model.get("stream_idle_timeout_s", service.stream_idle_timeout_s)))
 
 
-async def within(awaitable: Awaitable[T], seconds: float) -> T:
-    """`awaitable`, or TimeoutError after `seconds` (asyncio.timeout where there is one: no task
-    per call, which matters once per stream chunk)."""
-    timeout = getattr(asyncio, "timeout", None)
-    if timeout is None:
-        return await asyncio.wait_for(awaitable, seconds)
-    async with timeout(seconds):
+async def within(awaitable: Awaitable[T], seconds: float | None) -> T:
+    """`awaitable`, or TimeoutError after `seconds` (None: no limit).
+
+    asyncio.timeout rather than wait_for: no task per call, which matters once per stream chunk, and
+    a cancellation (the client left) that lands as the awaitable completes is never swallowed.
+    """
+    async with asyncio.timeout(seconds):
         return await awaitable
 
 
@@ -158,6 +165,7 @@ def backend_error(status: int, raw: bytes, label: str, retry_after: str | None =
         if isinstance(err, dict):
             if isinstance(err.get("code"), str) and err["code"]:
                 out.code = err["code"]
+                out.metric_code = out.code if out.code in KNOWN_BACKEND_CODES else BackendError.code
             if isinstance(err.get("type"), str) and err["type"]:
                 out.type = err["type"]
             if isinstance(err.get("param"), str):

@@ -18,6 +18,7 @@ import jsonschema
 from proxy.capabilities import Capabilities
 from proxy.config import ModelConfig
 from proxy.errors import BadRequest
+from shims.prompts import TURN_STOPS
 
 MAX_MESSAGES = 512
 MAX_CONTENT_ITEMS = 64
@@ -78,13 +79,8 @@ REQUEST_SCHEMA: dict[str, Any] = {
 _VALIDATOR = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
 IGNORED_HEADER = "X-Ignored-Fields"
 
-# Stop strings each prompt format's chat template ends a turn with.
-FORMAT_STOPS: Mapping[str, tuple[str, ...]] = {
-    "gemma4_template": ("<end_of_turn>",),
-    "translategemma_template": ("<end_of_turn>",),
-    "qwen3_template": ("<|im_end|>",),
-    "mistral_template": ("</s>",),
-}
+# Stop strings each prompt format's chat template ends a turn with: the shims' own, one truth.
+FORMAT_STOPS: Mapping[str, tuple[str, ...]] = TURN_STOPS
 MIXED_SOURCE = {None, "", "auto", "mixed"}
 MIXED_SOURCE_NOTE = ("The text below may mix several source languages. Detect the source language of "
                      "each segment and translate every segment.\n\n")

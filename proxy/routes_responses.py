@@ -161,7 +161,7 @@ async def _stream(request: web.Request, timer: response_metrics.Timer, queued: A
         err = exc if isinstance(exc, PoolError) else \
             BackendError(f"the backend broke off the stream: {type(exc).__name__}")
         log.warning("POST /v1/responses stream ended with an error: %s", err.message)
-        request[STREAM_ERROR] = err.code
+        request[STREAM_ERROR] = err.metric_code
         return await _end_with(out, err)
     except Exception:
         # A bug of ours: the client still gets an error event, never a silent close.

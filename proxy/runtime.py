@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -66,10 +67,11 @@ class ModelRuntime:
         self._changed = asyncio.Event()
 
     async def wait_changed(self, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+        # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation (the client left)
+        # that lands as the event is set, and the caller would go on to send the request.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
 
     def pick_replica(self) -> Replica | None:
         """The least loaded READY replica (see Replica.load) with fewer than `target_inflight`

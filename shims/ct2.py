@@ -12,6 +12,7 @@ needs the whole decoding, so its tokens stream after it ends and it cannot be st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -126,13 +127,19 @@ class CT2Engine:
         self.active += 1
         finished = False
         try:
-            async for batch in pipe.run(self.executor, lambda p: self._decode(p, tokens, request, options)):
-                yield batch
+            # aclosing: a reader that leaves waits here until CT2 has let go of the request, so the
+            # gauge and the counters below change together, after the engine is idle.
+            async with contextlib.aclosing(pipe.run(self.executor,
+                                                    lambda p: self._decode(p, tokens, request, options))) as batches:
+                async for batch in batches:
+                    yield batch
             finished = True
         finally:
             self.active -= 1
             if finished:
                 self.counters["request_success"] += 1
+            elif pipe.abandoned:
+                self.counters["requests_cancelled"] += 1
 
     def _decode(self, pipe: TokenPipe[str], tokens: list[str], request: GenerationRequest,
                 options: dict[str, Any]) -> None:
@@ -143,10 +150,8 @@ class CT2Engine:
 
         def on_token(step: Any) -> bool:
             counters["generation_tokens"] += 1
-            if pipe.emit(stream.step(tokenizer, step.token_id) or ""):
-                return False
-            counters["requests_cancelled"] += 1
-            return True  # True stops this decoding: its client has gone
+            # True stops this decoding: its client has gone.
+            return not pipe.emit(stream.step(tokenizer, step.token_id) or "")
 
         beam = request.beam_size
         common = dict(beam_size=beam, **options)

@@ -11,6 +11,7 @@ own chat template when it has one, else the generic format. Text only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import codecs
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -136,6 +137,7 @@ class LlamaCppEngine:
             self.waiting -= 1
         self.running += 1
         finished = False
+        pipe: TokenPipe[str] | None = None
         try:
             tokens = await asyncio.get_running_loop().run_in_executor(self.executor, self._tokenize, request.prompt)
             room = self.options.n_ctx - len(tokens)
@@ -145,15 +147,21 @@ class LlamaCppEngine:
             request.prompt_tokens = len(tokens)
             self.counters["prompt_tokens"] += len(tokens)
             limit = min(request.max_tokens, room)
-            pipe: TokenPipe[str] = TokenPipe(asyncio.get_running_loop())
-            async for batch in pipe.run(self.executor, lambda p: self._decode(p, tokens, request, limit)):
-                yield batch
+            pipe = TokenPipe(asyncio.get_running_loop())
+            # aclosing: a reader that leaves waits here until llama.cpp has let go of the request,
+            # so the gauge and the counters below change together, after the engine is idle.
+            async with contextlib.aclosing(pipe.run(self.executor,
+                                                    lambda p: self._decode(p, tokens, request, limit))) as batches:
+                async for batch in batches:
+                    yield batch
             finished = True
         finally:
             self.running -= 1
             self.turn.release()
             if finished:
                 self.counters["request_success"] += 1
+            elif pipe is not None and pipe.abandoned:
+                self.counters["requests_cancelled"] += 1
 
     def _decode(self, pipe: TokenPipe[str], tokens: list[int], request: GenerationRequest, limit: int) -> None:
         """In the worker thread: one token per step, each out through `pipe`, until done or abandoned."""
@@ -171,7 +179,6 @@ class LlamaCppEngine:
                 self.counters["generation_tokens"] += 1
                 piece = decoder.decode(self.llm.detokenize([token], special=False))
                 if not pipe.emit(piece):
-                    self.counters["requests_cancelled"] += 1
                     break  # the client has gone: no further token is computed
                 if produced >= limit:
                     break

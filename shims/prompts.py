@@ -18,6 +18,10 @@ from typing import Any, Callable
 FORMATS = ("generic", "mistral_template", "qwen3_template", "gemma4_template", "translategemma_template")
 # Formats whose template can take a conversation; the others render one user turn.
 MULTI_TURN_FORMATS = frozenset({"generic", "mistral_template", "qwen3_template", "gemma4_template"})
+# The string each chat template ends a model turn with. The proxy sends these as stop strings on
+# /v1/responses too, so the shims and engines with their own templates stop at the same place.
+TURN_STOPS = {"mistral_template": ("</s>",), "qwen3_template": ("<|im_end|>",), "gemma4_template": ("<turn|>",),
+              "translategemma_template": ("<end_of_turn>",)}
 
 # The languages TranslateGemma's template names (WMT24++ and its technical report), by code.
 LANGUAGES = {
@@ -102,7 +106,7 @@ def _mistral(system: str | None, turns: list[tuple[str, str]], thinking: bool | 
     out = [f"[SYSTEM_PROMPT]{system}[/SYSTEM_PROMPT]"] if system else []
     for role, text in turns:
         out.append(f"[INST]{text}[/INST]" if role == "user" else f"{text}</s>")
-    return Rendered("".join(out), ("</s>",))
+    return Rendered("".join(out), TURN_STOPS["mistral_template"])
 
 
 def _qwen3(system: str | None, turns: list[tuple[str, str]], thinking: bool | None) -> Rendered:
@@ -116,7 +120,7 @@ def _qwen3(system: str | None, turns: list[tuple[str, str]], thinking: bool | No
     out.append("<|im_start|>assistant\n")
     if thinking is False:
         out.append("<think>\n\n</think>\n\n")
-    return Rendered("".join(out), ("<|im_end|>",))
+    return Rendered("".join(out), TURN_STOPS["qwen3_template"])
 
 
 def _gemma4(system: str | None, turns: list[tuple[str, str]], thinking: bool | None) -> Rendered:
@@ -129,7 +133,7 @@ def _gemma4(system: str | None, turns: list[tuple[str, str]], thinking: bool | N
     for role, text in turns:
         out.append(f"<|turn>{'model' if role == 'assistant' else 'user'}\n{text.strip()}<turn|>\n")
     out.append("<|turn>model\n")
-    return Rendered("".join(out), ("<turn|>",))
+    return Rendered("".join(out), TURN_STOPS["gemma4_template"])
 
 
 def _language(code: Any, field: str) -> str:
@@ -160,7 +164,7 @@ def translategemma(messages: Any) -> Rendered:
               f"Produce only the {target} translation, without any additional explanations or commentary. "
               f"Please translate the following {source} text into {target}:\n\n\n"
               f"{str(item.get('text', '')).strip()}<end_of_turn>\n<start_of_turn>model\n")
-    return Rendered(prompt, ("<end_of_turn>",))
+    return Rendered(prompt, TURN_STOPS["translategemma_template"])
 
 
 _RENDERERS: dict[str, Callable[[str | None, list[tuple[str, str]], bool | None], Rendered]] = {

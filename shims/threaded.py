@@ -28,6 +28,9 @@ class TokenPipe(Generic[T]):
         self._items: deque[object] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self.stopped = threading.Event()   # set when the reader has gone: the producer must stop
+        # The reader left before the producer's last word. Read on the event loop once `run` has
+        # returned, so a count made from it agrees with the engine's other counters.
+        self.abandoned = False
 
     # -- the worker thread's side ----------------------------------------------------------------
 
@@ -83,10 +86,12 @@ class TokenPipe(Generic[T]):
             async with contextlib.aclosing(self.stream()) as items:
                 async for item in items:
                     yield item
+        except (GeneratorExit, asyncio.CancelledError):
+            self.abandoned = True
+            raise
         finally:
             self.stopped.set()
-            # Shielded: a cancelled reader still waits for the engine to let go of the request.
-            await asyncio.shield(future)
+            await _outlast_cancellation(future)
 
     async def stream(self) -> AsyncIterator[list[T]]:
         """What the producer emits, until it finishes or fails; leaving early sets `stopped`.
@@ -109,6 +114,23 @@ class TokenPipe(Generic[T]):
                     yield batch
         finally:
             self.stopped.set()
+
+
+async def _outlast_cancellation(future: asyncio.Future[None]) -> None:
+    """Wait for the engine to let go of the request, even through cancellations, then re-raise one.
+
+    A reader that leaves is often cancelled twice: its write fails, and while it waits here the
+    server cancels the handler for the lost connection. The producer stops at its next token, so
+    the wait is short, and only after it are the engine's gauges and counters true again.
+    """
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 class _Failure:

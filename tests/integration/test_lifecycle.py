@@ -3,6 +3,7 @@ finishes, ports come back, orphans of a dead supervisord are stopped, secrets st
 from __future__ import annotations
 
 import concurrent.futures
+import http.client as http_client
 import json
 import os
 import signal
@@ -159,3 +160,28 @@ def test_a_serve_stops_the_replicas_a_killed_supervisord_left_running(proxies) -
     assert after["pid"] != before["pid"] and after["port"] == before["port"]   # its port came back
     assert chat(proxy)[0] == 200
 
+
+
+def test_a_second_sigterm_during_shutdown_is_ignored_and_the_models_are_still_stopped(proxies) -> None:
+    # The sim goes silent after two tokens, so the stream holds the shutdown open for as long as
+    # the test needs: the second signal surely lands while the proxy is stopping.
+    proxy = start(proxies, {"sim": sim_model(sim={"max_seqs": 2, "decode_tokens_per_s": 200, "ttft_ms": 1,
+                                                  "stall_after_tokens": 2})})
+    replica = proxy.wait_state("sim", "loaded")["replicas"][0]
+    supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
+    conn = http_client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}),
+        {"Content-Type": "application/json"})
+    stream = conn.getresponse()
+    assert stream.status == 200 and stream.readline().startswith(b"data: ")
+    assert proxy.proc is not None
+    proxy.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "shutting down" in proxy.log_path.read_text(), what="the shutdown to begin")
+    proxy.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "SIGTERM ignored: already shutting down" in proxy.log_path.read_text(),
+             what="the second SIGTERM to be logged as ignored")
+    conn.close()   # the last request in flight ends; the shutdown goes on
+    assert proxy.proc.wait(60) == 0
+    assert not pid_alive(replica["pid"]) and not pid_alive(supervisord)
+    assert "unload did not finish" not in proxy.log_path.read_text()

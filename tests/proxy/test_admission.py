@@ -78,6 +78,28 @@ async def test_slot_handed_to_a_cancelled_waiter_goes_to_the_next() -> None:
     assert adm.active == 1 and adm.waiting == 0
 
 
+@pytest.mark.parametrize("turns", [0, 1])
+async def test_a_waiter_cancelled_as_its_slot_is_granted_stays_cancelled(turns: int) -> None:
+    # With a queue-wait bound (the shipped default), the grant and the client's cancel can land in
+    # the same few loop turns; the cancel must win, or the handler of a client that has left goes
+    # on to run its request upstream.
+    adm = Admission(max_wait_s=60)
+    adm.set_capacity(1)
+    held = await adm.acquire("a")
+    first = asyncio.create_task(adm.acquire("b"))
+    second = asyncio.create_task(adm.acquire("c"))
+    await asyncio.sleep(0)
+    adm.release(held)
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    assert not first.done()
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await second
+    assert adm.active == 1 and adm.waiting == 0
+
+
 async def test_client_leaving_while_running_frees_the_slot() -> None:
     adm = Admission()
     adm.set_capacity(1)

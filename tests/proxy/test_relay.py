@@ -27,6 +27,18 @@ def test_an_openai_error_from_the_backend_keeps_its_status_code_and_type() -> No
                                                            "messages")
 
 
+def test_a_backend_code_reaches_the_client_but_only_well_known_ones_reach_the_metrics() -> None:
+    def code_of(code: str) -> PoolError:
+        return backend_error(400, json.dumps({"error": {"message": "no", "code": code}}).encode(), "r")
+    known = code_of("context_length_exceeded")
+    assert known.code == known.metric_code == "context_length_exceeded"
+    # An engine's own invention (or a per-request string) would add a label value per request.
+    odd = code_of("slot_17_busy_at_1733000000")
+    assert odd.body()["error"]["code"] == "slot_17_busy_at_1733000000"
+    assert odd.metric_code == "backend_error"
+    assert Unavailable("unloading", code="model_unloading").metric_code == "model_unloading"
+
+
 def test_a_backend_503_keeps_its_retry_after_and_gets_one_if_it_had_none() -> None:
     raw = b'{"error": {"message": "busy"}}'
     assert backend_error(503, raw, "r", retry_after="7").headers() == {"Retry-After": "7"}

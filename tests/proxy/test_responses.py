@@ -148,9 +148,9 @@ def test_thinking_maps_to_chat_template_kwargs(thinking: str, configured: bool |
 
 
 def test_stop_merges_format_stops_with_the_request_without_duplicates() -> None:
-    out = check({"input": "x", "decoding": {"stop": ["\n\n", "<end_of_turn>"]}},
+    out = check({"input": "x", "decoding": {"stop": ["\n\n", "<turn|>"]}},
                 model(prompt_format="gemma4_template"))
-    assert out["stop"] == ["<end_of_turn>", "\n\n"]
+    assert out["stop"] == ["<turn|>", "\n\n"]
     assert "stop" not in check({"input": "x"})
 
 
