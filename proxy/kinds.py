@@ -18,7 +18,7 @@ from proxy.remote import EndpointKind
 
 if TYPE_CHECKING:
     from proxy.config import ModelConfig
-    from proxy.pool import Pool
+    from proxy.programs import Programs
     from proxy.replicas import Replica
     from proxy.runtime import ModelRuntime
 
@@ -107,11 +107,10 @@ class ProgramReach:
 
 
 class ProgramKind:
-    """Replicas as supervisord programs, written by the backend's launcher. The supervisord work
-    itself stays in the pool (it shares the process snapshot and the monitor with every model)."""
+    """Replicas as supervisord programs, written by the backend's launcher (proxy/programs.py)."""
 
-    def __init__(self, pool: Pool | None) -> None:
-        self.pool = pool   # None: for checks only (check-config)
+    def __init__(self, programs: Programs | None) -> None:
+        self.programs = programs   # None: for checks only (check-config)
 
     def check(self, config: ModelConfig) -> list[str]:
         launcher = launcher_for(config.backend)
@@ -119,20 +118,20 @@ class ProgramKind:
         return launcher.check(config)
 
     async def start(self, runtime: ModelRuntime, config: ModelConfig) -> None:
-        assert self.pool is not None
-        await self.pool._start_group(runtime, config, launcher_for(config.backend))
+        assert self.programs is not None
+        await self.programs.start(runtime, config, launcher_for(config.backend))
 
     async def stop(self, runtime: ModelRuntime) -> None:
-        assert self.pool is not None
-        await self.pool._stop_group(runtime.name)
+        assert self.programs is not None
+        await self.programs.stop(runtime.name)
 
     async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: range) -> list[Replica]:
-        assert self.pool is not None
-        return await self.pool._add_programs(runtime, config, launcher_for(config.backend), indices)
+        assert self.programs is not None
+        return await self.programs.add(runtime, config, launcher_for(config.backend), indices)
 
     async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
-        assert self.pool is not None
-        await self.pool._remove_programs([r.spec.program for r in replicas if r.spec is not None])
+        assert self.programs is not None
+        await self.programs.remove([r.spec.program for r in replicas if r.spec is not None])
 
     def gate(self, config: ModelConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
         return None
@@ -141,11 +140,11 @@ class ProgramKind:
         return {}
 
 
-def kinds_for(backends: set[str], environ: Mapping[str, str], pool: Pool | None = None,
+def kinds_for(backends: set[str], environ: Mapping[str, str], programs: Programs | None = None,
               http: aiohttp.ClientSession | None = None) -> dict[str, Kind]:
     """The kind of each configured backend this version can run; a backend left out answers
-    409 backend_not_supported on load. Without a pool and a session they can only `check`."""
-    program = ProgramKind(pool)
+    409 backend_not_supported on load. Without programs and a session they can only `check`."""
+    program = ProgramKind(programs)
     endpoint = EndpointKind(http, environ)  # type: ignore[arg-type]
     kinds: dict[str, Kind] = {}
     for backend in backends:

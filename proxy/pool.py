@@ -1,12 +1,10 @@
-"""The pool: load, adopt, scale and unload models as supervisord programs, and keep their replicas' states true.
+"""The pool: load, adopt, scale and unload models, and keep their replicas' states true.
 
-Each replica is a program of its own (programs/<model prefix>-r<i>.conf, a group of one in
-supervisord), so that a live scale adds or removes one without touching the others. Load writes
-the replicas' files, has supervisord add them, starts them and waits until each passes its health
-check. A restarted proxy adopts each replica whose file is unchanged and whose program is running:
-same process, no reload. The monitor polls
-supervisord and probes health so that a crash costs one replica until supervisord has restarted
-it and it answers again, and an admin's `supervisorctl stop` is respected.
+The decisions are the same for every model; how a replica starts and stops differs per kind
+(proxy/kinds.py): a supervisord program (proxy/programs.py) or a remote endpoint. Load starts the
+replicas and waits until each passes its health check; a restarted proxy adopts running ones.
+The monitor polls supervisord and probes health so that a crash costs one replica until
+supervisord has restarted it and it answers again, and an admin's `supervisorctl stop` is respected.
 """
 from __future__ import annotations
 
@@ -14,18 +12,17 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import time
-from pathlib import Path
 from typing import Any, Awaitable, Mapping, TypeVar
 
 import aiohttp
 
-from launchers.spec import ProgramSpec, ports_in_file, program_name, render_replica, replica_index
+from launchers.spec import ProgramSpec, replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
-from proxy.config import ModelConfig, Settings
+from proxy.config import Settings
 from proxy.fairness import FairnessPolicy
 from proxy.orphans import PidRecord
+from proxy.programs import Programs
 from proxy.engine_metrics import read_gauges
 from proxy.errors import BackendError, Conflict, NotFound, Unavailable
 from proxy.kinds import kinds_for
@@ -34,8 +31,7 @@ from proxy.replicas import ModelState, Replica, ReplicaState
 from proxy.runtime import ModelRuntime
 from proxy.scaling import scale
 from proxy.warmup import warm_up
-from proxy.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning, SupervisorClient,
-                              SupervisorError)
+from proxy.supervisor import ProcessInfo, ProcessState, SupervisorClient, SupervisorError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,9 +39,6 @@ T = TypeVar("T")
 METRICS_INTERVAL_S = 0.5
 EXITED_STATES = (ProcessState.BACKOFF, ProcessState.EXITED, ProcessState.FATAL)
 DOWN_STATES = (ProcessState.STOPPED, ProcessState.STOPPING)
-STOPPED_STATES = (ProcessState.STOPPED, ProcessState.EXITED, ProcessState.FATAL)
-# How long past stopwaitsecs (after which supervisord sends SIGKILL) an unload waits for a process.
-STOP_GRACE_S = 10.0
 PROBE_TIMEOUT_S = 2.0
 
 
@@ -61,15 +54,13 @@ class Pool:
         policy = FairnessPolicy.from_settings(settings.fairness)
         self.models: dict[str, ModelRuntime] = {n: ModelRuntime(config=c, policy=policy)
                                                 for n, c in settings.models.items()}
-        kinds = kinds_for({c.backend for c in settings.models.values()}, self.environ, self, http)
+        self._wake = asyncio.Event()
+        self.programs = Programs(settings, supervisor, self.environ, self.models, self._wake.set, pid_record)
+        kinds = kinds_for({c.backend for c in settings.models.values()}, self.environ, self.programs, http)
         for runtime in self.models.values():
             runtime.kind = kinds.get(runtime.config.backend)
         self._monitor: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
-        self._processes: dict[str, ProcessInfo] = {}
-        self.stop_grace_s = STOP_GRACE_S
-        self.pid_record = pid_record   # managed mode: what to stop should supervisord die (proxy/orphans.py)
         # Models whose load at startup has not finished (loaded or failed): /ready waits for them.
         self.startup_pending: set[str] = set()
 
@@ -77,14 +68,14 @@ class Pool:
 
     async def start(self) -> None:
         self.settings.supervisor.programs_dir.mkdir(parents=True, exist_ok=True)
-        self._processes = await self._snapshot()
+        await self.programs.snapshot()
         self._monitor = asyncio.create_task(self._monitor_loop(), name="llm-pool monitor")
 
     def load_in_background(self) -> None:
         """Load the enabled models, and adopt any other configured model whose replicas are still
         running (an admin loaded it before the proxy restarted). Groups left in the programs folder
         by models no longer configured are stopped and removed."""
-        running = {i.group for i in self._processes.values() if i.state == ProcessState.RUNNING}
+        running = {i.group for i in self.programs.processes.values() if i.state == ProcessState.RUNNING}
         for runtime in self.models.values():
             if runtime.config.enabled or any(replica_index(runtime.name, g) is not None for g in running):
                 self.startup_pending.add(runtime.name)
@@ -97,7 +88,7 @@ class Pool:
                 continue   # a configured model's replica: its load adopts, restarts or removes it
             log.warning("removing %s: its model is no longer configured", path.name)
             try:
-                await self._remove_group(path.stem)
+                await self.programs.remove_group(path.stem)
                 path.unlink(missing_ok=True)
                 await self.supervisor.reload_config()
             except SupervisorError as exc:
@@ -185,115 +176,6 @@ class Pool:
         runtime.last_error = error.message
         return error
 
-    def _replica_file(self, name: str, index: int) -> Path:
-        return self.settings.supervisor.programs_dir / f"{program_name(name, index)}.conf"
-
-    def _replica_files(self, name: str) -> dict[int, Path]:
-        """The program files of model `name`'s replicas in the programs folder, by replica index."""
-        found: dict[int, Path] = {}
-        for path in self.settings.supervisor.programs_dir.glob("*.conf"):
-            index = replica_index(name, path.stem)
-            if index is not None:
-                found[index] = path
-        return found
-
-    def _running(self, program: str) -> ProcessInfo | None:
-        info = self._processes.get(f"{program}:{program}")
-        return info if info is not None and info.state == ProcessState.RUNNING else None
-
-    async def _start_group(self, runtime: ModelRuntime, config: ModelConfig, launcher: Any) -> None:
-        files = self._replica_files(config.name)
-        self._processes = await self._snapshot()
-        if config.replicas == runtime.config.replicas:
-            # A proxy restarted after a live scale: running replicas past the configured count
-            # (their files in place, contiguous) are the model's too, and are adopted with it.
-            count = config.replicas
-            while count < config.replica_max and count in files and self._running(program_name(config.name, count)):
-                count += 1
-            if count != config.replicas:
-                config = runtime.active = runtime.with_replicas(count)
-        stale = [path.stem for index, path in files.items() if index >= config.replicas]
-        if stale:
-            await self._remove_programs(stale)
-        runtime.replicas = []   # those of a failed unload, if any: their programs are judged afresh below
-        await self._add_programs(runtime, config, launcher, range(config.replicas), adopt=True)
-
-    async def _add_programs(self, runtime: ModelRuntime, config: ModelConfig, launcher: Any, indices: range,
-                            adopt: bool = False) -> list[Replica]:
-        """Write, add and start the programs of replicas `indices` and append them to
-        runtime.replicas. With `adopt`, a replica whose file is unchanged and whose program runs is
-        taken over as it is."""
-        self._processes = await self._snapshot()
-        previous: dict[str, int] = {}
-        for path in self._replica_files(config.name).values():
-            previous.update(ports_in_file(path.read_text()))
-        ports = self._assign_ports(config, launcher, previous)
-        log_dir = self.settings.service.state_dir / "logs"
-        added = []
-        for i in indices:
-            spec = launcher.launch(config, i, ports[i], self.settings.supervisor.stopwaitsecs, self.environ)
-            added.append(Replica(model=config.name, index=i, spec=spec, fullname=f"{spec.program}:{spec.program}"))
-        runtime.replicas = runtime.replicas + added
-        to_start = []
-        for replica in added:
-            text = render_replica(config.name, replica.spec, log_dir)
-            path = self._replica_file(config.name, replica.index)
-            info = self._running(replica.spec.program)
-            if adopt and info is not None and path.exists() and path.read_text() == text:
-                log.info("model %s: adopting running replica %d (pid %d)", config.name, replica.index, info.pid)
-                replica.pid = info.pid
-                runtime.set_replica_state(replica, ReplicaState.STARTING)
-                continue
-            await self._remove_group(replica.spec.program)
-            log_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".conf.tmp")
-            tmp.write_text(text)
-            tmp.replace(path)
-            to_start.append(replica)
-        if to_start:
-            await self.supervisor.reload_config()
-            for replica in to_start:
-                await self.supervisor.add_process_group(replica.spec.program)
-                runtime.set_replica_state(replica, ReplicaState.STARTING)
-                await self.supervisor.start_process(replica.fullname)
-        self._wake.set()
-        return added
-
-    def _assign_ports(self, config: ModelConfig, launcher: Any, previous: dict[str, int]) -> list[int]:
-        """Stable ports: the fixed port if configured, else the one this replica had, else the
-        first free one in the range. Ports of other models' programs and ports in use are skipped."""
-        fixed = config.get(launcher.PORT_FIELD)
-        if fixed:
-            return [int(fixed) + i for i in range(config.replicas)]
-        taken = self._ports_of_other_groups(config.name)
-        lo, hi = self.settings.supervisor.port_range
-        ports: list[int] = []
-        candidates = iter(range(lo, hi + 1))
-        for i in range(config.replicas):
-            program = program_name(config.name, i)
-            old = previous.get(program)
-            ours_running = self._running(program) is not None
-            if old and old not in taken and old not in ports and (ours_running or _port_free(old)):
-                ports.append(old)
-                continue
-            for port in candidates:
-                if port not in taken and port not in ports and port not in previous.values() and _port_free(port):
-                    ports.append(port)
-                    break
-            else:
-                raise Unavailable(f"no free port left in supervisor.port_range {lo}-{hi}", code="no_free_port")
-        return ports
-
-    def _ports_of_other_groups(self, name: str) -> set[int]:
-        taken: set[int] = set()
-        for path in self.settings.supervisor.programs_dir.glob("*.conf"):
-            if replica_index(name, path.stem) is None:
-                taken.update(ports_in_file(path.read_text()).values())
-        for runtime in self.models.values():
-            if runtime.name != name:
-                taken.update(r.spec.port for r in runtime.replicas if r.spec is not None)
-        return taken
-
     async def _await_replicas(self, runtime: ModelRuntime, replicas: list[Replica] | None = None) -> None:
         # Endpoints are judged inside their kind's start; only programs take time to become healthy.
         replicas = runtime.replicas if replicas is None else replicas
@@ -369,62 +251,6 @@ class Pool:
             replica.pid = 0
         runtime.replicas = []
 
-    async def _stop_group(self, name: str) -> None:
-        """Stop every replica program of model `name` and remove their groups and files (the
-        program kind's stop): those of its runtime and any other file of its in the folder."""
-        programs = {r.spec.program for r in self.models[name].replicas if r.spec is not None}
-        programs.update(path.stem for path in self._replica_files(name).values())
-        await self._remove_programs(sorted(programs))
-
-    async def _remove_programs(self, programs: list[str]) -> None:
-        """Stop these replica programs together, remove each one's group and file.
-        A file is removed only once its program is gone, so that a failed stop is retried."""
-        results = await asyncio.gather(*(self._remove_group(p) for p in programs), return_exceptions=True)
-        removed = False
-        for program, result in zip(programs, results):
-            path = self.settings.supervisor.programs_dir / f"{program}.conf"
-            if result is None and path.exists():
-                path.unlink()
-                removed = True
-        if removed:
-            await self.supervisor.reload_config()
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-
-    async def _remove_group(self, group: str) -> None:
-        """Stop every program of `group`, wait until each has exited, then remove the group.
-
-        Judged afresh on every pass, because the table moves under us: a process that crashed
-        (EXITED, BACKOFF) may be restarted by autorestart until its group is gone, so anything
-        live is asked to stop again, and a group that became live between our look and the
-        removal (STILL_RUNNING) is simply another pass. Raises SupervisorError when a process
-        outlives stopwaitsecs (supervisord's SIGKILL included) plus `stop_grace_s`."""
-        deadline = time.monotonic() + self.settings.supervisor.stopwaitsecs + self.stop_grace_s
-        while True:
-            members = [i for i in (await self._snapshot()).values() if i.group == group]
-            if not members:
-                return   # never added, or removed by someone else
-            live = [i for i in members if i.state not in STOPPED_STATES]
-            if not live:
-                try:
-                    await self.supervisor.remove_process_group(group)
-                    return
-                except BadName:
-                    return
-                except StillRunning:
-                    pass   # restarted between our look and the removal: another pass
-            for info in live:
-                if info.state != ProcessState.STOPPING:
-                    try:
-                        await self.supervisor.stop_process(info.fullname)
-                    except (NotRunning, BadName):
-                        pass   # it exited, or went away, between the snapshot and the call
-            if time.monotonic() > deadline:
-                raise SupervisorError(f"group {group} did not stop: " +
-                                      ", ".join(f"{i.fullname} {i.state.name} pid {i.pid}" for i in live))
-            await asyncio.sleep(0.05)
-
     # -- monitoring ------------------------------------------------------------------------------
 
     def report_connection_failure(self, replica: Replica, error: str) -> None:
@@ -448,18 +274,12 @@ class Pool:
             if note_failure(runtime, replica, error, self.health):
                 log.warning("model %s replica %d ejected: %s", replica.model, replica.index, replica.last_error)
 
-    async def _snapshot(self) -> dict[str, ProcessInfo]:
-        infos = await self.supervisor.all_process_info()
-        if self.pid_record is not None:
-            self.pid_record.update(infos)
-        return {i.fullname: i for i in infos}
-
     async def _monitor_loop(self) -> None:
         interval = self.settings.supervisor.poll_interval_s
         while True:
             try:
                 taken = time.monotonic()
-                self._processes = await self._snapshot()
+                processes = await self.programs.snapshot()
                 for runtime in self.models.values():
                     if runtime.state in (ModelState.LOADING, ModelState.LOADED):
                         for replica in runtime.replicas:
@@ -472,7 +292,7 @@ class Pool:
                             # A replica whose state changed while the snapshot was in flight (a load
                             # just started it) is judged on the next, fresher snapshot.
                             if replica.state_since <= taken:
-                                await self._observe(runtime, replica, self._processes.get(replica.fullname))
+                                await self._observe(runtime, replica, processes.get(replica.fullname))
                             self._maybe_scrape(replica)
                             self.checks.maybe_check(runtime, replica)
             except SupervisorError as exc:
@@ -636,15 +456,3 @@ async def probe(http: aiohttp.ClientSession, spec: ProgramSpec | None,
         return True, None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return False, None
-
-
-def _port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a server could listen on `port` now. SO_REUSEADDR as servers set it: sockets left in
-    TIME_WAIT by a replica that exited (an unload) must not make its port look taken."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True

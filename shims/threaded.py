@@ -13,7 +13,7 @@ import contextlib
 import threading
 from collections import deque
 from concurrent.futures import Executor
-from typing import AsyncIterator, Callable, Generic, TypeVar
+from typing import AsyncGenerator, Callable, Generic, TypeVar
 
 T = TypeVar("T")
 _DONE = object()
@@ -67,7 +67,7 @@ class TokenPipe(Generic[T]):
             await waiter
 
     async def run(self, executor: Executor | None,
-                  produce: Callable[["TokenPipe[T]"], None]) -> AsyncIterator[list[T]]:
+                  produce: Callable[["TokenPipe[T]"], None]) -> AsyncGenerator[list[T], None]:
         """Run `produce(self)` in `executor` and yield what it emits, in batches, until it returns or raises.
 
         Leaving early (the reader closed or cancelled) sets `stopped` and waits for the producer to
@@ -93,7 +93,7 @@ class TokenPipe(Generic[T]):
             self.stopped.set()
             await _outlast_cancellation(future)
 
-    async def stream(self) -> AsyncIterator[list[T]]:
+    async def stream(self) -> AsyncGenerator[list[T], None]:
         """What the producer emits, until it finishes or fails; leaving early sets `stopped`.
 
         Each batch is everything emitted since the reader last looked, so a fast engine costs one

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import socket
 
-from proxy.pool import _port_free
+from proxy.programs import port_free
 
 
 def _time_wait_port() -> int:
@@ -30,9 +30,9 @@ def test_a_port_with_only_time_wait_sockets_is_free() -> None:
         except OSError:
             plain_bind_failed = True
     assert plain_bind_failed
-    assert _port_free(port)   # ...but a server (which sets SO_REUSEADDR) can listen there
+    assert port_free(port)   # ...but a server (which sets SO_REUSEADDR) can listen there
 
 
 def test_a_port_someone_listens_on_is_busy() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        assert not _port_free(listener.getsockname()[1])
+        assert not port_free(listener.getsockname()[1])

@@ -36,7 +36,7 @@ def world(tmp_path: Path) -> Any:
     runtime.active = runtime.with_replicas(3)
     settings.supervisor.programs_dir.mkdir(parents=True)
     for i in range(3):
-        pool._replica_file("m", i).write_text("; the replica's program file\n")
+        pool.programs.replica_file("m", i).write_text("; the replica's program file\n")
         replica = Replica(model="m", index=i, spec=sim.launch(runtime.active, i, 18000 + i, 1, {}),
                           fullname=R[i], pid=100 + i)
         runtime.replicas.append(replica)
@@ -61,7 +61,7 @@ async def test_scaling_down_drains_the_leaving_replicas_then_stops_only_them(wor
     await asyncio.wait_for(scaling, 10)
     assert [r.index for r in runtime.replicas] == [0] and runtime.replicas[0].pid == 100
     assert ("stop", R[0]) not in fake.calls and {P[1], P[2]} <= set(fake.removed)
-    assert sorted(pool._replica_files("m")) == [0]
+    assert sorted(pool.programs.replica_files("m")) == [0]
     assert runtime.active.replicas == 1 and "replicas" not in runtime.active.options   # the configured count
     assert runtime.describe()["replica_count"] == 1
 
@@ -85,9 +85,9 @@ async def test_a_failed_stop_shows_the_reason_and_a_second_scale_retries(world: 
         await pool.scale("m", 2)
     assert info.value.code == "scale_failed" and info.value.status == 503
     assert runtime.replicas[2].state == ReplicaState.STOPPING and "did not answer" in runtime.replicas[2].last_error
-    assert runtime.active.replicas == 3 and pool._replica_file("m", 2).exists()
+    assert runtime.active.replicas == 3 and pool.programs.replica_file("m", 2).exists()
     await pool.scale("m", 2)
-    assert len(runtime.replicas) == 2 and not pool._replica_file("m", 2).exists()
+    assert len(runtime.replicas) == 2 and not pool.programs.replica_file("m", 2).exists()
     assert runtime.active.options["replicas"] == 2
 
 

@@ -36,7 +36,7 @@ def world(tmp_path: Path) -> Any:
     runtime.active = runtime.config
     settings.supervisor.programs_dir.mkdir(parents=True)
     for i in range(2):
-        pool._replica_file("m", i).write_text("; the replica's program file\n")
+        pool.programs.replica_file("m", i).write_text("; the replica's program file\n")
     for i, fullname in enumerate((R0, R1)):
         replica = Replica(model="m", index=i, spec=sim.launch(settings.models["m"], i, 18000 + i, 1, {}),
                           fullname=fullname, pid=100 + i)
@@ -51,7 +51,7 @@ def assert_unloaded(pool: Pool, fake: ScriptedSupervisor) -> None:
     runtime = pool.models["m"]
     assert runtime.state == ModelState.UNLOADED and runtime.replicas == []
     assert fake.processes == {} and {P0, P1} <= set(fake.removed)
-    assert pool._replica_files("m") == {}
+    assert pool.programs.replica_files("m") == {}
 
 
 async def test_a_replica_that_crashed_and_restarts_during_the_unload_is_stopped_too(world: Any) -> None:
@@ -100,7 +100,7 @@ async def test_supervisord_gone_mid_unload_fails_the_model_with_the_reason_then_
 
 async def test_a_process_that_will_not_stop_fails_the_unload_instead_of_wedging_it(world: Any) -> None:
     pool, runtime, fake = world
-    pool.stop_grace_s = 0.0                            # give up right after stopwaitsecs (1 s here)
+    pool.programs.stop_grace_s = 0.0                            # give up right after stopwaitsecs (1 s here)
     fake.stuck.add(R1)
     with pytest.raises(Unavailable):
         await pool.unload("m", drain=False)
