@@ -44,8 +44,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def run_round(session: aiohttp.ClientSession, url: str, n: int, concurrency: int,
-                    body: dict) -> list[float]:
-    """`n` requests of `body` to `url` by `concurrency` workers, each read to its end: the latencies."""
+                    body: dict = BODIES["json"]) -> tuple[list[float], float]:
+    """`n` requests of `body` to `url` by `concurrency` workers, each read to its end: each latency,
+    and the wall time (bench_remote, bench_responses and bench_vllm use it too)."""
     latencies: list[float] = []
     todo = iter(range(n))
 
@@ -57,8 +58,9 @@ async def run_round(session: aiohttp.ClientSession, url: str, n: int, concurrenc
                 assert resp.status == 200, resp.status
             latencies.append(time.perf_counter() - start)
 
+    start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies
+    return latencies, time.perf_counter() - start
 
 
 def pct(values: list[float], q: float) -> float:
@@ -79,8 +81,8 @@ async def bench(urls: dict[str, str], pids: dict[str, int], rounds: int, n: int)
                     order = MODES[r % 3:] + MODES[:r % 3]
                     for mode in order:
                         before = {m: cpu_seconds(pid) for m, pid in pids.items()}
-                        lat[mode] += await run_round(session, urls[mode] + "/v1/chat/completions", n, concurrency,
-                                                     body)
+                        lat[mode] += (await run_round(session, urls[mode] + "/v1/chat/completions", n, concurrency,
+                                                      body))[0]
                         if mode in pids:
                             cpu[mode] += cpu_seconds(pids[mode]) - before[mode]
                 total = rounds * n
