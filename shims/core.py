@@ -121,6 +121,11 @@ def prometheus(model_name: str, gauges: dict[str, float], counters: dict[str, fl
     return "\n".join(lines) + "\n"
 
 
+def engine_tallies() -> dict[str, float]:
+    """An engine shim's own tallies, all zero: what `engine_counters` exports."""
+    return {"prompt_tokens": 0, "generation_tokens": 0, "request_success": 0, "requests_cancelled": 0}
+
+
 def engine_counters(counters: dict[str, float]) -> dict[str, float]:
     """The counters every engine shim exports for `prometheus`, from its own tallies."""
     return {"vllm:prompt_tokens": counters["prompt_tokens"],

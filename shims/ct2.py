@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from aiohttp import web
 
-from shims.core import (GenerationRequest, RequestRejected, base_parser, create_app, engine_counters, flag,
-                        prometheus, run)
+from shims.core import (GenerationRequest, RequestRejected, base_parser, create_app, engine_counters, engine_tallies,
+                        flag, prometheus, run)
 from shims.prompts import PromptError, render
 from shims.threaded import TokenPipe
 
@@ -64,8 +63,7 @@ class CT2Engine:
         self.executor = ThreadPoolExecutor(max_workers=max(4, 2 * options.max_concurrency),
                                            thread_name_prefix="ct2")
         self.active = 0
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "request_success": 0,
-                         "requests_cancelled": 0}
+        self.counters = engine_tallies()
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -179,10 +177,6 @@ class CT2Engine:
                           engine_counters(self.counters))
 
 
-def build_app(engine: CT2Engine) -> web.Application:
-    return create_app(engine)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = base_parser("CTranslate2 model behind an OpenAI-compatible server.")
     parser.add_argument("--model-path", required=True)
@@ -196,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     options = CT2Options(model_path=args.model_path, device=args.device, compute_type=args.compute_type,
                          prompt_format=args.prompt_format, enable_thinking=args.enable_thinking,
                          max_concurrency=args.max_concurrency, intra_threads=args.intra_threads)
-    run(build_app(CT2Engine(args.model, options)), args.host, args.port, args.shutdown_timeout)
+    run(create_app(CT2Engine(args.model, options)), args.host, args.port, args.shutdown_timeout)
 
 
 if __name__ == "__main__":

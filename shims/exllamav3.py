@@ -17,10 +17,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from aiohttp import web
 
-from shims.core import (GenerationRequest, RequestRejected, base_parser, create_app, engine_counters, flag,
-                        prometheus, run)
+from shims.core import (GenerationRequest, RequestRejected, base_parser, create_app, engine_counters, engine_tallies,
+                        flag, prometheus, run)
 from shims.prompts import PromptError, render
 from shims.threaded import TokenPipe
 
@@ -80,8 +79,7 @@ class ExLlamaV3Engine:
         self._live: dict[int, _Request] = {}      # id(job) -> request, for jobs in the generator
         self._wake = threading.Condition()
         self._worker: threading.Thread | None = None
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "request_success": 0,
-                         "requests_cancelled": 0}
+        self.counters = engine_tallies()
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -228,10 +226,6 @@ class ExLlamaV3Engine:
                           engine_counters(self.counters))
 
 
-def build_app(engine: ExLlamaV3Engine) -> web.Application:
-    return create_app(engine)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = base_parser("ExLlamaV3 (EXL3) model behind an OpenAI-compatible server; needs CUDA.")
     parser.add_argument("--model-path", required=True)
@@ -254,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         gpu_split=tuple(float(x) for x in args.gpu_split.split(",") if x), tensor_parallel=args.tensor_parallel,
         tp_backend=args.tp_backend, max_batch_size=args.max_batch_size, max_chunk_size=args.max_chunk_size,
         max_q_size=args.max_q_size, max_rq_tokens=args.max_rq_tokens, max_concurrency=args.max_concurrency)
-    run(build_app(ExLlamaV3Engine(args.model, options)), args.host, args.port, args.shutdown_timeout)
+    run(create_app(ExLlamaV3Engine(args.model, options)), args.host, args.port, args.shutdown_timeout)
 
 
 if __name__ == "__main__":

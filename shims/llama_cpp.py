@@ -17,10 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from aiohttp import web
 
-from shims.core import (GenerationRequest, RequestRejected, base_parser, create_app, engine_counters, flag,
-                        prometheus, run)
+from shims.core import (GenerationRequest, RequestRejected, base_parser, create_app, engine_counters, engine_tallies,
+                        flag, prometheus, run)
 from shims.prompts import PromptError, render, split_messages
 from shims.threaded import TokenPipe
 
@@ -73,8 +72,7 @@ class LlamaCppEngine:
         self.turn = asyncio.Lock()
         self.running = 0
         self.waiting = 0
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "request_success": 0,
-                         "requests_cancelled": 0}
+        self.counters = engine_tallies()
 
     async def load(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self.executor, self._load)
@@ -194,10 +192,6 @@ class LlamaCppEngine:
                           engine_counters(self.counters))
 
 
-def build_app(engine: LlamaCppEngine) -> web.Application:
-    return create_app(engine)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = base_parser("llama-cpp-python (GGUF) behind an OpenAI-compatible server.")
     parser.add_argument("--model-path", required=True)
@@ -212,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     options = LlamaCppOptions(model_path=args.model_path, prompt_format=args.prompt_format,
                               enable_thinking=args.enable_thinking, n_gpu_layers=args.n_gpu_layers,
                               n_ctx=args.n_ctx, flash_attn=args.flash_attn, type_k=args.type_k, type_v=args.type_v)
-    run(build_app(LlamaCppEngine(args.model, options)), args.host, args.port, args.shutdown_timeout)
+    run(create_app(LlamaCppEngine(args.model, options)), args.host, args.port, args.shutdown_timeout)
 
 
 if __name__ == "__main__":

@@ -200,3 +200,30 @@ class ProxyProcess:
         for pid in survivors:
             os.kill(pid, signal.SIGKILL)
         return survivors
+
+
+def gauge(text: str, name: str) -> float:
+    """The value of metric `name` (one model label) in Prometheus text; fails the test if absent."""
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in metrics")
+
+
+async def metrics(session: Any, url: str) -> str:
+    async with session.get(url + "/metrics") as resp:
+        return await resp.text()
+
+
+async def wait_metric(session: Any, url: str, name: str, want: Callable[[float], Any],
+                      timeout: float = DEADLINE_S) -> str:
+    """Poll `url`/metrics until `want(value of name)`, and return that text; bounded by `timeout`."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while True:
+        text = await metrics(session, url)
+        if want(gauge(text, name)):
+            return text
+        assert time.monotonic() < deadline, f"{name} never met the condition: {text}"
+        await asyncio.sleep(0.01)

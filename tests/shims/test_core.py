@@ -3,30 +3,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from fakes import GatedEngine
 from helpers import until_healthy as until_ready
-from shims.core import StopMatcher, create_app
+from shims.core import StopMatcher
 
 
 @pytest.fixture
-async def serve() -> AsyncIterator[Any]:
-    servers: list[TestServer] = []
-
+def serve(shim_server: Any) -> Any:
     async def start(engine: GatedEngine) -> str:
-        server = TestServer(create_app(engine, exit_on_load_failure=False), handler_cancellation=True)
-        await server.start_server()
-        servers.append(server)
-        return str(server.make_url(""))
-
-    yield start
-    for server in servers:
-        await server.close()
+        return await shim_server(engine, healthy=False)
+    return start
 
 
 def body(stream: bool = False, **extra: Any) -> dict[str, Any]:

@@ -4,58 +4,23 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
-from helpers import until_healthy
-from shims.core import create_app
+from helpers import gauge, metrics, wait_metric
 from shims.ct2 import CT2Engine, CT2Options, model_kind
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture
-async def serve(tiny_ct2: dict[str, Path]) -> AsyncIterator[Any]:
-    servers: list[TestServer] = []
-
+def serve(tiny_ct2: dict[str, Path], shim_server: Any) -> Any:
     async def start(kind: str = "decoder", **options: Any) -> tuple[CT2Engine, str]:
         engine = CT2Engine("tiny", CT2Options(model_path=str(tiny_ct2[kind]), **options))
-        server = TestServer(create_app(engine, exit_on_load_failure=False), handler_cancellation=True)
-        await server.start_server()
-        servers.append(server)
-        url = str(server.make_url(""))
-        async with aiohttp.ClientSession() as s:
-            await until_healthy(s, url)
-        return engine, url
-
-    yield start
-    for server in servers:
-        await server.close()
-
-
-def gauge(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in metrics")
-
-
-async def metrics(session: aiohttp.ClientSession, url: str) -> str:
-    async with session.get(url + "/metrics") as resp:
-        return await resp.text()
-
-
-async def wait_metric(session: aiohttp.ClientSession, url: str, name: str, want: Any, timeout: float = 60) -> str:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        text = await metrics(session, url)
-        if want(gauge(text, name)):
-            return text
-        assert asyncio.get_running_loop().time() < deadline, f"{name} never met the condition: {text}"
-        await asyncio.sleep(0.01)
+        return engine, await shim_server(engine)
+    return start
 
 
 def test_the_model_folder_chooses_generator_or_translator(tiny_ct2: dict[str, Path], tmp_path: Path) -> None:

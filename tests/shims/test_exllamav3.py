@@ -9,17 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
 from fakes import FakeExllamaV3
-from helpers import until_healthy
 from launchers import exllamav3 as launcher
 from proxy.config import ModelConfig
-from shims.core import create_app
 from shims.exllamav3 import ExLlamaV3Engine, ExLlamaV3Options, cache_bits, main
 
 
@@ -32,22 +29,11 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeExllamaV3:
 
 
 @pytest.fixture
-async def serve(fake: FakeExllamaV3, tmp_path: Any) -> AsyncIterator[Any]:
-    servers: list[TestServer] = []
-
+def serve(fake: FakeExllamaV3, tmp_path: Any, shim_server: Any) -> Any:
     async def start(**options: Any) -> tuple[ExLlamaV3Engine, str]:
         engine = ExLlamaV3Engine("exl3", ExLlamaV3Options(model_path=str(tmp_path), **options))
-        server = TestServer(create_app(engine, exit_on_load_failure=False), handler_cancellation=True)
-        await server.start_server()
-        servers.append(server)
-        url = str(server.make_url(""))
-        async with aiohttp.ClientSession() as s:
-            await until_healthy(s, url)
-        return engine, url
-
-    yield start
-    for server in servers:
-        await server.close()
+        return engine, await shim_server(engine)
+    return start
 
 
 def test_cache_quant_names_become_k_and_v_bits() -> None:

@@ -4,14 +4,12 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
 
-from helpers import until_healthy
-from shims.core import create_app
+from helpers import gauge, wait_metric
 from shims.llama_cpp import LlamaCppEngine, LlamaCppOptions, flash_attn_enabled, kv_type
 
 
@@ -26,40 +24,11 @@ def test_flash_attn_and_kv_cache_type_names() -> None:
 
 
 @pytest.fixture
-async def serve(llama_cpp_python: None, tiny_gguf: Path) -> AsyncIterator[Any]:
-    servers: list[TestServer] = []
-
+def serve(llama_cpp_python: None, tiny_gguf: Path, shim_server: Any) -> Any:
     async def start(**options: Any) -> tuple[LlamaCppEngine, str]:
         engine = LlamaCppEngine("tiny", LlamaCppOptions(model_path=str(tiny_gguf), **options))
-        server = TestServer(create_app(engine, exit_on_load_failure=False), handler_cancellation=True)
-        await server.start_server()
-        servers.append(server)
-        url = str(server.make_url(""))
-        async with aiohttp.ClientSession() as s:
-            await until_healthy(s, url)
-        return engine, url
-
-    yield start
-    for server in servers:
-        await server.close()
-
-
-def gauge(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in metrics")
-
-
-async def wait_metric(session: aiohttp.ClientSession, url: str, name: str, want: Any) -> str:
-    deadline = asyncio.get_running_loop().time() + 60
-    while True:
-        async with session.get(url + "/metrics") as resp:
-            text = await resp.text()
-        if want(gauge(text, name)):
-            return text
-        assert asyncio.get_running_loop().time() < deadline, f"{name}: {text}"
-        await asyncio.sleep(0.01)
+        return engine, await shim_server(engine)
+    return start
 
 
 async def test_streams_tokens_and_counts_them(serve: Any) -> None:
