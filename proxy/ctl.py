@@ -143,12 +143,7 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def cmd_models(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
-    data = client.call("GET", "/v1/admin/models")
-    if args.json:
-        json.dump(data, out, indent=2)
-        out.write("\n")
-    else:
-        out.write(models_table(data["data"]) + "\n")
+    _show(client.call("GET", "/v1/admin/models"), lambda data: models_table(data["data"]), args, out)
 
 
 def cmd_load(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
@@ -170,20 +165,20 @@ def cmd_scale(client: AdminClient, args: argparse.Namespace, out: TextIO) -> Non
 
 
 def _show_model(model: dict[str, Any], args: argparse.Namespace, out: TextIO) -> None:
+    _show(model, model_summary, args, out)
+
+
+def _show(data: Any, as_text: Callable[[Any], str], args: argparse.Namespace, out: TextIO) -> None:
+    """The admin API's answer as it came (--json), or as text for a person."""
     if args.json:
-        json.dump(model, out, indent=2)
+        json.dump(data, out, indent=2)
         out.write("\n")
     else:
-        out.write(model_summary(model) + "\n")
+        out.write(as_text(data) + "\n")
 
 
 def cmd_gpu(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
-    report = client.call("GET", "/v1/admin/gpu-memory")
-    if args.json:
-        json.dump(report, out, indent=2)
-        out.write("\n")
-    else:
-        out.write(gpu_text(report) + "\n")
+    _show(client.call("GET", "/v1/admin/gpu-memory"), gpu_text, args, out)
 
 
 def cmd_logs(client: AdminClient, args: argparse.Namespace, out: TextIO,
