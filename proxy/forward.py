@@ -128,7 +128,8 @@ def timeouts_of(pool: Pool, runtime: ModelRuntime) -> Timeouts:
 
 @contextlib.asynccontextmanager
 async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
-                   payload: dict[str, Any], request_id: str) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
+                   payload: dict[str, Any], request_id: str,
+                   timeouts: Timeouts) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
     """POST `payload` to the least loaded READY replica that has room and yield its response once
     its headers arrive (within first_byte_timeout_s, else 504 `backend_timeout`).
 
@@ -138,7 +139,6 @@ async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntim
     ejection, and the health check decides. Leaving the block closes the response, which ends the
     backend's work on it if it is still generating.
     """
-    timeouts = timeouts_of(pool, runtime)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeouts.first_byte_s
     for _attempt in range(len(runtime.replicas) + 1):
@@ -185,8 +185,9 @@ async def forward(request: web.Request, pool: Pool, http: aiohttp.ClientSession,
     enqueued = time.perf_counter()
     async with slot(runtime, queued):
         request.app[METRICS].queue_wait.labels(runtime.name).observe(time.perf_counter() - enqueued)
-        async with upstream(pool, http, runtime, path, payload, request_id) as (replica, resp):
-            return await _relay(request, pool, replica, resp, request_id, timeouts_of(pool, runtime))
+        timeouts = timeouts_of(pool, runtime)
+        async with upstream(pool, http, runtime, path, payload, request_id, timeouts) as (replica, resp):
+            return await _relay(request, pool, replica, resp, request_id, timeouts)
 
 
 async def read_answer(pool: Pool, replica: Replica, resp: aiohttp.ClientResponse, timeouts: Timeouts) -> bytes:

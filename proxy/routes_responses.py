@@ -92,8 +92,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     async with slot(runtime, queued):
         timer.mark("admitted")
         timer.mark("sent")
-        async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id) as (replica, resp):
-            raw = await read_answer(pool, replica, resp, timeouts_of(pool, runtime))
+        timeouts = timeouts_of(pool, runtime)
+        async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
+                            timeouts) as (replica, resp):
+            raw = await read_answer(pool, replica, resp, timeouts)
             timer.mark("received")
             own_timings = replica.reach.engine_timings
     try:
@@ -130,8 +132,9 @@ async def _stream(request: web.Request, timer: response_metrics.Timer, queued: A
         async with slot(runtime, queued):
             timer.mark("admitted")
             timer.mark("sent")
-            async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id) as (replica, resp):
-                timeouts = timeouts_of(pool, runtime)
+            timeouts = timeouts_of(pool, runtime)
+            async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
+                                timeouts) as (replica, resp):
                 if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
                     await read_answer(pool, replica, resp, timeouts)
                     raise BackendError(f"{label(replica)} did not answer with an event stream")
