@@ -29,6 +29,7 @@ EXCERPT_CHARS = 200
 KNOWN_BACKEND_CODES = frozenset({
     "context_length_exceeded", "invalid_request", "invalid_request_error", "invalid_messages",
     "model_not_found", "model_loading", "model_load_failed", "shutting_down", "engine_fault", "engine_error",
+    "modality_unsupported", "multi_turn_unsupported", "target_lang_required", "unsupported_language",
     "rate_limit_exceeded", "server_error"})
 
 

@@ -1,14 +1,16 @@
 """Backend answers turned into OpenAI errors, request bodies too deep to walk, Retry-After everywhere."""
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 
 from fakes import FakeSSEResponse
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable
 from proxy.forward import MAX_JSON_DEPTH, _deeper_than
-from proxy.relay import Timeouts, backend_error, sse_data
+from proxy.relay import KNOWN_BACKEND_CODES, Timeouts, backend_error, sse_data
 
 
 def test_an_html_error_page_becomes_502_backend_error_with_an_excerpt() -> None:
@@ -37,6 +39,20 @@ def test_a_backend_code_reaches_the_client_but_only_well_known_ones_reach_the_me
     assert odd.body()["error"]["code"] == "slot_17_busy_at_1733000000"
     assert odd.metric_code == "backend_error"
     assert Unavailable("unloading", code="model_unloading").metric_code == "model_unloading"
+
+
+def test_every_code_our_shims_answer_with_is_kept_in_the_metrics() -> None:
+    # The shims are ours: their codes are a fixed set and say what went wrong, so none may be
+    # folded into `backend_error`. Read from their sources, so that a new code cannot be missed.
+    code_arg = {"PromptError": 1, "RequestRejected": 1, "_error": 2}   # (message, code) / (status, message, code)
+    raised = set()
+    for path in (Path(__file__).resolve().parents[2] / "shims").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in code_arg:
+                args = node.args[code_arg[node.func.id]:code_arg[node.func.id] + 1]
+                raised |= {a.value for a in args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+    assert {"modality_unsupported", "multi_turn_unsupported", "model_loading"} <= raised  # the reading works
+    assert raised <= KNOWN_BACKEND_CODES, raised - KNOWN_BACKEND_CODES
 
 
 def test_a_backend_503_keeps_its_retry_after_and_gets_one_if_it_had_none() -> None:
