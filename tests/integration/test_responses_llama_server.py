@@ -139,7 +139,9 @@ def test_streamed_inference_example_sends_every_event(proxy: ProxyProcess) -> No
 
 def test_first_delta_arrives_while_the_backend_still_generates(proxy: ProxyProcess) -> None:
     port = proxy.admin_model("tiny")["replicas"][0]["port"]
-    body = {"model": "tiny", "input": "Go on.", "stream": True, "decoding": {"max_tokens": 3000}}
+    # Greedy: with the engine's default temperature the random-weight model could sample its end
+    # token within the first few, and the answer be over before the check below.
+    body = {"model": "tiny", "input": "Go on.", "stream": True, "decoding": {"max_tokens": 3000, "temperature": 0}}
     req = urllib.request.Request(proxy.url + "/v1/responses", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
