@@ -17,7 +17,7 @@ from launchers.common import library_env, missing_file
 from launchers.llama_help import HelpUnavailable, choices, help_text, options
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.config import ModelConfig
-from proxy.llama_build import cache_root, cached_llama_server
+from proxy.setup.llama_build import cache_root, cached_llama_server
 
 # (config field, flag): scalar fields that map one to one, in the order they are emitted.
 # llama_server_n_ctx is not here: it is per request, and becomes --ctx-size times the slots.

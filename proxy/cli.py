@@ -13,8 +13,8 @@ from typing import Mapping
 from launchers import launcher_for
 from proxy import ctl
 from proxy.config import ConfigError, Settings, load_settings
-from proxy.kinds import kinds_for
-from proxy.managed import StateDirBusy, claim_state_dir
+from proxy.lifecycle.kinds import kinds_for
+from proxy.supervisord.managed import StateDirBusy, claim_state_dir
 
 EXIT_CONFIG = 2
 
@@ -100,7 +100,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from proxy.app import create_app
+    from proxy.serving.app import create_app
 
     settings = _load_or_exit(args.config)
     logging.basicConfig(level=settings.service.log_level.upper(),
@@ -148,8 +148,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    from proxy.demo_model import write_tiny_gguf
-    from proxy.llama_build import build_llama_server
+    from proxy.setup.demo_model import write_tiny_gguf
+    from proxy.setup.llama_build import build_llama_server
 
     try:
         settings = load_settings(args.config)
@@ -166,7 +166,7 @@ def cmd_setup(args: argparse.Namespace) -> int:
         write_tiny_gguf(target)
         print(f"demo model: wrote {target}")
     if args.all_engines:
-        from proxy.engine_setup import prepare
+        from proxy.setup.engine_setup import prepare
         prepare()
     return 0
 

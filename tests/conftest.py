@@ -5,8 +5,8 @@ from typing import Iterator
 
 import pytest
 
-from proxy.demo_model import write_tiny_gguf
-from proxy.llama_build import build_llama_server
+from proxy.setup.demo_model import write_tiny_gguf
+from proxy.setup.llama_build import build_llama_server
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +23,7 @@ def llama_server_bin() -> Path:
 @pytest.fixture(scope="session")
 def tiny_ct2() -> dict[str, Path]:
     """{"decoder": folder, "seq2seq": folder}; written once into the cache by `llm-pool setup --all-engines`."""
-    from proxy.tiny_ct2 import cached_tiny_ct2
+    from proxy.setup.tiny_ct2 import cached_tiny_ct2
 
     return cached_tiny_ct2()
 
@@ -31,7 +31,7 @@ def tiny_ct2() -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_cpp_python() -> None:
     """llama-cpp-python importable here; returns at once when `llm-pool setup --all-engines` installed it."""
-    from proxy.llama_cpp_wheel import ensure_llama_cpp_python
+    from proxy.setup.llama_cpp_wheel import ensure_llama_cpp_python
 
     ensure_llama_cpp_python()
 

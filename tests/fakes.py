@@ -12,7 +12,7 @@ from typing import Any, Callable
 from aiohttp import web
 from supervisor.xmlrpc import Faults
 
-from proxy.supervisor import BadName, NotRunning, ProcessInfo, ProcessState, StillRunning
+from proxy.supervisord.supervisor import BadName, NotRunning, ProcessInfo, ProcessState, StillRunning
 
 
 class FakeSupervisor:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import yaml
 
-from proxy.managed import pid_alive
+from proxy.supervisord.managed import pid_alive
 
 REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 60.0

@@ -123,8 +123,8 @@ def upstream_model(kind: str) -> dict:
                 "sim": {"max_seqs": 16, "decode_tokens_per_s": 1e6, "prefill_tokens_per_s": 1e9, "ttft_ms": 0}}
     import tempfile
 
-    from proxy.demo_model import write_tiny_gguf
-    from proxy.llama_build import build_llama_server
+    from proxy.setup.demo_model import write_tiny_gguf
+    from proxy.setup.llama_build import build_llama_server
     gguf = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="lp-bench-")) / "tiny.gguf")
     return {"backend": "llama_server", "model_path": str(gguf), "llama_server_binary": str(build_llama_server()),
             "llama_server_n_ctx": 8192, "target_inflight": 16, "enabled": True}

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_proxy_overhead import cpu_seconds, pct, run_round  # noqa: E402
 from helpers import ProxyProcess  # noqa: E402
-from proxy.demo_model import write_tiny_gguf  # noqa: E402
-from proxy.llama_build import build_llama_server  # noqa: E402
+from proxy.setup.demo_model import write_tiny_gguf  # noqa: E402
+from proxy.setup.llama_build import build_llama_server  # noqa: E402
 
 CHAT = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
         "max_tokens": 8, "temperature": 0}

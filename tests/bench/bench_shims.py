@@ -169,7 +169,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{args.tokens} tokens per request, {args.rounds} alternating rounds, {os.cpu_count()} CPUs", flush=True)
     if args.only in (None, "ct2"):
-        from proxy.tiny_ct2 import cached_tiny_ct2
+        from proxy.setup.tiny_ct2 import cached_tiny_ct2
 
         path = cached_tiny_ct2()["decoder"]
         model = {"backend": "ct2", "model_path": str(path), "device": "cpu", "compute_type": "int8",
@@ -179,8 +179,8 @@ def main() -> None:
     if args.only in (None, "llama_cpp"):
         import tempfile
 
-        from proxy.demo_model import write_tiny_gguf
-        from proxy.llama_cpp_wheel import ensure_llama_cpp_python
+        from proxy.setup.demo_model import write_tiny_gguf
+        from proxy.setup.llama_cpp_wheel import ensure_llama_cpp_python
 
         ensure_llama_cpp_python()
         gguf = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="lp-bench-")) / "tiny.gguf")

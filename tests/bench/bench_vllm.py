@@ -24,7 +24,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 
 from bench_proxy_overhead import cpu_seconds, pct, run_round  # noqa: E402
 from helpers import ProxyProcess  # noqa: E402
-from proxy.vllm_env import build_vllm_env, server_env  # noqa: E402
+from proxy.setup.vllm_env import build_vllm_env, server_env  # noqa: E402
 from tiny_hf_model import write_tiny_hf_llama  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

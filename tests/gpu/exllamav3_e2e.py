@@ -33,7 +33,7 @@ def write_random_llama(out: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from proxy.tiny_ct2 import _tokenizer
+    from proxy.setup.tiny_ct2 import _tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer()

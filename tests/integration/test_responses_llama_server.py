@@ -11,8 +11,8 @@ from typing import Any, Iterator
 import pytest
 
 from helpers import ProxyProcess, http
-from proxy.demo_model import write_tiny_gguf
-from proxy.response_metrics import METRIC_KEYS
+from proxy.setup.demo_model import write_tiny_gguf
+from proxy.serving.response_metrics import METRIC_KEYS
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from helpers import ProxyProcess, http, pid_alive, wait_for
-from proxy.vllm_env import cached_vllm, server_env, vllm_env_ready
+from proxy.setup.vllm_env import cached_vllm, server_env, vllm_env_ready
 from seed_vllm_examples import CPU_OVERRIDES, SEED_EXAMPLES, cpu_variant
 from tiny_hf_model import write_tiny_hf_llama
 

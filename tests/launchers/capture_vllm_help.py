@@ -43,7 +43,7 @@ print(json.dumps({"version": __import__("vllm").__version__,
 
 
 def capture(vllm: Path) -> None:
-    from proxy.vllm_env import server_env
+    from proxy.setup.vllm_env import server_env
 
     env = {**os.environ, **server_env()}
     help_text = subprocess.run([str(vllm), "serve", "--help=all"], env=env, check=True, capture_output=True,
@@ -57,6 +57,6 @@ def capture(vllm: Path) -> None:
 
 
 if __name__ == "__main__":
-    from proxy.vllm_env import cached_vllm
+    from proxy.setup.vllm_env import cached_vllm
 
     capture(Path(sys.argv[1]) if len(sys.argv) > 1 else cached_vllm())

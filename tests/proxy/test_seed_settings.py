@@ -11,7 +11,7 @@ import pytest
 from proxy.capabilities import capabilities
 from proxy.cli import main
 from proxy.config import ConfigError, load_settings
-from proxy.responses import parse
+from proxy.serving.responses import parse
 
 SEED = Path(__file__).resolve().parent.parent / "fixtures" / "seed_000"
 SETTINGS_EXAMPLES = sorted(SEED.glob("settings_*.json"))
@@ -189,8 +189,8 @@ def test_check_config_fails_for_an_enabled_model_that_cannot_start_here(tmp_path
 
 
 def test_the_seed_response_example_is_our_envelope_with_our_metric_names() -> None:
-    from proxy.response_metrics import METRIC_KEYS
-    from proxy.routes_responses import _envelope
+    from proxy.serving.response_metrics import METRIC_KEYS
+    from proxy.serving.routes_responses import _envelope
 
     example = seed("response_inference")
     ours = _envelope(example["id"], example["model"], example["output_text"], example["metrics"])

@@ -1,0 +1,139 @@
+"""Replica health while serving: outlier ejection on consecutive failures, with a back-off.
+
+A failure is a 5xx answer, a timeout or a connection failure on the data path, or a restart of the
+replica's process. After `eject_after` in a row a READY replica is ejected (UNHEALTHY) for
+`eject_base_s`, doubled for each ejection in a row up to `eject_max_s`; it comes back only once
+that time is over and its health check passes. A success clears the count and the back-off. The
+last READY replica of a model is never ejected: a model that answers some errors beats one that
+answers none at all. The functions are pure decisions on a replica and its model's runtime;
+`ReadyChecks` runs the periodic health checks of replicas in rotation and of those taken out.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from launchers.spec import ProgramSpec
+from proxy.config import ServiceSettings
+from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+from proxy.lifecycle.runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+# A replica's health check: (healthy, why not when known), within the given seconds.
+Probe = Callable[["ProgramSpec | None", float], Awaitable[tuple[bool, "str | None"]]]
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    interval_s: float = 5.0
+    timeout_s: float = 5.0
+    eject_after: int = 5
+    eject_base_s: float = 30.0
+    eject_max_s: float = 300.0
+
+    @classmethod
+    def from_settings(cls, service: ServiceSettings) -> "HealthPolicy":
+        return cls(interval_s=service.health_interval_s, timeout_s=service.health_timeout_s,
+                   eject_after=service.eject_after_failures, eject_base_s=service.eject_base_s,
+                   eject_max_s=service.eject_max_s)
+
+    def backoff(self, ejections: int) -> float:
+        return min(self.eject_max_s, self.eject_base_s * 2 ** max(0, ejections - 1))
+
+
+def note_success(replica: Replica) -> None:
+    replica.failures = 0
+    replica.ejections = 0
+
+
+def note_failure(runtime: ModelRuntime, replica: Replica, reason: str, policy: HealthPolicy,
+                 now: float | None = None) -> bool:
+    """Count one failure; eject the replica when it is READY and has failed `eject_after` times in a
+    row. True when it was ejected."""
+    replica.failures += 1
+    if replica.state != ReplicaState.READY or replica.failures < policy.eject_after:
+        return False
+    return _eject(runtime, replica, reason, policy, now)
+
+
+def state_after_check(runtime: ModelRuntime, replica: Replica, policy: HealthPolicy,
+                      now: float | None = None) -> ReplicaState:
+    """Where a replica whose health check just passed goes: READY, unless it is still serving an
+    ejection or has failed too often in a row (a process that keeps crashing), in which case it is
+    ejected now, provided another replica is READY."""
+    now = time.monotonic() if now is None else now
+    if now < replica.eject_until:
+        return ReplicaState.UNHEALTHY
+    if replica.failures >= policy.eject_after and runtime.ready() and \
+            _eject(runtime, replica, f"{replica.failures} failures in a row", policy, now):
+        return ReplicaState.UNHEALTHY
+    return ReplicaState.READY
+
+
+def _eject(runtime: ModelRuntime, replica: Replica, reason: str, policy: HealthPolicy, now: float | None) -> bool:
+    others = [r for r in runtime.ready() if r is not replica]
+    if not others:
+        return False  # never the last one serving
+    now = time.monotonic() if now is None else now
+    failures = replica.failures
+    replica.ejections += 1
+    replica.ejected_total += 1
+    backoff = policy.backoff(replica.ejections)
+    replica.eject_until = now + backoff
+    replica.failures = 0
+    runtime.set_replica_state(replica, ReplicaState.UNHEALTHY,
+                              f"ejected for {backoff:g}s after {failures} failures in a row (last: {reason})")
+    return True
+
+
+class ReadyChecks:
+    """Health checks while a model is loaded: each READY replica every `interval_s`, so a frozen
+    (SIGSTOPped) or failing server leaves rotation instead of swallowing the requests routed to it;
+    each UNHEALTHY one, once its ejection is over, until a check passes and it is READY again.
+    The pool's monitor calls `maybe_check` and `maybe_recheck` on every pass."""
+
+    def __init__(self, policy: HealthPolicy, probe: Probe) -> None:
+        self.policy = policy
+        self.probe = probe
+
+    def maybe_check(self, runtime: ModelRuntime, replica: Replica) -> None:
+        if replica.state == ReplicaState.READY and runtime.state == ModelState.LOADED and self._due(replica):
+            replica.probe = asyncio.create_task(self.check(runtime, replica, replica.pid))
+
+    def maybe_recheck(self, runtime: ModelRuntime, replica: Replica) -> None:
+        if replica.state == ReplicaState.UNHEALTHY and time.monotonic() >= replica.eject_until and \
+                self._due(replica):
+            replica.probe = asyncio.create_task(self.recheck(runtime, replica, replica.pid))
+
+    def _due(self, replica: Replica) -> bool:
+        now = time.monotonic()
+        busy = replica.probe is not None and not replica.probe.done()
+        if busy or now - replica.checked_at < self.policy.interval_s:
+            return False
+        replica.checked_at = now
+        return True
+
+    async def check(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
+        ok, error = await self.probe(replica.spec, self.policy.timeout_s)
+        if ok or replica.state != ReplicaState.READY or replica.pid != pid:
+            return
+        replica.probe_failures += 1
+        reason = "health check failed while ready: " + \
+            (error or f"no healthy answer within {self.policy.timeout_s:g}s (service.health_timeout_s)")
+        log.warning("model %s replica %d: %s", replica.model, replica.index, reason)
+        runtime.set_replica_state(replica, ReplicaState.UNHEALTHY, reason)
+
+    async def recheck(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
+        ok, _error = await self.probe(replica.spec, self.policy.timeout_s)
+        if not ok:
+            replica.probe_failures += 1
+        if not ok or replica.state != ReplicaState.UNHEALTHY or replica.pid != pid:
+            return
+        if state_after_check(runtime, replica, self.policy) == ReplicaState.READY:
+            runtime.set_replica_state(replica, ReplicaState.READY)
+            replica.last_error = None
+            log.info("model %s replica %d is back in rotation", replica.model, replica.index)

@@ -1,0 +1,275 @@
+"""The `openai_remote` kind: a replica that is an OpenAI-compatible Chat Completions endpoint.
+
+Nothing runs on this machine: starting reads the API key from the environment and, if asked, checks
+that the provider lists the model; stopping forgets the endpoint. A request needs the caller's
+`allow_remote: true` (remote calls may cost money), is mapped to the provider's request (model
+name, thinking field, cache key opt-in, files), and is retried only before any byte of the answer
+exists. The key lives in one `Secret` whose text is masked, so no repr, log line or error can show it.
+"""
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+import aiohttp
+
+from proxy.lifecycle import remote_files
+from proxy.errors import BackendError, Forbidden, PoolError, TooManyRequests
+from proxy.lifecycle.replicas import Replica, ReplicaState
+
+if TYPE_CHECKING:
+    from proxy.config import ModelConfig
+    from proxy.lifecycle.runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 120.0
+# Fields only llm-pool reads; a provider never sees them.
+PROXY_ONLY_FIELDS = ("fairness_key", "allow_remote")
+RETRY_BACKOFF_S = 0.2   # first wait after a failure without Retry-After; doubles per attempt
+
+
+class Secret:
+    """A value that never shows itself: str() and repr() are masked."""
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def scrub(self, text: str) -> str:
+        """`text` with the value masked, for provider messages passed on to clients."""
+        return text.replace(self._value, "***") if self._value else text
+
+    def __repr__(self) -> str:
+        return "Secret(***)"
+
+    __str__ = __repr__
+
+
+def allowed(headers: Mapping[str, str], body: Mapping[str, Any]) -> bool:
+    """`allow_remote: true` in the body; plain OpenAI clients may send X-Allow-Remote: true instead."""
+    flag = body.get("allow_remote")
+    if flag is None:
+        return headers.get("X-Allow-Remote", "").strip().lower() == "true"
+    return flag is True
+
+
+def retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """Retry-After as seconds: a number, or an HTTP date."""
+    value = headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class RemoteReach:
+    """How a request reaches the provider: its URL, the bearer key, and the body mapping."""
+
+    engine_timings = False   # a provider's own timing fields are not GPU times we measured
+
+    def __init__(self, config: ModelConfig, key: Secret | None) -> None:
+        self.model = config.name
+        self.base_url = str(config.get("remote_base_url")).rstrip("/")
+        self.served_model = str(config.get("remote_model"))
+        self.key = key
+        self.key_env = config.get("remote_api_key_env")
+        self.timeout_s = float(config.get("remote_timeout_s", DEFAULT_TIMEOUT_S))
+        self.max_retries = int(config.get("remote_max_retries", 0))
+        self.thinking = config.get("remote_thinking")
+        self.cache_key = bool(config.get("remote_prompt_cache_key_enabled", False))
+        self.file_mode = config.get("remote_file_mode")
+        self.file_purpose = config.get("remote_file_purpose")
+
+    def url(self, path: str) -> str:
+        # The base URL ends in the API version (https://api.moonshot.ai/v1), like the OpenAI client's.
+        return self.base_url + (path[3:] if path.startswith("/v1/") else path)
+
+    def headers(self, json_body: bool = True) -> dict[str, str]:
+        out = {"Content-Type": "application/json"} if json_body else {}
+        if self.key is not None:
+            out["Authorization"] = f"Bearer {self.key.reveal()}"
+        return out
+
+    def describe(self) -> dict[str, object]:
+        return {"endpoint": self.base_url}
+
+    def map_body(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """The provider's request: its model name, its thinking field, and the cache key only where
+        this model opted in."""
+        out = {k: v for k, v in payload.items() if k not in PROXY_ONLY_FIELDS}
+        if not self.cache_key:
+            out.pop("prompt_cache_key", None)
+        out["model"] = self.served_model
+        if self.thinking in ("enabled", "disabled") and "thinking" not in out:
+            # Moonshot's documented shape (platform.kimi.ai, Chat Completions: `thinking`), which
+            # Zhipu's GLM uses too; a request's own `thinking` wins.
+            out["thinking"] = {"type": self.thinking}
+        return out
+
+    def error(self, status: int, raw: bytes, headers: Mapping[str, str], what: str) -> PoolError:
+        """A provider's failure as the client should see it."""
+        try:
+            message = str(json.loads(raw)["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode(errors="replace")[:500] or f"HTTP {status}"
+        if self.key is not None:
+            message = self.key.scrub(message)
+        if status == 429:
+            wait = retry_after_s(headers)
+            return TooManyRequests(f"remote provider of {self.model!r} is rate limiting {what}: {message}",
+                                   code="remote_rate_limited", retry_after=1.0 if wait is None else wait)
+        if status in (401, 403):
+            # The client is not at fault: the configured key is.
+            return BackendError(f"remote provider of {self.model!r} refused the API key from "
+                                f"${self.key_env} (HTTP {status}) on {what}", code="remote_auth_failed")
+        if status >= 500:
+            return BackendError(f"remote provider of {self.model!r} failed {what}: {message}")
+        return BackendError(f"remote provider of {self.model!r} rejected {what}: {message}",
+                            code="backend_error", status=status)
+
+    async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
+                   timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        """Map, resolve files, send; retry connection errors, 429 and 5xx within remote_timeout_s.
+
+        The caller's timeout is for local programs; a provider gets remote_timeout_s for a whole
+        answer, or for each chunk of a stream. Only a success is returned; a provider's error
+        becomes a PoolError (its body, which could echo the key, is never relayed as is). Nothing
+        has reached the client before this returns, so every retry happens before the first byte.
+        """
+        body = self.map_body(payload)
+        stream = bool(body.get("stream"))
+        if self.file_mode == "files_extract":
+            async with remote_files.extracted(http, self, body) as body:
+                return await self._send(http, path, body, stream)
+        return await self._send(http, path, body, stream)
+
+    async def _send(self, http: aiohttp.ClientSession, path: str, body: dict[str, Any],
+                    stream: bool) -> aiohttp.ClientResponse:
+        data = json.dumps(body).encode()
+        deadline = time.monotonic() + self.timeout_s
+        for attempt in range(self.max_retries + 1):
+            left = deadline - time.monotonic()
+            timeout = aiohttp.ClientTimeout(total=None if stream else left, sock_read=self.timeout_s,
+                                            sock_connect=min(left, 10.0))
+            wait = RETRY_BACKOFF_S * 2 ** attempt
+            try:
+                resp = await http.post(self.url(path), data=data, headers=self.headers(), timeout=timeout)
+            except asyncio.TimeoutError as exc:
+                raise BackendError(f"remote provider of {self.model!r} did not answer within remote_timeout_s "
+                                   f"({self.timeout_s:g}s)", code="remote_timeout", status=504) from exc
+            except aiohttp.ClientError as exc:
+                failure: PoolError = BackendError(f"remote provider of {self.model!r} at {self.base_url} could "
+                                                  f"not be reached: {type(exc).__name__}")
+            else:
+                if 200 <= resp.status < 300:
+                    return resp
+                if resp.status != 429 and resp.status < 500:
+                    raise self.error(resp.status, await _read_and_close(resp), resp.headers, "the request")
+                failure = self.error(resp.status, await _read_and_close(resp), resp.headers, "the request")
+                asked = retry_after_s(resp.headers)
+                wait = wait if asked is None else asked
+            if attempt == self.max_retries or time.monotonic() + wait >= deadline:
+                raise failure
+            log.info("remote %s: %s; retry %d of %d in %.1fs", self.model, failure.message, attempt + 1,
+                     self.max_retries, wait)
+            await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
+
+
+async def _read_and_close(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return b""
+    finally:
+        resp.release()
+
+
+class EndpointKind:
+    """`openai_remote` models: one endpoint replica per configured replica, no program."""
+
+    def __init__(self, http: aiohttp.ClientSession, environ: Mapping[str, str]) -> None:
+        self.http = http
+        self.environ = environ
+
+    def _key(self, config: ModelConfig) -> Secret | None:
+        env = config.get("remote_api_key_env")
+        return Secret(self.environ[env]) if env and self.environ.get(env) else None
+
+    def check(self, config: ModelConfig) -> list[str]:
+        env = config.get("remote_api_key_env")
+        if env and not self.environ.get(env):
+            return [f"engine.models.{config.name}.remote_api_key_env: environment variable {env} is not set "
+                    "(or empty) in the proxy's environment"]
+        return []
+
+    async def start(self, runtime: ModelRuntime, config: ModelConfig) -> None:
+        reach = RemoteReach(config, self._key(config))
+        runtime.replicas = [Replica(model=config.name, index=i, reach=reach) for i in range(config.replicas)]
+        for replica in runtime.replicas:
+            runtime.set_replica_state(replica, ReplicaState.STARTING)
+        problem = await self._health(config, reach) if config.get("remote_health_check") == "models" else None
+        for replica in runtime.replicas:
+            runtime.set_replica_state(replica, ReplicaState.FAILED if problem else ReplicaState.READY, problem)
+
+    async def _health(self, config: ModelConfig, reach: RemoteReach) -> str | None:
+        """remote_health_check: models: GET {base}/models once and find remote_model in it."""
+        url = reach.url("/v1/models")
+        try:
+            async with self.http.get(url, headers=reach.headers(json_body=False),
+                                     timeout=aiohttp.ClientTimeout(total=reach.timeout_s)) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    return reach.error(resp.status, raw, resp.headers, f"GET {url}").message
+            ids = {m.get("id") for m in json.loads(raw).get("data", []) if isinstance(m, dict)}
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return f"GET {url} failed: {type(exc).__name__}"
+        except (ValueError, AttributeError):
+            return f"GET {url} did not answer with an OpenAI model list"
+        if reach.served_model not in ids:
+            return f"remote_model {reach.served_model!r} is not among the models {url} lists: {sorted(map(str, ids))[:20]}"
+        return None
+
+    async def stop(self, runtime: ModelRuntime) -> None:
+        return None   # nothing runs here; requests in flight were drained or cancelled by the pool
+
+    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: range) -> list[Replica]:
+        """Scaling an endpoint model changes how many requests the proxy sends it at once (each
+        replica is target_inflight more); the provider is not asked again, it was judged at load."""
+        reach = RemoteReach(config, self._key(config))
+        added = [Replica(model=config.name, index=i, reach=reach) for i in indices]
+        runtime.replicas = runtime.replicas + added
+        for replica in added:
+            runtime.set_replica_state(replica, ReplicaState.STARTING)
+            runtime.set_replica_state(replica, ReplicaState.READY)
+        return added
+
+    async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
+        return None   # nothing runs for them
+
+    def gate(self, config: ModelConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
+        if not allowed(headers, body):
+            raise Forbidden(f"model {config.name!r} is served by a remote provider and calls to it may cost "
+                            "money: send `allow_remote: true` in the body (or the header X-Allow-Remote: true)",
+                            code="remote_not_allowed", param="allow_remote")
+
+    def describe(self, config: ModelConfig) -> dict[str, object]:
+        env = config.get("remote_api_key_env")
+        return {"remote": {"base_url": config.get("remote_base_url"), "model": config.get("remote_model"),
+                           "api_key_env": env, "api_key_set": bool(env and self.environ.get(env)),
+                           "health_check": config.get("remote_health_check", "config_only"),
+                           "file_mode": config.get("remote_file_mode")}}

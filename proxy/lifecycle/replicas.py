@@ -1,0 +1,128 @@
+"""Replica and model lifecycle states, with every allowed transition in one place."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from launchers.spec import ProgramSpec
+
+if TYPE_CHECKING:
+    from proxy.lifecycle.kinds import Reach
+
+
+class ReplicaState(str, enum.Enum):
+    STOPPED = "stopped"      # no process, or an admin stopped it with supervisorctl
+    STARTING = "starting"    # process starting or restarting; not routed to until its health check passes
+    READY = "ready"          # supervisord says RUNNING and the health check passed
+    # Running but out of rotation: its health check failed while READY, or it was ejected for
+    # consecutive failed requests (until `eject_until`). Back to READY only by passing a check again.
+    UNHEALTHY = "unhealthy"
+    STOPPING = "stopping"    # being unloaded
+    FAILED = "failed"        # did not become healthy, or supervisord gave up on it
+
+
+_TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
+    ReplicaState.STOPPED: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING}),
+    ReplicaState.STARTING: frozenset({ReplicaState.READY, ReplicaState.FAILED, ReplicaState.STOPPING,
+                                      ReplicaState.STOPPED, ReplicaState.UNHEALTHY}),
+    ReplicaState.READY: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED,
+                                   ReplicaState.FAILED, ReplicaState.UNHEALTHY}),
+    ReplicaState.UNHEALTHY: frozenset({ReplicaState.READY, ReplicaState.STARTING, ReplicaState.STOPPING,
+                                       ReplicaState.STOPPED, ReplicaState.FAILED}),
+    ReplicaState.STOPPING: frozenset({ReplicaState.STOPPED}),
+    ReplicaState.FAILED: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED}),
+}
+
+
+class ModelState(str, enum.Enum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    UNLOADING = "unloading"
+    FAILED = "failed"
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Replica:
+    """One backend server of a model: a supervised program, or an endpoint (a remote model, which
+    has no `spec` and no program). The event loop is its only writer."""
+
+    model: str
+    index: int
+    spec: ProgramSpec | None = None   # the program serving it; None for an endpoint
+    fullname: str = ""                # group:program, as supervisord names it; "" without a program
+    reach: "Reach | None" = None      # how requests get to it; a program's is derived from its spec
+    state: ReplicaState = ReplicaState.STOPPED
+    pid: int = 0
+    restarts: int = 0
+    last_error: str | None = None
+    inflight: int = 0
+    state_since: float = field(default_factory=time.monotonic)
+    probe: asyncio.Task[None] | None = None
+    # What the backend last said on /metrics: running, waiting, kv_cache (0..1); empty until scraped.
+    reported: dict[str, float] = field(default_factory=dict)
+    scrape: asyncio.Task[None] | None = None
+    scraped_at: float = 0.0
+    checked_at: float = 0.0           # when its last health check while READY began
+    # Outlier ejection (proxy/health.py): failed requests in a row, ejections in a row (for the
+    # back-off), ejections ever, and until when the current one lasts.
+    failures: int = 0
+    ejections: int = 0
+    ejected_total: int = 0
+    eject_until: float = 0.0
+    # For /metrics: requests sent to it, failed health checks (in rotation or ejected) and failed
+    # warm-ups, and how long its last warm-up took (None: none ran).
+    sent: int = 0
+    probe_failures: int = 0
+    warmup_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.reach is None:
+            from proxy.lifecycle.kinds import ProgramReach
+            assert self.spec is not None, "a replica needs a program spec or a reach"
+            self.reach = ProgramReach(self.spec)
+
+    def load(self) -> tuple[float, float]:
+        """How busy the replica is: the work at it (what the proxy sent, or what the backend reports
+        running and waiting if that is more, e.g. other clients), then its KV-cache use."""
+        backend = self.reported.get("running", 0.0) + self.reported.get("waiting", 0.0)
+        return max(float(self.inflight), backend), self.reported.get("kv_cache", 0.0)
+
+    def cancel_tasks(self) -> None:
+        """Stop its health probe and metrics scrape, if any is in flight."""
+        for task in (self.probe, self.scrape):
+            if task is not None:
+                task.cancel()
+
+    def move(self, new: ReplicaState, error: str | None = None) -> bool:
+        """Change state; False when already there. Raises on a transition the lifecycle forbids."""
+        if new == self.state:
+            if error:
+                self.last_error = error
+            return False
+        if new not in _TRANSITIONS[self.state]:
+            raise InvalidTransition(f"{self.model} replica {self.index}: {self.state.value} -> {new.value}")
+        self.state = new
+        self.state_since = time.monotonic()
+        if new != ReplicaState.READY:
+            self.reported = {}  # gauges of a replica that is not serving mean nothing
+        if error:
+            self.last_error = error
+        return True
+
+    def describe(self) -> dict[str, object]:
+        assert self.reach is not None
+        return {"index": self.index, "state": self.state.value, "pid": self.pid or None,
+                # The name `supervisorctl status` shows (each replica is a group of one).
+                "port": self.spec.port if self.spec else None, "program": self.spec.program if self.spec else None,
+                "restarts": self.restarts, "inflight": self.inflight, "reported": dict(self.reported),
+                "last_error": self.last_error, "consecutive_failures": self.failures,
+                "ejections": self.ejected_total,
+                "ejected_for_s": round(max(0.0, self.eject_until - time.monotonic()), 1), **self.reach.describe()}

@@ -1,0 +1,108 @@
+"""What the pool knows about one public model at run time: state, replicas, admission."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from proxy.admission import Admission
+from proxy.capabilities import capabilities
+from proxy.config import ModelConfig
+from proxy.fairness import FairnessPolicy
+from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+
+if TYPE_CHECKING:
+    from proxy.lifecycle.kinds import Kind
+
+
+@dataclass(eq=False)
+class ModelRuntime:
+    config: ModelConfig                     # as configured
+    policy: FairnessPolicy = field(default_factory=FairnessPolicy)
+    active: ModelConfig | None = None       # as loaded, with temporary overrides applied
+    state: ModelState = ModelState.UNLOADED
+    replicas: list[Replica] = field(default_factory=list)
+    admission: Admission = field(default_factory=Admission)
+    last_error: str | None = None
+    kind: "Kind | None" = None              # how its replicas start, stop and are reached; None: unsupported
+    load_s: float | None = None             # how long its last load and unload took (for /metrics)
+    unload_s: float | None = None
+    _turn: int = 0
+    # Serialises admin operations on this model; request routing never takes it.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def target_inflight(self) -> int:
+        return (self.active or self.config).target_inflight
+
+    def with_replicas(self, count: int) -> ModelConfig:
+        """The active settings with `count` replicas (a live scale): shown as an override unless it
+        is the configured count, so that a load asking for the same count finds the same settings."""
+        active = self.active or self.config
+        options = {k: v for k, v in active.options.items() if k != "replicas"}
+        if count != self.config.replicas:
+            options["replicas"] = count
+        return replace(active, options=options, replicas=count)
+
+    def ready(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state == ReplicaState.READY]
+
+    def set_replica_state(self, replica: Replica, new: ReplicaState, error: str | None = None) -> None:
+        """The one place replica states change, so capacity and waiters always follow."""
+        if replica.move(new, error):
+            self.admission.set_capacity(len(self.ready()) * self.target_inflight)
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    def release(self, replica: Replica) -> None:
+        """A request sent to `replica` ended: its place there is free for one that waits for it."""
+        replica.inflight -= 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self, timeout: float) -> None:
+        # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation (the client left)
+        # that lands as the event is set, and the caller would go on to send the request.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
+
+    def pick_replica(self) -> Replica | None:
+        """The least loaded READY replica (see Replica.load) with fewer than `target_inflight`
+        requests from the proxy: gauges steer, but never past a replica's own cap. Ties rotate,
+        so idle replicas share sequential traffic. None when every READY replica is full."""
+        cap = self.target_inflight
+        ready = [r for r in self.ready() if r.inflight < cap]
+        if not ready:
+            return None
+        self._turn += 1
+        return min(ready, key=lambda r: (*r.load(), (r.index - self._turn) % len(self.replicas)))
+
+    def describe(self) -> dict[str, object]:
+        cfg = self.active or self.config
+        return {
+            "id": self.name,
+            "backend": cfg.backend,
+            "enabled": self.config.enabled,
+            "state": self.state.value,
+            "replicas": [r.describe() for r in self.replicas],
+            "replica_count": cfg.replicas,
+            "replica_max": cfg.replica_max,
+            "target_inflight": cfg.target_inflight,
+            "capacity": self.admission.capacity,
+            "active": self.admission.active,
+            "waiting": self.admission.waiting,
+            "keys": self.admission.describe_keys(),
+            "key_counts": self.admission.key_counts(),
+            "capabilities": capabilities(cfg).as_dict(),
+            "gpus": list(cfg.gpus),
+            "overrides": {k: v for k, v in cfg.options.items() if self.config.options.get(k) != v},
+            "last_error": self.last_error,
+            **(self.kind.describe(cfg) if self.kind is not None else {}),
+        }

@@ -1,0 +1,98 @@
+"""Live scaling: start or stop replicas of a loaded model while requests keep flowing on the others.
+
+Up: the kind adds the new replicas (for programs: one supervisord program each, the running ones
+untouched) and the call returns once they are READY; admission's capacity grows as each becomes
+READY. Down: the highest-numbered replicas leave rotation at once (STOPPING: no new request is
+sent to them, capacity shrinks), their requests in flight finish (up to service.drain_timeout_s),
+then the kind stops them. Either way the runtime's `active` settings record the new count.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from proxy.errors import BackendError, BadRequest, Conflict, Unavailable
+from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+from proxy.lifecycle.runtime import ModelRuntime
+from proxy.supervisord.supervisor import SupervisorError
+
+if TYPE_CHECKING:
+    from proxy.lifecycle.pool import Pool
+
+log = logging.getLogger(__name__)
+
+
+def scale_problem(runtime: ModelRuntime, replicas: object) -> str | None:
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= runtime.config.replica_max:
+        return f"replicas: must be an integer from 1 to replica_max ({runtime.config.replica_max})"
+    return None
+
+
+async def scale(pool: Pool, runtime: ModelRuntime, replicas: int) -> ModelRuntime:
+    problem = scale_problem(runtime, replicas)
+    if problem:
+        raise BadRequest(f"model {runtime.name!r}: {problem}", code="invalid_scale_request", param="replicas")
+    async with runtime.lock:
+        if runtime.state != ModelState.LOADED or runtime.kind is None:
+            raise Conflict(f"model {runtime.name!r} is not loaded; load it (with `replicas`) instead",
+                           code="model_not_loaded")
+        current = len(runtime.replicas)
+        try:
+            if replicas > current:
+                await _scale_up(pool, runtime, replicas)
+            elif replicas < current:
+                await _scale_down(pool, runtime, replicas)
+        except SupervisorError as exc:
+            raise Unavailable(f"model {runtime.name!r} could not be scaled: supervisord: {exc}; scale again to retry",
+                              code="scale_failed", retry_after=5) from exc
+        runtime.active = runtime.with_replicas(replicas)
+        log.info("model %s scaled from %d to %d replicas (%d ready)", runtime.name, current, replicas,
+                 len(runtime.ready()))
+        return runtime
+
+
+async def _scale_up(pool: Pool, runtime: ModelRuntime, replicas: int) -> None:
+    assert runtime.kind is not None
+    config = runtime.with_replicas(replicas)
+    started = time.monotonic()
+    added = await runtime.kind.add(runtime, config, range(len(runtime.replicas), replicas))
+    await pool._await_replicas(runtime, added)
+    failed = [r for r in added if r.state != ReplicaState.READY]
+    if failed:
+        # All or nothing: a replica that cannot start is removed again, the model keeps its count.
+        errors = "; ".join(f"replica {r.index}: {r.last_error}" for r in failed)
+        await _remove(runtime, added)
+        raise BackendError(f"model {runtime.name!r} could not be scaled to {replicas}: {errors}",
+                           code="model_scale_failed")
+    log.info("model %s: %d replica(s) added in %.2fs", runtime.name, len(added), time.monotonic() - started)
+
+
+async def _scale_down(pool: Pool, runtime: ModelRuntime, replicas: int) -> None:
+    leaving = runtime.replicas[replicas:]
+    for replica in leaving:
+        runtime.set_replica_state(replica, ReplicaState.STOPPING)   # out of rotation; capacity follows
+    deadline = time.monotonic() + pool.settings.service.drain_timeout_s
+    while any(r.inflight > 0 for r in leaving) and time.monotonic() < deadline:
+        await runtime.wait_changed(0.05)
+    await _remove(runtime, leaving)
+
+
+async def _remove(runtime: ModelRuntime, leaving: list[Replica]) -> None:
+    assert runtime.kind is not None
+    for replica in leaving:
+        replica.cancel_tasks()
+        runtime.set_replica_state(replica, ReplicaState.STOPPING)
+    try:
+        await runtime.kind.remove(runtime, leaving)
+    except (SupervisorError, asyncio.CancelledError) as exc:
+        # They stay listed, STOPPING with the reason, so that the admin view shows them and the
+        # next scale (or unload) stops them again.
+        for replica in leaving:
+            runtime.set_replica_state(replica, ReplicaState.STOPPING, f"stop did not finish: {exc}")
+        raise
+    runtime.replicas = [r for r in runtime.replicas if r not in leaving]
+    for replica in leaving:
+        runtime.set_replica_state(replica, ReplicaState.STOPPED)
+        replica.pid = 0

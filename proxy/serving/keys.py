@@ -1,0 +1,24 @@
+"""Typed keys for what the aiohttp app holds."""
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from proxy.config import Settings
+from proxy.serving.metrics import ProxyMetrics
+from proxy.lifecycle.pool import Pool
+from proxy.gpu.vram_estimate import Estimator
+
+SETTINGS = web.AppKey("settings", Settings)
+POOL = web.AppKey("pool", Pool)
+HTTP = web.AppKey("http", aiohttp.ClientSession)
+METRICS = web.AppKey("metrics", ProxyMetrics)
+VRAM = web.AppKey("vram_estimator", Estimator)
+# The model a request was admitted for, set once it is known to be a served model (so metric
+# labels only ever hold configured model ids, never whatever a client typed).
+MODEL = web.RequestKey("model", str)
+# For the request metrics: the request's fairness key, when it arrived (perf_counter), and the
+# error code of a stream that failed after its 200 went out.
+FAIRNESS_KEY = web.RequestKey("fairness_key", str)
+STARTED = web.RequestKey("started", float)
+STREAM_ERROR = web.RequestKey("stream_error", str)

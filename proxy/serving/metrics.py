@@ -1,0 +1,162 @@
+"""Prometheus metrics: request counters kept by the proxy, pool state read at scrape time.
+
+What only the data path sees (requests, latencies, token usage) is counted here as it happens;
+everything the pool already knows (states, restarts, ejections, health-check failures, load and
+warm-up times, the backends' own gauges) is read from the pool on each scrape by PoolCollector,
+so there is no second copy of it to drift. Fairness keys are labels only for the keys named in
+`engine.fairness.weights`; every other key counts as `other`, so label cardinality stays bounded.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.replicas import ReplicaState
+from proxy.serving.response_metrics import usage_numbers
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+OTHER_KEY = "other"
+_DECODER = json.JSONDecoder()
+
+
+class PoolCollector(Collector):
+    """Gauges and counters derived from the pool on each scrape."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        m, mr = ["model"], ["model", "replica"]
+        ready = GaugeMetricFamily("llm_pool_replicas_ready", "READY replicas per model", labels=m)
+        capacity = GaugeMetricFamily("llm_pool_capacity", "Request slots per model", labels=m)
+        active = GaugeMetricFamily("llm_pool_requests_active", "Requests running per model", labels=m)
+        waiting = GaugeMetricFamily("llm_pool_requests_waiting", "Requests queued per model", labels=m)
+        model_state = GaugeMetricFamily("llm_pool_model_state", "1 for the model's current state",
+                                        labels=["model", "state"])
+        load_s = GaugeMetricFamily("llm_pool_model_load_seconds", "Duration of the model's last load", labels=m)
+        unload_s = GaugeMetricFamily("llm_pool_model_unload_seconds", "Duration of the model's last unload",
+                                     labels=m)
+        state = GaugeMetricFamily("llm_pool_replica_state", "1 for the replica's current state",
+                                  labels=["model", "replica", "state"])
+        in_rotation = GaugeMetricFamily("llm_pool_replica_ready", "1 when the replica is READY (in rotation)",
+                                        labels=mr)
+        inflight = GaugeMetricFamily("llm_pool_replica_inflight", "Requests the proxy has at the replica",
+                                     labels=mr)
+        sent = CounterMetricFamily("llm_pool_replica_requests", "Requests sent to the replica", labels=mr)
+        restarts = CounterMetricFamily("llm_pool_replica_restarts", "Process restarts seen per replica", labels=mr)
+        ejections = CounterMetricFamily("llm_pool_replica_ejections", "Outlier ejections per replica", labels=mr)
+        probe_failures = CounterMetricFamily(
+            "llm_pool_replica_health_check_failures",
+            "Failed health checks of a replica in rotation or ejected, and failed warm-ups", labels=mr)
+        warmup = GaugeMetricFamily("llm_pool_replica_warmup_seconds", "Duration of the replica's last warm-up",
+                                   labels=mr)
+        running = GaugeMetricFamily("llm_pool_backend_requests_running",
+                                    "Requests running, as the backend reports on its own /metrics", labels=mr)
+        queued = GaugeMetricFamily("llm_pool_backend_requests_waiting",
+                                   "Requests waiting, as the backend reports on its own /metrics", labels=mr)
+        kv_cache = GaugeMetricFamily("llm_pool_backend_kv_cache_usage",
+                                     "KV-cache use 0..1, as the backend reports on its own /metrics", labels=mr)
+        for name, runtime in self.pool.models.items():
+            ready.add_metric([name], len(runtime.ready()))
+            capacity.add_metric([name], runtime.admission.capacity)
+            active.add_metric([name], runtime.admission.active)
+            waiting.add_metric([name], runtime.admission.waiting)
+            model_state.add_metric([name, runtime.state.value], 1)
+            if runtime.load_s is not None:
+                load_s.add_metric([name], runtime.load_s)
+            if runtime.unload_s is not None:
+                unload_s.add_metric([name], runtime.unload_s)
+            for replica in runtime.replicas:
+                labels = [name, str(replica.index)]
+                state.add_metric([*labels, replica.state.value], 1)
+                in_rotation.add_metric(labels, 1 if replica.state == ReplicaState.READY else 0)
+                inflight.add_metric(labels, replica.inflight)
+                sent.add_metric(labels, replica.sent)
+                restarts.add_metric(labels, replica.restarts)
+                ejections.add_metric(labels, replica.ejected_total)
+                probe_failures.add_metric(labels, replica.probe_failures)
+                if replica.warmup_s is not None:
+                    warmup.add_metric(labels, replica.warmup_s)
+                for family, field in ((running, "running"), (queued, "waiting"), (kv_cache, "kv_cache")):
+                    value = replica.reported.get(field)
+                    if value is not None:
+                        family.add_metric(labels, value)
+        yield from (ready, capacity, active, waiting, model_state, load_s, unload_s, state, in_rotation, inflight,
+                    sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache)
+
+
+class ProxyMetrics:
+    """One registry per app: no process-wide default registry, so two apps never share counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("llm_pool_requests", "Requests answered, by final status and error code",
+                                ["model", "endpoint", "status", "code", "key"], registry=r)
+        self.latency = Histogram("llm_pool_request_seconds", "Time to the end of the response",
+                                 ["model", "endpoint"], registry=r, buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram("llm_pool_time_to_first_token_seconds",
+                              "Streams: from the request's arrival to the answer's first bytes (/v1/responses: first text)",
+                              ["model", "endpoint"], registry=r, buckets=LATENCY_BUCKETS)
+        self.queue_wait = Histogram("llm_pool_queue_wait_seconds", "Time waiting for a slot (fairness queue)",
+                                    ["model"], registry=r, buckets=QUEUE_BUCKETS)
+        self.prompt_tokens = Counter("llm_pool_prompt_tokens", "Prompt tokens, as the backend's usage reports",
+                                     ["model", "key"], registry=r)
+        self.cached_tokens = Counter("llm_pool_cached_prompt_tokens",
+                                     "Prompt tokens served from the backend's prefix cache (usage)",
+                                     ["model", "key"], registry=r)
+        self.output_tokens = Counter("llm_pool_output_tokens", "Output tokens, as the backend's usage reports",
+                                     ["model", "key"], registry=r)
+        self.named_keys: frozenset[str] = frozenset()
+
+    def watch(self, pool: Pool) -> None:
+        self.named_keys = frozenset(str(k) for k in (pool.settings.fairness.get("weights") or {}))
+        self.registry.register(PoolCollector(pool))
+
+    def key_label(self, key: str | None) -> str:
+        return key if key is not None and key in self.named_keys else OTHER_KEY
+
+    def count_usage(self, model: str, key: str, usage: Mapping[str, Any] | None) -> None:
+        """Add an answer's token usage (OpenAI `usage`) to the model's counters."""
+        prompt, cached, output = usage_numbers(usage)
+        for counter, value in ((self.prompt_tokens, prompt), (self.cached_tokens, cached),
+                               (self.output_tokens, output)):
+            if isinstance(value, (int, float)) and value > 0:
+                counter.labels(model, key).inc(value)
+
+    def count_response(self, model: str, key: str, metrics: Mapping[str, Any], first_text_s: float | None) -> None:
+        """What a /v1/responses answer measured (its `metrics`), into the counters and histograms;
+        `first_text_s`: a stream's time from the request's arrival to its first text."""
+        usage = {"prompt_tokens": metrics.get("engine_prompt_tokens"),
+                 "cached_tokens": metrics.get("engine_cached_prompt_tokens"),
+                 "completion_tokens": metrics.get("engine_output_tokens")}
+        self.count_usage(model, key, usage)
+        wait = metrics.get("engine_queue_wait_ms")
+        if wait is not None:
+            self.queue_wait.labels(model).observe(wait / 1000)
+        if first_text_s is not None:
+            self.ttft.labels(model, "/v1/responses").observe(first_text_s)
+
+
+def usage_in(raw: bytes) -> dict[str, Any] | None:
+    """The last `"usage": {...}` object in a JSON answer or the tail of an SSE stream, or None.
+
+    Only what follows the last `"usage"` is decoded, so a long answer is not parsed a second time;
+    inside a JSON string the quotes would be escaped, so the match is always a key."""
+    at = raw.rfind(b'"usage"')
+    if at < 0:
+        return None
+    text = raw[at + 7:].decode(errors="replace").lstrip()
+    if not text.startswith(":"):
+        return None
+    try:
+        value, _end = _DECODER.raw_decode(text[1:].lstrip())
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,173 @@
+"""The admin API: model state, load with temporary overrides, graceful unload, GPU memory, replica logs."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+from typing import Any
+
+from aiohttp import web
+
+from launchers import launcher_for
+from proxy.serving.admin_view import admin_row, model_schema
+from proxy.config import override_problems
+from proxy.errors import BadRequest, Conflict, Unauthorized, Unavailable
+from proxy.serving.forward import read_json
+from proxy.lifecycle.pool import Pool
+from proxy.gpu.report import ModelSnapshot, gpu_report
+from proxy.serving.keys import POOL, SETTINGS, VRAM
+from proxy.lifecycle.scaling import scale_problem
+from proxy.supervisord.supervisor import SupervisorError
+
+routes = web.RouteTableDef()
+
+
+def _authorize(request: web.Request) -> None:
+    """When service.admin_token_env names a variable, admin calls need that bearer token. `serve`
+    refuses to start when it is unset or empty; should it become empty later, every call is refused."""
+    env = request.app[SETTINGS].service.admin_token_env
+    if not env:
+        return
+    token = os.environ.get(env, "").strip()
+    if not token:
+        raise Unauthorized(f"the admin API is closed: {env} is unset or empty")
+    given = request.headers.get("Authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        raise Unauthorized("admin endpoints need `Authorization: Bearer <admin token>`")
+
+
+@routes.get("/v1/admin/models")
+async def admin_models(request: web.Request) -> web.Response:
+    _authorize(request)
+    pool = request.app[POOL]
+    properties = model_schema()
+    return web.json_response({"object": "list", "data": [admin_row(rt.describe(), rt.config, properties, pool.environ,
+                                                                   loadable=rt.kind is not None)
+                                                         for rt in pool.models.values()]})
+
+
+async def _load_request(request: web.Request, name: str) -> dict[str, Any]:
+    body = await read_json(request) if request.can_read_body else {}
+    unknown = sorted(set(body) - {"overrides", "replicas"})
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; a load request takes `overrides` and `replicas`",
+                         code="invalid_load_request")
+    overrides = body.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise BadRequest("`overrides` must be an object", code="invalid_load_request", param="overrides")
+    model = request.app[POOL].get(name).config
+    launcher = launcher_for(model.backend)
+    problems = override_problems(model, overrides, getattr(launcher, "LOAD_OVERRIDES", ()))
+    combined = getattr(launcher, "option_problems", None)
+    if not problems and combined is not None:
+        # Each override may be valid alone and still clash with the configured fields.
+        problems = combined(model.with_overrides(overrides))
+    if "replicas" in body:
+        replicas = body["replicas"]
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= model.replica_max:
+            problems.append(f"replicas: must be an integer from 1 to replica_max ({model.replica_max})")
+        else:
+            overrides = {**overrides, "replicas": replicas}
+    option_problems = getattr(launcher, "option_problems", None)
+    if not problems and overrides and option_problems is not None:
+        problems = option_problems(model.with_overrides(overrides))  # values the binary would refuse
+    if problems:
+        raise BadRequest("; ".join(problems), code="invalid_load_request")
+    return overrides
+
+
+@routes.post("/v1/admin/models/{name}/load")
+async def admin_load(request: web.Request) -> web.Response:
+    _authorize(request)
+    name = request.match_info["name"]
+    pool = request.app[POOL]
+    pool.get(name)
+    overrides = await _load_request(request, name)
+    runtime = await pool.detached(pool.load(name, overrides))
+    return web.json_response(runtime.describe())
+
+
+@routes.post("/v1/admin/models/{name}/unload")
+async def admin_unload(request: web.Request) -> web.Response:
+    _authorize(request)
+    pool = request.app[POOL]
+    runtime = await pool.detached(pool.unload(request.match_info["name"]))
+    return web.json_response(runtime.describe())
+
+
+@routes.post("/v1/admin/models/{name}/scale")
+async def admin_scale(request: web.Request) -> web.Response:
+    _authorize(request)
+    pool = request.app[POOL]
+    name = request.match_info["name"]
+    runtime = pool.get(name)
+    body = await read_json(request) if request.can_read_body else {}
+    problem = "a scale request is {\"replicas\": N}" if not isinstance(body, dict) or set(body) != {"replicas"} \
+        else scale_problem(runtime, body["replicas"])
+    if problem:
+        raise BadRequest(problem, code="invalid_scale_request", param="replicas")
+    runtime = await pool.detached(pool.scale(name, body["replicas"]))
+    return web.json_response(runtime.describe())
+
+
+@routes.get("/v1/admin/gpu-memory")
+async def admin_gpu_memory(request: web.Request) -> web.Response:
+    _authorize(request)
+    # NVML, /proc and model file headers are blocking reads: off the event loop.
+    report = await asyncio.to_thread(gpu_report, _snapshot(request.app[POOL]), request.app[VRAM])
+    return web.json_response(report)
+
+
+MAX_LOG_BYTES = 1024 * 1024
+
+
+def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise BadRequest(f"`{name}` must be an integer from {lo} to {hi}", code="invalid_log_request", param=name)
+    return value
+
+
+@routes.get("/v1/admin/models/{name}/logs")
+async def admin_logs(request: web.Request) -> web.Response:
+    """A replica's log (stdout and stderr) through supervisord: the last `bytes` bytes, or with
+    `offset` what came after it; the answer's `offset` is where the next poll starts (follow)."""
+    _authorize(request)
+    runtime = request.app[POOL].get(request.match_info["name"])
+    if not runtime.replicas:
+        raise Conflict(f"model {runtime.name!r} has no replicas to read a log from; load it first",
+                       code="model_not_loaded")
+    index = _int_param(request, "replica", 0, 0, len(runtime.replicas) - 1)
+    length = _int_param(request, "bytes", 16384, 1, MAX_LOG_BYTES)
+    offset = _int_param(request, "offset", 0, 0, 2 ** 62)
+    replica = runtime.replicas[index]
+    supervisor = request.app[POOL].supervisor
+    overflow = False
+    try:
+        if "offset" not in request.query:
+            text, end = await supervisor.tail_log_end(replica.fullname, length)
+        else:
+            _, size = await supervisor.tail_log_end(replica.fullname, 0)
+            if offset > size:
+                offset = 0  # supervisord rotated the log: the new file from its start
+            if size - offset > length:
+                offset, overflow = size - length, True  # more came than one poll takes: skip ahead
+            text = await supervisor.read_log(replica.fullname, offset, size - offset) if size > offset else ""
+            end = offset + len(text.encode("utf-8"))
+    except SupervisorError as exc:
+        raise Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=1) from exc
+    return web.json_response({"model": runtime.name, "replica": index, "program": replica.spec.program if replica.spec else None,
+                              "text": text, "offset": end, "overflow": overflow})
+
+
+def _snapshot(pool: Pool) -> list[ModelSnapshot]:
+    """What the GPU report needs of each model, taken on the event loop (the report runs in a thread)."""
+    return [ModelSnapshot(config=rt.config, state=rt.state.value,
+                          replica_pids=tuple((r.index, r.pid) for r in rt.replicas if r.pid))
+            for rt in pool.models.values()]

@@ -1,0 +1,76 @@
+"""The public OpenAI-compatible API."""
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.capabilities import capabilities
+from proxy.errors import BadRequest
+from proxy.serving.forward import forward, read_json, requested_model, servable
+from proxy.serving.image_urls import check_image_urls
+from proxy.serving.keys import HTTP, METRICS, POOL
+from proxy.lifecycle.replicas import ModelState
+
+routes = web.RouteTableDef()
+
+PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+async def pass_through(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    pool = request.app[POOL]
+    runtime = servable(request, pool, requested_model(body), body)
+    if request.path == "/v1/embeddings" and not capabilities(runtime.active or runtime.config).embeddings:
+        # Without this the backend's own 501 would reach the client, after taking a slot.
+        raise BadRequest(f"model {runtime.name!r} does not serve embeddings (capabilities.embeddings is false; "
+                         "for llama_server set llama_server_embeddings: true)", code="embeddings_unsupported",
+                         param="model")
+    await check_image_urls(body, runtime.active or runtime.config)
+    return await forward(request, pool, request.app[HTTP], runtime, request.path, body)
+
+
+for _path in PASS_THROUGH:
+    routes.post(_path)(pass_through)
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    data = [{"id": name, "object": "model", "owned_by": "llm-pool", "created": 0}
+            for name, runtime in pool.models.items() if runtime.state == ModelState.LOADED]
+    return web.json_response({"object": "list", "data": data})
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    # A model that could not start is named with its reason; the others serve, so the service is up.
+    return web.json_response({"status": "ok",
+                              "models": {name: rt.state.value for name, rt in pool.models.items()},
+                              "errors": {name: rt.last_error for name, rt in pool.models.items()
+                                         if rt.state == ModelState.FAILED and rt.last_error}})
+
+
+@routes.get("/ready")
+async def ready(request: web.Request) -> web.Response:
+    """Readiness, unlike /health (liveness): 503 until every model loading at startup has loaded
+    or failed; the body gives each one's state, and a failed model's reason."""
+    pool = request.app[POOL]
+    pending = pool.startup_pending
+    models = {}
+    for name, rt in pool.models.items():
+        if rt.config.enabled or name in pending:
+            entry: dict[str, object] = {"state": rt.state.value}
+            if rt.state != ModelState.LOADED and rt.last_error and name not in pending:
+                entry["reason"] = rt.last_error
+            models[name] = entry
+    if pending:
+        return web.json_response({"status": "loading", "waiting_for": sorted(pending), "models": models},
+                                 status=503, headers={"Retry-After": "1"})
+    return web.json_response({"status": "ready", "models": models})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

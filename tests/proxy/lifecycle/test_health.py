@@ -1,0 +1,102 @@
+"""Outlier ejection (proxy/health.py) and the per-replica cap, on a model runtime without processes."""
+from __future__ import annotations
+
+import pytest
+
+from launchers import sim
+from proxy.config import ModelConfig
+from proxy.lifecycle.health import HealthPolicy, note_failure, note_success, state_after_check
+from proxy.lifecycle.replicas import InvalidTransition, Replica, ReplicaState
+from proxy.lifecycle.runtime import ModelRuntime
+
+CONFIG = ModelConfig(name="m", backend="sim", enabled=True, replicas=2, replica_max=2, target_inflight=2,
+                     modalities=("text",), gpus=(), options={})
+POLICY = HealthPolicy(eject_after=3, eject_base_s=10, eject_max_s=25)
+
+
+def runtime(n: int = 2) -> ModelRuntime:
+    rt = ModelRuntime(config=CONFIG)
+    for i in range(n):
+        replica = Replica(model="m", index=i, spec=sim.launch(CONFIG, i, 18000 + i, 5, {}), fullname=f"g:r{i}")
+        rt.replicas.append(replica)
+        rt.set_replica_state(replica, ReplicaState.STARTING)
+        rt.set_replica_state(replica, ReplicaState.READY)
+    return rt
+
+
+def test_consecutive_failures_eject_a_replica_with_a_doubling_backoff() -> None:
+    rt = runtime()
+    bad = rt.replicas[0]
+    assert not note_failure(rt, bad, "HTTP 500", POLICY, now=0)
+    assert not note_failure(rt, bad, "HTTP 500", POLICY, now=0)
+    assert note_failure(rt, bad, "HTTP 500", POLICY, now=0)
+    assert bad.state == ReplicaState.UNHEALTHY and bad.eject_until == 10
+    assert "3 failures in a row (last: HTTP 500)" in (bad.last_error or "")
+    assert rt.admission.capacity == 2 and rt.ready() == [rt.replicas[1]]
+    # Its ejection is not over: a passing health check does not bring it back yet.
+    assert state_after_check(rt, bad, POLICY, now=9) == ReplicaState.UNHEALTHY
+    assert state_after_check(rt, bad, POLICY, now=10) == ReplicaState.READY
+    rt.set_replica_state(bad, ReplicaState.READY)
+    for _ in range(3):
+        note_failure(rt, bad, "timeout", POLICY, now=20)
+    assert bad.eject_until == 40 and bad.ejected_total == 2        # 10 s, then 20 s
+    rt.set_replica_state(bad, ReplicaState.READY)
+    for _ in range(3):
+        note_failure(rt, bad, "timeout", POLICY, now=50)
+    assert bad.eject_until == 75                                   # capped at eject_max_s
+
+
+def test_a_success_clears_the_count_and_the_backoff() -> None:
+    rt = runtime()
+    bad = rt.replicas[0]
+    note_failure(rt, bad, "HTTP 500", POLICY, now=0)
+    note_failure(rt, bad, "HTTP 500", POLICY, now=0)
+    note_success(bad)
+    assert not note_failure(rt, bad, "HTTP 500", POLICY, now=0)
+    assert bad.state == ReplicaState.READY and bad.failures == 1
+
+
+def test_the_last_ready_replica_is_never_ejected() -> None:
+    rt = runtime()
+    for replica in rt.replicas:
+        for _ in range(5):
+            note_failure(rt, replica, "HTTP 500", POLICY, now=0)
+    assert [r.state for r in rt.replicas] == [ReplicaState.UNHEALTHY, ReplicaState.READY]
+    assert rt.admission.capacity == 2
+
+
+def test_a_replica_that_keeps_crashing_is_ejected_when_it_comes_back() -> None:
+    rt = runtime()
+    crashing = rt.replicas[0]
+    rt.set_replica_state(crashing, ReplicaState.STARTING)
+    crashing.failures = 3   # three restarts seen by the monitor
+    assert state_after_check(rt, crashing, POLICY, now=0) == ReplicaState.UNHEALTHY
+    assert crashing.ejected_total == 1 and crashing.eject_until == 10
+
+
+def test_unhealthy_is_left_only_for_a_known_state() -> None:
+    rt = runtime()
+    replica = rt.replicas[0]
+    rt.set_replica_state(replica, ReplicaState.UNHEALTHY, "health check failed")
+    assert rt.admission.capacity == 2
+    rt.set_replica_state(replica, ReplicaState.READY)
+    assert rt.admission.capacity == 4
+    rt.set_replica_state(replica, ReplicaState.STOPPING)
+    with pytest.raises(InvalidTransition):
+        rt.set_replica_state(replica, ReplicaState.UNHEALTHY)
+
+
+def test_a_replica_never_gets_more_than_target_inflight_whatever_the_gauges_say() -> None:
+    rt = runtime()
+    busy, idle = rt.replicas
+    busy.reported = {"running": 10.0}   # another client keeps replica 0 busy
+    picked = []
+    for _ in range(4):
+        replica = rt.pick_replica()
+        assert replica is not None
+        replica.inflight += 1
+        picked.append(replica.index)
+    assert picked.count(1) == 2 and picked.count(0) == 2
+    assert rt.pick_replica() is None    # both full: the request waits for a place
+    rt.release(idle)
+    assert rt.pick_replica() is idle

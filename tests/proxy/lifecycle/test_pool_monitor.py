@@ -1,0 +1,132 @@
+"""How the monitor reads supervisord's process table into replica states, against a fake driver."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fakes import FakeSupervisor
+from launchers import sim
+from proxy.config import load_settings
+from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.replicas import InvalidTransition, ModelState, Replica, ReplicaState
+from proxy.supervisord.supervisor import ProcessState
+
+RUNNING, STARTING, BACKOFF = ProcessState.RUNNING, ProcessState.STARTING, ProcessState.BACKOFF
+STOPPED, FATAL, EXITED = ProcessState.STOPPED, ProcessState.FATAL, ProcessState.EXITED
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Any:
+    (tmp_path / "pool.yaml").write_text(f"service: {{state_dir: {tmp_path}}}\n"
+                                        "engine: {models: {m: {backend: sim, target_inflight: 2}}}\n")
+    settings = load_settings(tmp_path / "pool.yaml")
+    fake = FakeSupervisor()
+    pool = Pool(settings, fake, http=None, environ={})  # type: ignore[arg-type]
+    runtime = pool.models["m"]
+    runtime.state = ModelState.LOADED
+    spec = sim.launch(settings.models["m"], 0, 18000, 5, {})
+    replica = Replica(model="m", index=0, spec=spec, fullname="g:r0", pid=100)
+    runtime.replicas = [replica]
+    runtime.set_replica_state(replica, ReplicaState.STARTING)
+    runtime.set_replica_state(replica, ReplicaState.READY)
+    return pool, runtime, replica, fake
+
+
+async def observe(world: Any, state: ProcessState, pid: int) -> ReplicaState:
+    pool, runtime, replica, fake = world
+    await pool._observe(runtime, replica, fake.set("g:r0", state, pid))
+    return replica.state
+
+
+async def test_a_crash_takes_the_replica_out_until_it_is_healthy_again(world: Any) -> None:
+    _, runtime, replica, _ = world
+    assert runtime.admission.capacity == 2
+    assert await observe(world, BACKOFF, 0) == ReplicaState.STARTING
+    assert runtime.admission.capacity == 0
+    await observe(world, STARTING, 101)
+    assert replica.restarts == 1 and replica.pid == 101
+
+
+async def test_a_restart_between_two_polls_is_seen_by_its_new_pid(world: Any) -> None:
+    _, _, replica, _ = world
+    assert await observe(world, RUNNING, 102) == ReplicaState.STARTING
+    assert replica.restarts == 1
+
+
+async def test_an_admin_stop_is_respected_and_an_admin_start_rejoins(world: Any) -> None:
+    _, _, _, fake = world
+    assert await observe(world, STOPPED, 0) == ReplicaState.STOPPED
+    assert await observe(world, STOPPED, 0) == ReplicaState.STOPPED
+    assert fake.calls == []  # the pool never restarts what an admin stopped
+    assert await observe(world, STARTING, 103) == ReplicaState.STARTING
+
+
+async def test_supervisord_giving_up_fails_the_replica_with_its_log(world: Any) -> None:
+    _, _, replica, _ = world
+    assert await observe(world, FATAL, 0) == ReplicaState.FAILED
+    assert "model file is corrupt" in replica.last_error
+
+
+async def test_an_exit_during_load_fails_the_replica_and_stops_its_retries(world: Any) -> None:
+    _, runtime, replica, fake = world
+    runtime.state = ModelState.LOADING
+    runtime.set_replica_state(replica, ReplicaState.STARTING)
+    assert await observe(world, EXITED, 0) == ReplicaState.FAILED
+    assert fake.calls == [("stop", "g:r0")]
+    assert "log tail" in replica.last_error
+
+
+async def test_a_program_removed_behind_the_pools_back_is_stopped(world: Any) -> None:
+    pool, runtime, replica, _ = world
+    await pool._observe(runtime, replica, None)
+    assert replica.state == ReplicaState.STOPPED
+
+
+async def test_a_refused_connection_stops_routing_at_once(world: Any) -> None:
+    pool, runtime, replica, _ = world
+    pool.report_connection_failure(replica, "ClientConnectorError")
+    assert replica.state == ReplicaState.STARTING and runtime.pick_replica() is None
+    assert replica.last_error == "ClientConnectorError"
+
+
+async def test_the_lifecycle_refuses_transitions_it_does_not_allow(world: Any) -> None:
+    _, runtime, replica, _ = world
+    runtime.set_replica_state(replica, ReplicaState.STOPPING)
+    with pytest.raises(InvalidTransition, match="stopping -> ready"):
+        runtime.set_replica_state(replica, ReplicaState.READY)
+
+
+async def test_a_ready_replica_that_fails_its_health_check_leaves_rotation_until_it_passes(
+        world: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, runtime, replica, _ = world
+    healthy = {"now": False}
+
+    async def probe(*_: Any) -> tuple[bool, str | None]:
+        return healthy["now"], None
+
+    monkeypatch.setattr("proxy.lifecycle.pool.probe", probe)
+    await pool.checks.check(runtime, replica, replica.pid)
+    assert replica.state == ReplicaState.UNHEALTHY and runtime.admission.capacity == 0
+    assert "health check failed while ready" in replica.last_error
+    assert await observe(world, RUNNING, 100) == ReplicaState.UNHEALTHY   # same process, still out
+    if replica.probe is not None:
+        await replica.probe   # the recheck the monitor started: still failing
+    assert replica.state == ReplicaState.UNHEALTHY
+    healthy["now"] = True
+    await pool.checks.recheck(runtime, replica, replica.pid)
+    assert replica.state == ReplicaState.READY and runtime.admission.capacity == 2
+
+
+async def test_an_unhealthy_replica_whose_process_dies_is_restarting(world: Any) -> None:
+    _, runtime, replica, _ = world
+    runtime.set_replica_state(replica, ReplicaState.UNHEALTHY, "health check failed")
+    assert await observe(world, BACKOFF, 0) == ReplicaState.STARTING
+    assert await observe(world, FATAL, 0) == ReplicaState.FAILED
+
+
+async def test_a_request_dropped_after_it_was_sent_does_not_take_the_replica_out(world: Any) -> None:
+    pool, _, replica, _ = world
+    pool.report_outcome(replica, "dropped the request: ServerDisconnectedError")
+    assert replica.state == ReplicaState.READY and replica.failures == 1

@@ -1,0 +1,30 @@
+"""The record of model-server processes, and stopping the ones a dead supervisord left: only
+processes that are still the recorded ones (command line and start time)."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from proxy.supervisord.orphans import PidRecord, stop_orphans
+from proxy.supervisord.supervisor import ProcessInfo, ProcessState
+
+
+async def test_a_recorded_pid_now_used_by_another_process_is_left_alone(tmp_path: Path) -> None:
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        PidRecord(tmp_path).update([ProcessInfo("g", "p", ProcessState.RUNNING, other.pid, 0, "")])
+        record = tmp_path / "replica-pids.json"
+        entries = json.loads(record.read_text())
+        entries[0]["start"] -= 1              # as if the recorded process had ended and its PID been reused
+        record.write_text(json.dumps(entries))
+        assert await stop_orphans(tmp_path) == []
+        assert other.poll() is None
+        PidRecord(tmp_path).update([ProcessInfo("g", "p", ProcessState.RUNNING, other.pid, 0, "")])
+        assert await stop_orphans(tmp_path) == [other.pid]
+        assert other.wait(10) == -signal.SIGTERM
+    finally:
+        other.kill()
+        other.wait()

@@ -1,0 +1,92 @@
+"""The supervisord driver against a real supervisord in managed mode."""
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+import yaml
+
+from helpers import pid_alive
+from proxy.supervisord import managed
+from proxy.config import Settings, load_settings
+from proxy.supervisord.supervisor import BadName, NotRunning, ProcessState, SupervisorClient, SupervisorUnavailable
+
+PROGRAM = """[group:g]
+programs=sleeper
+[program:sleeper]
+command=sleep 300
+autostart=false
+autorestart=unexpected
+startsecs=0
+stopasgroup=true
+killasgroup=true
+"""
+
+
+@pytest.fixture
+def settings() -> Settings:
+    state = Path(tempfile.mkdtemp(prefix="lp-", dir="/tmp"))
+    path = state / "pool.yaml"
+    path.write_text(yaml.safe_dump({"service": {"state_dir": str(state)}}))
+    return load_settings(path)
+
+
+@pytest.fixture
+async def client(settings: Settings) -> AsyncIterator[SupervisorClient]:
+    client = SupervisorClient(settings.supervisor_url, timeout=5)
+    assert await managed.ensure_supervisord(settings, client)
+    pid = await client.get_pid()
+    yield client
+    await managed.stop_supervisord(client)
+    await client.close()
+    assert not pid_alive(pid)
+
+
+async def test_managed_supervisord_socket_is_private(settings: Settings, client: SupervisorClient) -> None:
+    assert stat.S_IMODE(os.stat(settings.socket_path).st_mode) == 0o700
+    assert await client.ping()
+    # A second ensure finds it answering and starts nothing.
+    assert not await managed.ensure_supervisord(settings, client)
+
+
+async def test_group_lifecycle_and_typed_faults(settings: Settings, client: SupervisorClient) -> None:
+    (settings.supervisor.programs_dir / "g.conf").write_text(PROGRAM)
+    added, _, _ = await client.reload_config()
+    assert added == ["g"]
+    await client.add_process_group("g")
+    await client.start_process("g:sleeper")
+    info = await client.process_info("g:sleeper")
+    assert info.state in (ProcessState.STARTING, ProcessState.RUNNING) and info.pid > 0
+    with pytest.raises(BadName):
+        await client.process_info("g:nobody")
+    await client.stop_process("g:sleeper")
+    for _ in range(2000):  # bounded: each round is one RPC
+        if (await client.process_info("g:sleeper")).state == ProcessState.STOPPED:
+            break
+    assert not pid_alive(info.pid)
+    with pytest.raises(NotRunning):
+        await client.stop_process("g:sleeper")
+    await client.remove_process_group("g")
+    assert await client.all_process_info() == []
+
+
+async def test_dead_transport_is_rebuilt_after_supervisord_restarts(settings: Settings,
+                                                                   client: SupervisorClient) -> None:
+    first = await client.get_pid()
+    await managed.stop_supervisord(client)
+    with pytest.raises(SupervisorUnavailable):
+        await client.get_pid()
+    assert await managed.ensure_supervisord(settings, client)
+    assert await client.get_pid() != first
+
+
+async def test_unanswered_socket_is_unavailable(tmp_path: Path) -> None:
+    client = SupervisorClient(f"unix://{tmp_path}/none.sock", timeout=1)
+    assert not await client.ping()
+    with pytest.raises(SupervisorUnavailable):
+        await client.get_pid()
+    await client.close()
