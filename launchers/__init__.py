@@ -1,13 +1,12 @@
 """One module per backend: a pure function from a model's config to a ProgramSpec."""
 from __future__ import annotations
 
-from types import ModuleType
-
 from launchers import ct2, exllamav3, llama_cpp, llama_server, sim, vllm_serve
+from launchers.spec import Launcher
 
 # Backends whose replicas run as supervisord programs. A backend in the schema but not here is
 # configurable (so existing settings files load) but cannot be loaded by this version.
-LAUNCHERS: dict[str, ModuleType] = {
+LAUNCHERS: dict[str, Launcher] = {
     "llama_server": llama_server,
     "sim": sim,
     "ct2": ct2,
@@ -19,5 +18,5 @@ LAUNCHERS: dict[str, ModuleType] = {
 }
 
 
-def launcher_for(backend: str) -> ModuleType | None:
+def launcher_for(backend: str) -> Launcher | None:
     return LAUNCHERS.get(backend)

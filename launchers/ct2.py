@@ -5,10 +5,13 @@ from typing import Mapping
 
 from launchers.common import SHIM_HOST, shim_argv, shim_problems, shim_spec
 from launchers.spec import EngineMetrics, ProgramSpec
+from proxy.capabilities import Traits
 from proxy.config import ModelConfig
 
 PORT_FIELD = "ct2_port"
 PYTHON_FIELD = "ct2_python"
+# What the backend can do (proxy/capabilities.py reads it; nothing else names the backend).
+TRAITS = Traits(beam_search=True)  # one prompt in, one answer out: single-turn
 LOAD_OVERRIDES = ("compute_type",)
 DEFAULT_START_TIMEOUT_S = 300.0
 DEFAULT_COMPUTE_TYPE = "int8"       # the seed's default
@@ -34,3 +37,13 @@ def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[s
 
 def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
     return shim_spec(model, replica, port, stopwaitsecs, environ, argv(model, SHIM_HOST, port, stopwaitsecs), DEFAULT_START_TIMEOUT_S, METRICS)
+
+
+def option_problems(model: ModelConfig) -> list[str]:
+    """Values this backend's server would refuse at start (none beyond the schema's rules)."""
+    return []
+
+
+def warnings(model: ModelConfig) -> list[str]:
+    """Settings that load but work against the pool (none known for this backend)."""
+    return []

@@ -5,10 +5,13 @@ from typing import Mapping
 
 from launchers.common import SHIM_HOST, shim_argv, shim_problems, shim_spec
 from launchers.spec import EngineMetrics, ProgramSpec
+from proxy.capabilities import Traits
 from proxy.config import ModelConfig
 
 PORT_FIELD = "exllamav3_port"
 PYTHON_FIELD = "exllamav3_python"
+# What the backend can do (proxy/capabilities.py reads it; nothing else names the backend).
+TRAITS = Traits()  # single-turn prompts
 LOAD_OVERRIDES = ("exllama_cache_size",)
 DEFAULT_START_TIMEOUT_S = 600.0      # large quantized models take minutes to load
 # (config field, shim flag), emitted in this order when set.
@@ -48,3 +51,13 @@ def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[s
 
 def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
     return shim_spec(model, replica, port, stopwaitsecs, environ, argv(model, SHIM_HOST, port, stopwaitsecs), DEFAULT_START_TIMEOUT_S, METRICS)
+
+
+def option_problems(model: ModelConfig) -> list[str]:
+    """Values this backend's server would refuse at start (none beyond the schema's rules)."""
+    return []
+
+
+def warnings(model: ModelConfig) -> list[str]:
+    """Settings that load but work against the pool (none known for this backend)."""
+    return []

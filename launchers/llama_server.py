@@ -16,8 +16,8 @@ from typing import Mapping
 from launchers.common import library_env, missing_file
 from launchers.llama_help import HelpUnavailable, choices, help_text, options
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
-from proxy.config import ModelConfig
-from proxy.setup.llama_build import cache_root, cached_llama_server
+from proxy.capabilities import Traits
+from proxy.config import ModelConfig, cache_root, cached_llama_server
 
 # (config field, flag): scalar fields that map one to one, in the order they are emitted.
 # llama_server_n_ctx is not here: it is per request, and becomes --ctx-size times the slots.
@@ -44,6 +44,9 @@ ENUM_FIELDS = (("llama_server_flash_attn", "--flash-attn"), ("llama_server_spec_
 # names (`draft` is `draft-simple` there; the binary refuses the old name).
 SPEC_TYPE_NAMES = {"draft": "draft-simple", "eagle3": "draft-eagle3", "mtp": "draft-mtp", "dflash": "draft-dflash",
                    "dspark": "draft-dspark"}
+# What the backend can do (proxy/capabilities.py reads it; nothing else names the backend).
+TRAITS = Traits(multi_turn=True, thinking="template", embeddings_field="llama_server_embeddings",
+                repetition_field="repeat_penalty")
 # Runtime knobs an admin may change for one load without editing files (seed: "Live admin overrides").
 LOAD_OVERRIDES = ("llama_server_n_ctx", "llama_server_image_max_tokens", "llama_server_spec_type",
                   "llama_server_spec_draft_n_max", "llama_server_spec_draft_p_min")
@@ -156,3 +159,8 @@ def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, envir
         stopwaitsecs=stopwaitsecs,
         metrics=METRICS,
     )
+
+
+def warnings(model: ModelConfig) -> list[str]:
+    """Settings that load but work against the pool (none known for this backend)."""
+    return []

@@ -6,10 +6,13 @@ from typing import Mapping
 
 from launchers.common import SHIM_HOST, shim_spec
 from launchers.spec import EngineMetrics, ProgramSpec
+from proxy.capabilities import Traits
 from proxy.config import ModelConfig
 from shims.sim import SimParams
 
 PORT_FIELD = "sim_port"
+# What the backend can do (proxy/capabilities.py reads it; nothing else names the backend).
+TRAITS = Traits(multi_turn=True)
 LOAD_OVERRIDES = ("sim",)
 DEFAULT_START_TIMEOUT_S = 30.0
 METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_requests_waiting",
@@ -34,3 +37,13 @@ def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
 
 def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
     return shim_spec(model, replica, port, stopwaitsecs, environ, argv(model, SHIM_HOST, port), DEFAULT_START_TIMEOUT_S, METRICS)
+
+
+def option_problems(model: ModelConfig) -> list[str]:
+    """Values this backend's server would refuse at start (none beyond the schema's rules)."""
+    return []
+
+
+def warnings(model: ModelConfig) -> list[str]:
+    """Settings that load but work against the pool (none known for this backend)."""
+    return []

@@ -11,6 +11,11 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Protocol
+
+if TYPE_CHECKING:  # for the Launcher protocol's types only: this module stays a leaf at run time
+    from proxy.capabilities import Traits
+    from proxy.config import ModelConfig
 
 HEADER = "; written by llm-pool: do not edit, it is rewritten on every load"
 _META = re.compile(r"^; replica program=(?P<program>\S+) port=(?P<port>\d+)$", re.M)
@@ -47,6 +52,31 @@ class ProgramSpec:
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+class Launcher(Protocol):
+    """What every backend module in launchers/ provides (each module is one of these)."""
+
+    TRAITS: Traits                      # what the backend can do (proxy/capabilities.py)
+    LOAD_OVERRIDES: tuple[str, ...]     # the fields a load may override for a while
+    PORT_FIELD: str                     # the field that fixes a replica's port (replica i: port + i)
+
+    def check(self, model: ModelConfig) -> list[str]:
+        """Problems that stop the model from loading (missing files, refused values), by field."""
+        ...
+
+    def option_problems(self, model: ModelConfig) -> list[str]:
+        """Values the backend's server would refuse, checked before a load with overrides starts."""
+        ...
+
+    def warnings(self, model: ModelConfig) -> list[str]:
+        """Settings that load but work against the pool."""
+        ...
+
+    def launch(self, model: ModelConfig, replica: int, port: int, stopwaitsecs: int,
+               environ: Mapping[str, str]) -> ProgramSpec:
+        """The program of replica number `replica` on `port`: pure, so the same input renders the same file."""
+        ...
 
 
 def group_name(model_id: str) -> str:

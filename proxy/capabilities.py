@@ -1,18 +1,33 @@
-"""What a model accepts, derived from its backend and config; advertised in /v1/admin/models."""
+"""What a model accepts: its backend's traits (declared once, by the backend) applied to its config.
+
+Every backend says what it can do in one `Traits` record: a launcher as its module's `TRAITS`, the
+remote kind beside its endpoint (proxy/lifecycle/remote.py). Nothing here or in the serving wing
+names a backend: they read the traits. `Capabilities` is what /v1/admin/models advertises.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from proxy.config import ModelConfig
-from shims.prompts import MULTI_TURN_FORMATS
 
 THINKING_MODES = ("default", "enabled", "disabled")
-# Backends that take multi-turn `messages` (chat endpoints); CT2 and ExLlamaV3 are single-turn.
-MULTI_TURN_BACKENDS = {"llama_server", "vllm", "vllm_serve", "openai_remote", "sim"}
-# Backends whose chat template can switch thinking on or off per request.
-THINKING_BACKENDS = {"llama_server", "vllm", "vllm_serve", "openai_remote"}
-# The field that makes a model of each backend serve /v1/embeddings (its server must be started so).
-EMBEDDINGS_FIELDS = {"llama_server": "llama_server_embeddings"}
+
+
+@dataclass(frozen=True)
+class Traits:
+    multi_turn: bool = False                          # takes multi-turn `messages` (a chat endpoint)
+    # Multi-turn only with one of these `prompt_format`s (an engine that formats prompts itself).
+    multi_turn_formats: frozenset[str] = frozenset()
+    text_only: bool = False                           # serves text whatever `modalities` says
+    # How a request switches thinking: "template" (the chat template's enable_thinking),
+    # "provider" (the provider's `thinking: {"type": ...}`), None (it cannot).
+    thinking: str | None = None
+    embeddings_field: str | None = None              # the field that makes it serve /v1/embeddings
+    repetition_field: str = "repetition_penalty"     # its name for the repetition knob
+    beam_search: bool = False                         # takes `beam_size`
+    # The decoding fields it takes besides stop (None: all); the others are accepted and ignored.
+    decoding_only: tuple[str, ...] | None = None
+    file_inputs_field: str | None = None             # the field that lets it take file items
 
 
 @dataclass(frozen=True)
@@ -29,18 +44,16 @@ class Capabilities:
                 "embeddings": self.embeddings}
 
 
-def capabilities(model: ModelConfig) -> Capabilities:
-    backend = model.backend
-    multi_turn = backend in MULTI_TURN_BACKENDS or (
-        backend == "llama_cpp" and (model.get("prompt_format") or "generic") in MULTI_TURN_FORMATS)
-    modalities = model.modalities if backend != "llama_cpp" else ("text",)  # in-process GGUF is text-only
+def capabilities(model: ModelConfig, traits: Traits) -> Capabilities:
+    multi_turn = traits.multi_turn or (model.get("prompt_format") or "generic") in traits.multi_turn_formats
     if model.get("thinking_modes"):
         thinking = tuple(model.get("thinking_modes"))
-    elif backend in THINKING_BACKENDS:
+    elif traits.thinking is not None:
         thinking = THINKING_MODES
     else:
         thinking = ("default",)
-    return Capabilities(modalities=tuple(modalities), multi_turn=multi_turn,
-                        file_inputs=backend == "openai_remote" and bool(model.get("remote_file_mode")),
+    return Capabilities(modalities=("text",) if traits.text_only else tuple(model.modalities),
+                        multi_turn=multi_turn,
+                        file_inputs=traits.file_inputs_field is not None and bool(model.get(traits.file_inputs_field)),
                         thinking_modes=thinking,
-                        embeddings=backend in EMBEDDINGS_FIELDS and bool(model.get(EMBEDDINGS_FIELDS[backend])))
+                        embeddings=traits.embeddings_field is not None and bool(model.get(traits.embeddings_field)))

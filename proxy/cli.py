@@ -14,6 +14,8 @@ from launchers import launcher_for
 from proxy import ctl
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.lifecycle.kinds import kinds_for
+from proxy.lifecycle.programs import ProgramKind
+from proxy.lifecycle.remote import EndpointKind
 from proxy.supervisord.managed import StateDirBusy, claim_state_dir
 
 EXIT_CONFIG = 2
@@ -35,7 +37,8 @@ def startup_problems(settings: Settings) -> list[str]:
     """What would stop an enabled model from starting: an unsupported backend, missing files.
     Each costs only its model: `serve` goes on, `check-config` exits non-zero."""
     problems = []
-    kinds = kinds_for({m.backend for m in settings.models.values()}, os.environ)
+    # Kinds without supervisord or an HTTP session: enough to check a model, not to run one.
+    kinds = kinds_for({m.backend for m in settings.models.values()}, ProgramKind(None), EndpointKind(None, os.environ))
     for name, model in settings.models.items():
         if not model.enabled:
             continue
@@ -75,7 +78,7 @@ def startup_warnings(settings: Settings) -> list[str]:
     found: list[str] = []
     for model in settings.models.values():
         launcher = launcher_for(model.backend)
-        if model.enabled and launcher is not None and hasattr(launcher, "warnings"):
+        if model.enabled and launcher is not None:
             found += launcher.warnings(model)
     return found
 

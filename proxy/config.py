@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import platform
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,6 +22,21 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO_ROOT / "conf" / "schema.json"
 DEFAULT_SETTINGS = REPO_ROOT / "conf" / "pool.yaml"
+# The llama-cpp-python release whose vendored llama.cpp `llm-pool setup` builds llama-server from.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+
+
+def cache_root() -> Path:
+    """Where llm-pool keeps what it builds once per machine (llama-server, wheels, engine
+    environments, tiny models): outside the repo, so clones and CI runs share it."""
+    base = os.environ.get("LLM_POOL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llm-pool")
+    return Path(base)
+
+
+def cached_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    """Where `llm-pool setup` puts the llama-server build for `version` (whether or not it exists yet)."""
+    return cache_root() / "llama-server" / f"{version}-{platform.machine()}" / "llama-server"
 
 DEFAULT_SERVICE = {"host": "127.0.0.1", "port": 8011, "log_level": "info", "max_body_bytes": 32 * 1024 * 1024,
                    "drain_timeout_s": 30.0, "admin_token_env": None}
@@ -353,3 +369,10 @@ def override_problems(model: ModelConfig, overrides: Mapping[str, Any], allowed:
         for err in jsonschema.Draft202012Validator(properties[key]).iter_errors(value):
             problems.append(f"overrides.{key}: {err.message}")
     return problems
+
+
+def replicas_problem(value: object, replica_max: int) -> str | None:
+    """The one rule for a replica count a load or a scale asks for."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= replica_max:
+        return f"replicas: must be an integer from 1 to replica_max ({replica_max})"
+    return None

@@ -2,46 +2,26 @@
 
 The pool's decisions (admission, routing, states, metrics) are the same for every model; what a
 kind decides is how its replicas start and stop, whether they are healthy, how a request reaches
-one (URL, headers, body) and which gate a request to it must pass. `Kind` is that seam; `Reach` is
-what a replica carries so that the data path can send to it without knowing what it is.
+one (its `Reach`, proxy/lifecycle/reach.py) and which gate a request to it must pass. `Kind` is
+that seam; the kinds themselves are `ProgramKind` (proxy/lifecycle/programs.py) and `EndpointKind`
+(proxy/lifecycle/remote.py).
 """
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
-import aiohttp
-
 from launchers import launcher_for
-from launchers.spec import ProgramSpec
-from proxy.lifecycle.remote import EndpointKind
+from proxy.capabilities import Traits
+from proxy.lifecycle import remote
 
 if TYPE_CHECKING:
     from proxy.config import ModelConfig
-    from proxy.lifecycle.programs import Programs
     from proxy.lifecycle.replicas import Replica
     from proxy.lifecycle.runtime import ModelRuntime
 
 
 # Backends whose replica is a remote endpoint; every other runnable backend has a launcher.
 ENDPOINT_BACKENDS = frozenset({"openai_remote"})
-
-
-class Reach(Protocol):
-    """How a request gets to one replica."""
-
-    served_model: str           # the `model` the replica expects
-    engine_timings: bool        # its `timings` were measured by an engine we run (llama-server's own)
-
-    def url(self, path: str) -> str: ...
-
-    async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
-                   timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
-        """Send one OpenAI request. A refused or reset connection propagates (the replica died since
-        it was picked); anything a kind handles itself becomes a PoolError."""
-        ...
-
-    def describe(self) -> dict[str, object]: ...
 
 
 class Kind(Protocol):
@@ -78,74 +58,9 @@ class Kind(Protocol):
         ...
 
 
-class ProgramReach:
-    """A replica that is a server process on this machine: plain HTTP to its port."""
-
-    engine_timings = True
-
-    def __init__(self, spec: ProgramSpec) -> None:
-        self.base_url = spec.base_url
-        self.served_model = spec.served_model
-        self.headers = dict(spec.headers)   # e.g. vLLM's bearer key: sent, never logged
-        # A backend's own bound on the wait for an answer's next bytes (vllm_serve_timeout_s).
-        self.read_timeout_s = spec.request_timeout_s
-
-    def url(self, path: str) -> str:
-        return self.base_url + path
-
-    async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
-                   timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
-        body = json.dumps({**payload, "model": self.served_model}).encode()
-        if self.read_timeout_s is not None:
-            timeout = aiohttp.ClientTimeout(total=timeout.total, sock_connect=timeout.sock_connect,
-                                            sock_read=self.read_timeout_s)
-        return await http.post(self.url(path), data=body, timeout=timeout,
-                               headers={**self.headers, "Content-Type": "application/json", "X-Request-Id": request_id})
-
-    def describe(self) -> dict[str, object]:
-        return {}
-
-
-class ProgramKind:
-    """Replicas as supervisord programs, written by the backend's launcher (proxy/programs.py)."""
-
-    def __init__(self, programs: Programs | None) -> None:
-        self.programs = programs   # None: for checks only (check-config)
-
-    def check(self, config: ModelConfig) -> list[str]:
-        launcher = launcher_for(config.backend)
-        assert launcher is not None
-        return launcher.check(config)
-
-    async def start(self, runtime: ModelRuntime, config: ModelConfig) -> None:
-        assert self.programs is not None
-        await self.programs.start(runtime, config, launcher_for(config.backend))
-
-    async def stop(self, runtime: ModelRuntime) -> None:
-        assert self.programs is not None
-        await self.programs.stop(runtime.name)
-
-    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: range) -> list[Replica]:
-        assert self.programs is not None
-        return await self.programs.add(runtime, config, launcher_for(config.backend), indices)
-
-    async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
-        assert self.programs is not None
-        await self.programs.remove([r.spec.program for r in replicas if r.spec is not None])
-
-    def gate(self, config: ModelConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
-        return None
-
-    def describe(self, config: ModelConfig) -> dict[str, object]:
-        return {}
-
-
-def kinds_for(backends: set[str], environ: Mapping[str, str], programs: Programs | None = None,
-              http: aiohttp.ClientSession | None = None) -> dict[str, Kind]:
+def kinds_for(backends: set[str], program: Kind, endpoint: Kind) -> dict[str, Kind]:
     """The kind of each configured backend this version can run; a backend left out answers
-    409 backend_not_supported on load. Without programs and a session they can only `check`."""
-    program = ProgramKind(programs)
-    endpoint = EndpointKind(http, environ)  # type: ignore[arg-type]
+    409 backend_not_supported on load."""
     kinds: dict[str, Kind] = {}
     for backend in backends:
         if backend in ENDPOINT_BACKENDS:
@@ -153,3 +68,11 @@ def kinds_for(backends: set[str], environ: Mapping[str, str], programs: Programs
         elif launcher_for(backend) is not None:
             kinds[backend] = program
     return kinds
+
+
+def traits_for(backend: str) -> Traits:
+    """What `backend` can do, as it declares it; a backend this version cannot run can do nothing."""
+    if backend in ENDPOINT_BACKENDS:
+        return remote.TRAITS
+    launcher = launcher_for(backend)
+    return launcher.TRAITS if launcher is not None else Traits()

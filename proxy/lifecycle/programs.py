@@ -5,7 +5,7 @@ supervisord), so that a live scale adds or removes one without touching the othe
 the replica's file, has supervisord add it and starts it; a restarted proxy adopts each replica
 whose file is unchanged and whose program is running (same process, no reload). Removing stops a
 program, waits until it has exited, removes its group, then its file. This is the program kind's
-half of the pool (proxy/kinds.py); the pool's monitor reads the same process snapshot.
+half of the pool (the `Kind` seam, proxy/lifecycle/kinds.py); the pool's monitor reads the same process snapshot.
 """
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from launchers.spec import ports_in_file, program_name, render_replica, replica_index
+from launchers import launcher_for
+from launchers.spec import Launcher, ports_in_file, program_name, render_replica, replica_index
 from proxy.config import ModelConfig, Settings
 from proxy.errors import Unavailable
 from proxy.supervisord.orphans import PidRecord
+from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.supervisord.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning, SupervisorClient,
@@ -71,7 +73,7 @@ class Programs:
         info = self.processes.get(f"{program}:{program}")
         return info if info is not None and info.state == ProcessState.RUNNING else None
 
-    async def start(self, runtime: ModelRuntime, config: ModelConfig, launcher: Any) -> None:
+    async def start(self, runtime: ModelRuntime, config: ModelConfig, launcher: Launcher) -> None:
         files = self.replica_files(config.name)
         await self.snapshot()
         if config.replicas == runtime.config.replicas:
@@ -88,7 +90,7 @@ class Programs:
         runtime.replicas = []   # those of a failed unload, if any: their programs are judged afresh below
         await self.add(runtime, config, launcher, range(config.replicas), adopt=True)
 
-    async def add(self, runtime: ModelRuntime, config: ModelConfig, launcher: Any, indices: range,
+    async def add(self, runtime: ModelRuntime, config: ModelConfig, launcher: Launcher, indices: range,
                   adopt: bool = False) -> list[Replica]:
         """Write, add and start the programs of replicas `indices` and append them to
         runtime.replicas. With `adopt`, a replica whose file is unchanged and whose program runs is
@@ -102,7 +104,8 @@ class Programs:
         added = []
         for i in indices:
             spec = launcher.launch(config, i, ports[i], self.settings.supervisor.stopwaitsecs, self.environ)
-            added.append(Replica(model=config.name, index=i, spec=spec, fullname=f"{spec.program}:{spec.program}"))
+            added.append(Replica(model=config.name, index=i, spec=spec, fullname=f"{spec.program}:{spec.program}",
+                                 reach=ProgramReach(spec)))
         runtime.replicas = runtime.replicas + added
         to_start = []
         for replica in added:
@@ -129,7 +132,7 @@ class Programs:
         self.wake()
         return added
 
-    def _assign_ports(self, config: ModelConfig, launcher: Any, previous: dict[str, int]) -> list[int]:
+    def _assign_ports(self, config: ModelConfig, launcher: Launcher, previous: dict[str, int]) -> list[int]:
         """Stable ports: the fixed port if configured, else the one this replica had, else the
         first free one in the range. Ports of other models' programs and ports in use are skipped."""
         fixed = config.get(launcher.PORT_FIELD)
@@ -231,3 +234,41 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
+
+
+def _launcher(config: ModelConfig) -> Launcher:
+    launcher = launcher_for(config.backend)
+    assert launcher is not None, "the program kind serves only backends with a launcher (kinds_for)"
+    return launcher
+
+
+class ProgramKind:
+    """Replicas as supervisord programs (`Programs`, above), written by the backend's launcher."""
+
+    def __init__(self, programs: Programs | None) -> None:
+        self.programs = programs   # None: for checks only (check-config)
+
+    def check(self, config: ModelConfig) -> list[str]:
+        return _launcher(config).check(config)
+
+    async def start(self, runtime: ModelRuntime, config: ModelConfig) -> None:
+        assert self.programs is not None
+        await self.programs.start(runtime, config, _launcher(config))
+
+    async def stop(self, runtime: ModelRuntime) -> None:
+        assert self.programs is not None
+        await self.programs.stop(runtime.name)
+
+    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: range) -> list[Replica]:
+        assert self.programs is not None
+        return await self.programs.add(runtime, config, _launcher(config), indices)
+
+    async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
+        assert self.programs is not None
+        await self.programs.remove([r.spec.program for r in replicas if r.spec is not None])
+
+    def gate(self, config: ModelConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
+        return None
+
+    def describe(self, config: ModelConfig) -> dict[str, object]:
+        return {}

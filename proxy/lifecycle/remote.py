@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 import aiohttp
 
 from proxy.lifecycle import remote_files
+from proxy.capabilities import Traits
 from proxy.errors import BackendError, Forbidden, PoolError, TooManyRequests
+from proxy.lifecycle.reach import PROXY_ONLY_FIELDS
 from proxy.lifecycle.replicas import Replica, ReplicaState
 
 if TYPE_CHECKING:
@@ -29,8 +31,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 120.0
 # Fields only llm-pool reads; a provider never sees them.
-PROXY_ONLY_FIELDS = ("fairness_key", "allow_remote")
 RETRY_BACKOFF_S = 0.2   # first wait after a failure without Retry-After; doubles per attempt
+
+
+# What a remote provider can do (proxy/capabilities.py reads it): chat with multi-turn messages, the
+# provider's own thinking switch, the seed's decoding mapping (temperature, top_p, max_tokens and
+# stop), and file items where `remote_file_mode` says how.
+TRAITS = Traits(multi_turn=True, thinking="provider", decoding_only=("max_tokens", "temperature", "top_p"),
+                file_inputs_field="remote_file_mode")
 
 
 class Secret:

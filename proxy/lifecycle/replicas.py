@@ -1,4 +1,8 @@
-"""Replica and model lifecycle states, with every allowed transition in one place."""
+"""Replica and model lifecycle states, with every allowed transition in one place.
+
+A leaf, like Supervisor's states.py: at run time it imports nothing of the project but
+launchers.spec, so every other lifecycle module can import it without a circle.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +49,26 @@ class ModelState(str, enum.Enum):
     FAILED = "failed"
 
 
+_MODEL_TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
+    # FAILED from UNLOADED: a model that cannot even be started (no kind, a config problem).
+    ModelState.UNLOADED: frozenset({ModelState.LOADING, ModelState.FAILED}),
+    ModelState.LOADING: frozenset({ModelState.LOADED, ModelState.FAILED}),
+    ModelState.LOADED: frozenset({ModelState.UNLOADING, ModelState.FAILED}),
+    # FAILED from UNLOADING: the unload did not finish; another unload starts over from FAILED.
+    ModelState.UNLOADING: frozenset({ModelState.UNLOADED, ModelState.FAILED}),
+    ModelState.FAILED: frozenset({ModelState.LOADING, ModelState.UNLOADING}),
+}
+
+
 class InvalidTransition(RuntimeError):
     pass
+
+
+def model_transition(model: str, old: ModelState, new: ModelState) -> ModelState:
+    """`new`, if a model may go there from `old` (staying put is always allowed); raises otherwise."""
+    if new != old and new not in _MODEL_TRANSITIONS[old]:
+        raise InvalidTransition(f"model {model}: {old.value} -> {new.value}")
+    return new
 
 
 @dataclass(eq=False)
@@ -58,7 +80,7 @@ class Replica:
     index: int
     spec: ProgramSpec | None = None   # the program serving it; None for an endpoint
     fullname: str = ""                # group:program, as supervisord names it; "" without a program
-    reach: "Reach | None" = None      # how requests get to it; a program's is derived from its spec
+    reach: Reach = field(kw_only=True)  # how requests get to it (its kind made it)
     state: ReplicaState = ReplicaState.STOPPED
     pid: int = 0
     restarts: int = 0
@@ -82,12 +104,6 @@ class Replica:
     sent: int = 0
     probe_failures: int = 0
     warmup_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.reach is None:
-            from proxy.lifecycle.kinds import ProgramReach
-            assert self.spec is not None, "a replica needs a program spec or a reach"
-            self.reach = ProgramReach(self.spec)
 
     def load(self) -> tuple[float, float]:
         """How busy the replica is: the work at it (what the proxy sent, or what the backend reports
@@ -118,7 +134,6 @@ class Replica:
         return True
 
     def describe(self) -> dict[str, object]:
-        assert self.reach is not None
         return {"index": self.index, "state": self.state.value, "pid": self.pid or None,
                 # The name `supervisorctl status` shows (each replica is a group of one).
                 "port": self.spec.port if self.spec else None, "program": self.spec.program if self.spec else None,

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from proxy.admission import Admission
-from proxy.capabilities import capabilities
+from proxy.capabilities import Capabilities, Traits, capabilities
 from proxy.config import ModelConfig
 from proxy.fairness import FairnessPolicy
-from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState, model_transition
 
 if TYPE_CHECKING:
     from proxy.lifecycle.kinds import Kind
@@ -26,6 +26,7 @@ class ModelRuntime:
     admission: Admission = field(default_factory=Admission)
     last_error: str | None = None
     kind: "Kind | None" = None              # how its replicas start, stop and are reached; None: unsupported
+    traits: Traits = field(default_factory=Traits)  # what its backend can do
     load_s: float | None = None             # how long its last load and unload took (for /metrics)
     unload_s: float | None = None
     _turn: int = 0
@@ -41,6 +42,14 @@ class ModelRuntime:
     def target_inflight(self) -> int:
         return (self.active or self.config).target_inflight
 
+    @property
+    def model(self) -> ModelConfig:
+        """The settings requests are served with: as loaded, else as configured."""
+        return self.active or self.config
+
+    def capabilities(self) -> Capabilities:
+        return capabilities(self.model, self.traits)
+
     def with_replicas(self, count: int) -> ModelConfig:
         """The active settings with `count` replicas (a live scale): shown as an override unless it
         is the configured count, so that a load asking for the same count finds the same settings."""
@@ -52,6 +61,13 @@ class ModelRuntime:
 
     def ready(self) -> list[Replica]:
         return [r for r in self.replicas if r.state == ReplicaState.READY]
+
+    def move(self, new: ModelState, error: str | None = None) -> None:
+        """The one place the model's state changes (the pool's decisions call it); `error`, when
+        given, is the reason shown with it."""
+        self.state = model_transition(self.name, self.state, new)
+        if error is not None:
+            self.last_error = error
 
     def set_replica_state(self, replica: Replica, new: ReplicaState, error: str | None = None) -> None:
         """The one place replica states change, so capacity and waiters always follow."""
@@ -100,7 +116,7 @@ class ModelRuntime:
             "waiting": self.admission.waiting,
             "keys": self.admission.describe_keys(),
             "key_counts": self.admission.key_counts(),
-            "capabilities": capabilities(cfg).as_dict(),
+            "capabilities": capabilities(cfg, self.traits).as_dict(),
             "gpus": list(cfg.gpus),
             "overrides": {k: v for k, v in cfg.options.items() if self.config.options.get(k) != v},
             "last_error": self.last_error,

@@ -11,27 +11,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from proxy.config import replicas_problem
 from proxy.errors import BackendError, BadRequest, Conflict, Unavailable
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.supervisord.supervisor import SupervisorError
 
-if TYPE_CHECKING:
-    from proxy.lifecycle.pool import Pool
-
 log = logging.getLogger(__name__)
 
 
-def scale_problem(runtime: ModelRuntime, replicas: object) -> str | None:
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= runtime.config.replica_max:
-        return f"replicas: must be an integer from 1 to replica_max ({runtime.config.replica_max})"
-    return None
+class Waiter(Protocol):
+    """What scaling needs of the monitor: to wait until new replicas have passed their checks."""
+
+    async def await_replicas(self, runtime: ModelRuntime, replicas: list[Replica] | None = None) -> None: ...
 
 
-async def scale(pool: Pool, runtime: ModelRuntime, replicas: int) -> ModelRuntime:
-    problem = scale_problem(runtime, replicas)
+async def scale(runtime: ModelRuntime, replicas: int, monitor: Waiter, drain_timeout_s: float) -> ModelRuntime:
+    problem = replicas_problem(replicas, runtime.config.replica_max)
     if problem:
         raise BadRequest(f"model {runtime.name!r}: {problem}", code="invalid_scale_request", param="replicas")
     async with runtime.lock:
@@ -41,9 +39,9 @@ async def scale(pool: Pool, runtime: ModelRuntime, replicas: int) -> ModelRuntim
         current = len(runtime.replicas)
         try:
             if replicas > current:
-                await _scale_up(pool, runtime, replicas)
+                await _scale_up(runtime, replicas, monitor)
             elif replicas < current:
-                await _scale_down(pool, runtime, replicas)
+                await _scale_down(runtime, replicas, drain_timeout_s)
         except SupervisorError as exc:
             raise Unavailable(f"model {runtime.name!r} could not be scaled: supervisord: {exc}; scale again to retry",
                               code="scale_failed", retry_after=5) from exc
@@ -53,12 +51,12 @@ async def scale(pool: Pool, runtime: ModelRuntime, replicas: int) -> ModelRuntim
         return runtime
 
 
-async def _scale_up(pool: Pool, runtime: ModelRuntime, replicas: int) -> None:
+async def _scale_up(runtime: ModelRuntime, replicas: int, monitor: Waiter) -> None:
     assert runtime.kind is not None
     config = runtime.with_replicas(replicas)
     started = time.monotonic()
     added = await runtime.kind.add(runtime, config, range(len(runtime.replicas), replicas))
-    await pool._await_replicas(runtime, added)
+    await monitor.await_replicas(runtime, added)
     failed = [r for r in added if r.state != ReplicaState.READY]
     if failed:
         # All or nothing: a replica that cannot start is removed again, the model keeps its count.
@@ -69,11 +67,11 @@ async def _scale_up(pool: Pool, runtime: ModelRuntime, replicas: int) -> None:
     log.info("model %s: %d replica(s) added in %.2fs", runtime.name, len(added), time.monotonic() - started)
 
 
-async def _scale_down(pool: Pool, runtime: ModelRuntime, replicas: int) -> None:
+async def _scale_down(runtime: ModelRuntime, replicas: int, drain_timeout_s: float) -> None:
     leaving = runtime.replicas[replicas:]
     for replica in leaving:
         runtime.set_replica_state(replica, ReplicaState.STOPPING)   # out of rotation; capacity follows
-    deadline = time.monotonic() + pool.settings.service.drain_timeout_s
+    deadline = time.monotonic() + drain_timeout_s
     while any(r.inflight > 0 for r in leaving) and time.monotonic() < deadline:
         await runtime.wait_changed(0.05)
     await _remove(runtime, leaving)

@@ -40,7 +40,7 @@ def load_constraints(model: ModelConfig, properties: Mapping[str, Any], loadable
     schema and its configured value, and the replica count a load may ask for. `loadable`: whether
     this version can run the backend at all (the pool has a kind for it)."""
     launcher = launcher_for(model.backend)
-    names = tuple(getattr(launcher, "LOAD_OVERRIDES", ())) if launcher is not None else ()
+    names = launcher.LOAD_OVERRIDES if launcher is not None else ()
     overrides = {}
     for name in names:
         rule = properties.get(name, {})

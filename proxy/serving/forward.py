@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -12,95 +11,18 @@ from typing import Any, AsyncIterator, Hashable
 import aiohttp
 from aiohttp import web
 
-from proxy.errors import (BackendError, BackendTimeout, BadRequest, Conflict, PoolError, TooLarge, Unavailable,
-                          sse_error_event)
-from proxy.fairness import normalize_key
-from proxy.serving.keys import FAIRNESS_KEY, METRICS, MODEL, SETTINGS, STARTED, STREAM_ERROR
-from proxy.serving.metrics import usage_in
-from proxy.lifecycle.pool import Pool
-from proxy.serving.relay import Timeouts, backend_error, chunks, read_capped, within
-from proxy.lifecycle.replicas import ModelState, Replica
+from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable, sse_error_event
+from proxy.lifecycle.monitor import Monitor
+from proxy.lifecycle.replicas import Replica
 from proxy.lifecycle.runtime import ModelRuntime
+from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, SETTINGS, STARTED, STREAM_ERROR
+from proxy.serving.metrics import usage_in
+from proxy.serving.relay import Timeouts, backend_error, chunks, read_capped, within
 
 log = logging.getLogger(__name__)
 
-# Fields only llm-pool reads; a backend must never see them (the fairness key least of all).
-PROXY_ONLY_FIELDS = ("fairness_key", "allow_remote")
 # Only connecting is bounded here; waiting for the answer is bounded by the model's Timeouts.
 UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)
-# Deeper bodies are refused before anything walks them (schema checks, re-encoding recurse).
-MAX_JSON_DEPTH = 128
-
-
-async def read_json(request: web.Request) -> dict[str, Any]:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[SETTINGS].service.max_body_bytes
-        raise TooLarge(f"request body is over the limit of {limit} bytes (service.max_body_bytes)") from None
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise _too_deep() from None
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest("request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
-    if _deeper_than(body, MAX_JSON_DEPTH):
-        raise _too_deep()
-    return body
-
-
-def _too_deep() -> BadRequest:
-    return BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Iterative, so a deep document cannot exhaust the stack while it is measured."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return False
-
-
-def requested_model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("`model` is required and must be a non-empty string", code="missing_model", param="model")
-    return model
-
-
-def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
-    """From the body's `fairness_key`, else the X-Fairness-Key header (for plain OpenAI clients)."""
-    key = body.get("fairness_key")
-    if key is not None and not isinstance(key, str):
-        raise BadRequest("`fairness_key` must be a string", code="invalid_fairness_key", param="fairness_key")
-    key = normalize_key(key if key is not None else request.headers.get("X-Fairness-Key"))
-    request[FAIRNESS_KEY] = key
-    return key
-
-
-def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) -> ModelRuntime:
-    """The model's runtime if this request may be sent to it now; otherwise the right error."""
-    runtime = pool.get(name)
-    request[MODEL] = name
-    if runtime.kind is not None:
-        runtime.kind.gate(runtime.active or runtime.config, request.headers, body)  # e.g. allow_remote
-    if runtime.state == ModelState.LOADING:
-        raise Unavailable(f"model {name!r} is loading", code="model_loading", retry_after=5)
-    if runtime.state == ModelState.UNLOADING:
-        raise Unavailable(f"model {name!r} is being unloaded", code="model_unloading", retry_after=5)
-    if runtime.state != ModelState.LOADED:
-        raise Conflict(f"model {name!r} is configured but not loaded; load it with "
-                       f"POST /v1/admin/models/{name}/load", code="model_not_loaded", param="model")
-    if not runtime.ready():
-        raise Unavailable(f"model {name!r} has no healthy replica right now", code="model_unavailable",
-                          retry_after=2)
-    return runtime
 
 
 @contextlib.asynccontextmanager
@@ -111,8 +33,10 @@ async def slot(runtime: ModelRuntime, queued: tuple[Hashable, "asyncio.Future[No
     completed = True
     try:
         yield
-    except asyncio.CancelledError:
-        completed = False  # the client left: the slot frees now, and its running time still counts
+    except (asyncio.CancelledError, GeneratorExit):
+        # The client left (GeneratorExit: a relay its output stopped reading): the slot frees now,
+        # and its running time still counts.
+        completed = False
         raise
     finally:
         runtime.admission.release(ticket, completed)
@@ -122,12 +46,8 @@ def label(replica: Replica) -> str:
     return f"replica {replica.index} of {replica.model!r}"
 
 
-def timeouts_of(pool: Pool, runtime: ModelRuntime) -> Timeouts:
-    return Timeouts.of(pool.settings.service, runtime.active or runtime.config)
-
-
 @contextlib.asynccontextmanager
-async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
+async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
                    payload: dict[str, Any], request_id: str,
                    timeouts: Timeouts) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
     """POST `payload` to the least loaded READY replica that has room and yield its response once
@@ -150,7 +70,6 @@ async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntim
             replica = runtime.pick_replica()
         if replica is None:
             break
-        assert replica.reach is not None
         replica.inflight += 1
         replica.sent += 1
         try:
@@ -158,14 +77,14 @@ async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntim
                 resp = await within(replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT),
                                     max(0.0, deadline - loop.time()))
             except aiohttp.ClientConnectorError as exc:
-                pool.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
+                monitor.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
                 continue
             except asyncio.TimeoutError:
-                pool.report_outcome(replica, "no answer within first_byte_timeout_s")
+                monitor.report_outcome(replica, "no answer within first_byte_timeout_s")
                 raise BackendTimeout(f"{label(replica)} sent no answer within {timeouts.first_byte_s:g}s "
                                      "(first_byte_timeout_s)") from None
             except (aiohttp.ClientError, OSError) as exc:
-                pool.report_outcome(replica, f"dropped the request: {type(exc).__name__}")
+                monitor.report_outcome(replica, f"dropped the request: {type(exc).__name__}")
                 raise BackendError(f"{label(replica)} dropped the request: {type(exc).__name__}") from exc
             async with resp:
                 yield replica, resp
@@ -176,46 +95,48 @@ async def upstream(pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntim
                       retry_after=2)
 
 
-async def forward(request: web.Request, pool: Pool, http: aiohttp.ClientSession, runtime: ModelRuntime,
-                  path: str, body: dict[str, Any]) -> web.StreamResponse:
-    """Pass an OpenAI request through to a replica and its answer back, streams as they arrive."""
+async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: dict[str, Any]) -> web.StreamResponse:
+    """Pass an OpenAI request through to a replica and its answer back, streams as they arrive.
+    `key` is the request's fairness key; the proxy-only fields are dropped by the replica's reach."""
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
-    payload = {k: v for k, v in body.items() if k not in PROXY_ONLY_FIELDS}
-    queued = runtime.admission.enqueue(fairness_key(request, body))
+    monitor = request.app[POOL].monitor
+    queued = runtime.admission.enqueue(key)
     enqueued = time.perf_counter()
     async with slot(runtime, queued):
         request.app[METRICS].queue_wait.labels(runtime.name).observe(time.perf_counter() - enqueued)
-        timeouts = timeouts_of(pool, runtime)
-        async with upstream(pool, http, runtime, path, payload, request_id, timeouts) as (replica, resp):
-            return await _relay(request, pool, replica, resp, request_id, timeouts)
+        timeouts = Timeouts.of(request.app[SETTINGS].service, runtime.model)
+        async with upstream(monitor, request.app[HTTP], runtime, request.path, body, request_id,
+                            timeouts) as (replica, resp):
+            return await _relay(request, monitor, replica, resp, request_id, timeouts)
 
 
-async def read_answer(pool: Pool, replica: Replica, resp: aiohttp.ClientResponse, timeouts: Timeouts) -> bytes:
+async def read_answer(monitor: Monitor, replica: Replica, resp: aiohttp.ClientResponse, timeouts: Timeouts,
+                      limit: int) -> bytes:
     """A non-streamed answer, whole, within service.max_response_bytes; a backend error (5xx, or an
     answer that is not JSON) is raised as an OpenAI error and counted against the replica."""
     try:
-        raw = await read_capped(resp, timeouts, pool.settings.service.max_response_bytes, label(replica))
+        raw = await read_capped(resp, timeouts, limit, label(replica))
     except (PoolError, aiohttp.ClientError) as exc:
         reason = exc.message if isinstance(exc, PoolError) else f"broke off its answer: {type(exc).__name__}"
-        pool.report_outcome(replica, reason)
+        monitor.report_outcome(replica, reason)
         if isinstance(exc, PoolError):
             raise
         raise BackendError(f"{label(replica)} {reason}") from exc
     content_type = resp.headers.get("Content-Type", "")
     if resp.status >= 400 or "json" not in content_type:
-        pool.report_outcome(replica, f"HTTP {resp.status}" if resp.status >= 500 else None)
+        monitor.report_outcome(replica, f"HTTP {resp.status}" if resp.status >= 500 else None)
         raise backend_error(resp.status if resp.status >= 400 else 502, raw, label(replica),
                             retry_after=resp.headers.get("Retry-After"))
-    pool.report_outcome(replica, None)
+    monitor.report_outcome(replica, None)
     return raw
 
 
-async def _relay(request: web.Request, pool: Pool, replica: Replica, upstream: aiohttp.ClientResponse,
+async def _relay(request: web.Request, monitor: Monitor, replica: Replica, upstream: aiohttp.ClientResponse,
                  request_id: str, timeouts: Timeouts) -> web.StreamResponse:
     content_type = upstream.headers.get("Content-Type", "application/json")
     metrics = request.app[METRICS]
     if not content_type.startswith("text/event-stream") or upstream.status != 200:
-        body = await read_answer(pool, replica, upstream, timeouts)
+        body = await read_answer(monitor, replica, upstream, timeouts, request.app[SETTINGS].service.max_response_bytes)
         metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(body))
         return web.Response(status=upstream.status, body=body,
                             headers={"Content-Type": content_type, "X-Request-Id": request_id})
@@ -243,12 +164,12 @@ async def _relay(request: web.Request, pool: Pool, replica: Replica, upstream: a
             BackendError(f"{label(replica)} broke off the stream: {type(exc).__name__}")
         log.warning("%s %s: %s", request.method, request.path, err.message)
         request[STREAM_ERROR] = err.metric_code
-        pool.report_outcome(replica, err.message)
+        monitor.report_outcome(replica, err.message)
         with contextlib.suppress(ConnectionResetError):
             await out.write(sse_error_event(err))
             await out.write_eof()
         return out
-    pool.report_outcome(replica, None)
+    monitor.report_outcome(replica, None)
     metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(oldest + older + last))
     await out.write_eof()
     return out

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import jsonschema
 
-from proxy.capabilities import Capabilities
+from proxy.capabilities import Capabilities, Traits
 from proxy.config import ModelConfig
 from proxy.errors import BadRequest
 from shims.prompts import TURN_STOPS
@@ -84,14 +84,6 @@ FORMAT_STOPS: Mapping[str, tuple[str, ...]] = TURN_STOPS
 MIXED_SOURCE = {None, "", "auto", "mixed"}
 MIXED_SOURCE_NOTE = ("The text below may mix several source languages. Detect the source language of "
                      "each segment and translate every segment.\n\n")
-# Backends whose sampling knob for repetition is named differently from the OpenAI-ish default.
-REPETITION_FIELD = {"llama_server": "repeat_penalty"}
-BEAM_BACKENDS = {"ct2"}
-# Backends that take only some decoding fields (besides stop); the rest are accepted and ignored.
-# The seed maps temperature, top_p, max_tokens and stop to a remote provider.
-DECODING_ONLY = {"openai_remote": ("max_tokens", "temperature", "top_p")}
-# Backends whose thinking switch is the provider's `thinking: {"type": ...}` field (Moonshot's shape).
-PROVIDER_THINKING_BACKENDS = {"openai_remote"}
 
 
 @dataclass(frozen=True)
@@ -205,8 +197,10 @@ def _translategemma_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
                                           "target_lang_code": target, "text": text}]}]
 
 
-def backend_request(req: ResponsesRequest, model: ModelConfig, engine_decoding: Mapping[str, Any]) -> dict[str, Any]:
-    """The OpenAI chat request for the model's backend (without `model`, which the router sets)."""
+def backend_request(req: ResponsesRequest, model: ModelConfig, traits: Traits,
+                    engine_decoding: Mapping[str, Any]) -> dict[str, Any]:
+    """The OpenAI chat request for the model's backend, shaped by what the backend can do (its
+    traits), without `model`, which the router sets."""
     body = req.body
     if model.get("prompt_format") == "translategemma_template":
         messages = _translategemma_messages(body)
@@ -221,13 +215,13 @@ def backend_request(req: ResponsesRequest, model: ModelConfig, engine_decoding: 
                          for m in body["messages"]]
     decoding = {**engine_decoding, **(body.get("decoding") or {})}
     out: dict[str, Any] = {"messages": messages}
-    only = DECODING_ONLY.get(model.backend)
+    only = traits.decoding_only
     for key in ("max_tokens", "temperature", "top_p", "top_k"):
         if decoding.get(key) is not None and (only is None or key in only):
             out[key] = decoding[key]
     if decoding.get("repetition_penalty") is not None and only is None:
-        out[REPETITION_FIELD.get(model.backend, "repetition_penalty")] = decoding["repetition_penalty"]
-    if decoding.get("beam_size") is not None and model.backend in BEAM_BACKENDS:
+        out[traits.repetition_field] = decoding["repetition_penalty"]
+    if decoding.get("beam_size") is not None and traits.beam_search:
         out["beam_size"] = decoding["beam_size"]
     stops = list(dict.fromkeys([*FORMAT_STOPS.get(model.get("prompt_format") or "", ()),
                                 *(decoding.get("stop") or [])]))
@@ -235,9 +229,9 @@ def backend_request(req: ResponsesRequest, model: ModelConfig, engine_decoding: 
         out["stop"] = stops
     thinking = body.get("thinking", "default")
     enable = {"enabled": True, "disabled": False}.get(thinking, model.get("enable_thinking"))
-    if enable is not None and model.backend in ("llama_server", "vllm_serve", "vllm"):
+    if enable is not None and traits.thinking == "template":
         out["chat_template_kwargs"] = {"enable_thinking": bool(enable)}
-    if thinking != "default" and model.backend in PROVIDER_THINKING_BACKENDS:
+    if thinking != "default" and traits.thinking == "provider":
         out["thinking"] = {"type": thinking}   # else the model's remote_thinking applies
     if body.get("prompt_cache_key") and model.get("remote_prompt_cache_key_enabled"):
         out["prompt_cache_key"] = body["prompt_cache_key"]

@@ -10,13 +10,12 @@ from aiohttp import web
 
 from launchers import launcher_for
 from proxy.serving.admin_view import admin_row, model_schema
-from proxy.config import override_problems
+from proxy.config import override_problems, replicas_problem
 from proxy.errors import BadRequest, Conflict, Unauthorized, Unavailable
-from proxy.serving.forward import read_json
+from proxy.serving.body import read_json
 from proxy.lifecycle.pool import Pool
 from proxy.gpu.report import ModelSnapshot, gpu_report
 from proxy.serving.keys import POOL, SETTINGS, VRAM
-from proxy.lifecycle.scaling import scale_problem
 from proxy.supervisord.supervisor import SupervisorError
 
 routes = web.RouteTableDef()
@@ -57,20 +56,17 @@ async def _load_request(request: web.Request, name: str) -> dict[str, Any]:
         raise BadRequest("`overrides` must be an object", code="invalid_load_request", param="overrides")
     model = request.app[POOL].get(name).config
     launcher = launcher_for(model.backend)
-    problems = override_problems(model, overrides, getattr(launcher, "LOAD_OVERRIDES", ()))
-    combined = getattr(launcher, "option_problems", None)
-    if not problems and combined is not None:
-        # Each override may be valid alone and still clash with the configured fields.
-        problems = combined(model.with_overrides(overrides))
+    problems = override_problems(model, overrides, launcher.LOAD_OVERRIDES if launcher is not None else ())
     if "replicas" in body:
-        replicas = body["replicas"]
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= model.replica_max:
-            problems.append(f"replicas: must be an integer from 1 to replica_max ({model.replica_max})")
+        problem = replicas_problem(body["replicas"], model.replica_max)
+        if problem:
+            problems.append(problem)
         else:
-            overrides = {**overrides, "replicas": replicas}
-    option_problems = getattr(launcher, "option_problems", None)
-    if not problems and overrides and option_problems is not None:
-        problems = option_problems(model.with_overrides(overrides))  # values the binary would refuse
+            overrides = {**overrides, "replicas": body["replicas"]}
+    if not problems and overrides and launcher is not None:
+        # Each override may be valid alone and still clash with the configured fields, or hold a
+        # value the binary would refuse.
+        problems = launcher.option_problems(model.with_overrides(overrides))
     if problems:
         raise BadRequest("; ".join(problems), code="invalid_load_request")
     return overrides
@@ -100,12 +96,10 @@ async def admin_scale(request: web.Request) -> web.Response:
     _authorize(request)
     pool = request.app[POOL]
     name = request.match_info["name"]
-    runtime = pool.get(name)
+    pool.get(name)   # 404 before the body is read
     body = await read_json(request) if request.can_read_body else {}
-    problem = "a scale request is {\"replicas\": N}" if not isinstance(body, dict) or set(body) != {"replicas"} \
-        else scale_problem(runtime, body["replicas"])
-    if problem:
-        raise BadRequest(problem, code="invalid_scale_request", param="replicas")
+    if set(body) != {"replicas"}:
+        raise BadRequest("a scale request is {\"replicas\": N}", code="invalid_scale_request", param="replicas")
     runtime = await pool.detached(pool.scale(name, body["replicas"]))
     return web.json_response(runtime.describe())
 

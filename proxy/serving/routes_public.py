@@ -4,12 +4,12 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proxy.capabilities import capabilities
 from proxy.errors import BadRequest
-from proxy.serving.forward import forward, read_json, requested_model, servable
-from proxy.serving.image_urls import check_image_urls
-from proxy.serving.keys import HTTP, METRICS, POOL
 from proxy.lifecycle.replicas import ModelState
+from proxy.serving.body import fairness_key, read_json, requested_model, servable
+from proxy.serving.forward import forward
+from proxy.serving.image_urls import check_image_urls
+from proxy.serving.keys import METRICS, POOL
 
 routes = web.RouteTableDef()
 
@@ -18,15 +18,15 @@ PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    pool = request.app[POOL]
-    runtime = servable(request, pool, requested_model(body), body)
-    if request.path == "/v1/embeddings" and not capabilities(runtime.active or runtime.config).embeddings:
+    runtime = servable(request, request.app[POOL], requested_model(body), body)
+    if request.path == "/v1/embeddings" and not runtime.capabilities().embeddings:
         # Without this the backend's own 501 would reach the client, after taking a slot.
+        field = runtime.traits.embeddings_field
+        how = f"set {field}: true to serve them" if field else f"backend {runtime.model.backend!r} serves none"
         raise BadRequest(f"model {runtime.name!r} does not serve embeddings (capabilities.embeddings is false; "
-                         "for llama_server set llama_server_embeddings: true)", code="embeddings_unsupported",
-                         param="model")
-    await check_image_urls(body, runtime.active or runtime.config)
-    return await forward(request, pool, request.app[HTTP], runtime, request.path, body)
+                         f"{how})", code="embeddings_unsupported", param="model")
+    await check_image_urls(body, runtime.model)
+    return await forward(request, runtime, fairness_key(request, body), body)
 
 
 for _path in PASS_THROUGH:

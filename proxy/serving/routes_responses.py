@@ -8,23 +8,25 @@ stream (a malformed chunk, no `[DONE]`, a timeout) is never reported as `respons
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Mapping
 
 import aiohttp
 from aiohttp import web
 
-from proxy.serving import response_metrics
-from proxy.capabilities import capabilities
 from proxy.errors import BackendError, PoolError, sse_error_event
-from proxy.serving.forward import fairness_key, label, read_answer, read_json, servable, slot, timeouts_of, upstream
+from proxy.lifecycle.runtime import ModelRuntime
+from proxy.serving import response_metrics
+from proxy.serving.body import fairness_key, read_json, servable
+from proxy.serving.forward import label, read_answer, slot, upstream
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, SETTINGS, STREAM_ERROR
-from proxy.serving.relay import sse_data
+from proxy.serving.relay import Timeouts, sse_data
 from proxy.serving.responses import IGNORED_HEADER, backend_request, parse, validate_for_model
-from proxy.lifecycle.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -69,54 +71,104 @@ def _event(name: str, data: Mapping[str, Any]) -> bytes:
     return f"event: {name}\ndata: ".encode() + json.dumps({"type": name, **data}).encode() + b"\n\n"
 
 
+@dataclass
+class _Piece:
+    """What the relay hands its output: text, and the backend's usage and timings when it sent them."""
+
+    text: str
+    usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+
+
 @routes.post("/v1/responses")
 async def responses(request: web.Request) -> web.StreamResponse:
     timer = response_metrics.Timer()
     body = await read_json(request)
     req = parse(body)
-    pool = request.app[POOL]
-    runtime = servable(request, pool, req.model, body)
-    model = runtime.active or runtime.config
-    caps = capabilities(model)
-    validate_for_model(req, model, caps)
-    await check_image_urls(body, model)
-    payload = backend_request(req, model, request.app[SETTINGS].decoding)
+    runtime = servable(request, request.app[POOL], req.model, body)
+    validate_for_model(req, runtime.model, runtime.capabilities())
+    await check_image_urls(body, runtime.model)
+    payload = backend_request(req, runtime.model, runtime.traits, request.app[SETTINGS].decoding)
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
     headers = {"X-Request-Id": request_id, **({IGNORED_HEADER: ", ".join(req.ignored)} if req.ignored else {})}
     response_id = f"resp_{uuid.uuid4().hex}"
     queued = runtime.admission.enqueue(fairness_key(request, body))  # a full queue is a plain 429
     timer.mark("enqueued")
+    relay = _relay(request, runtime, queued, payload, request_id, timer)
     if req.stream:
-        return await _stream(request, timer, queued, runtime, payload, request_id, response_id, req.model, headers)
+        return await _as_events(request, relay, timer, queued, runtime, response_id, req.model, headers)
+    return await _as_json(request, relay, timer, runtime, response_id, req.model, headers)
 
+
+async def _relay(request: web.Request, runtime: ModelRuntime, queued: Any, payload: dict[str, Any],
+                 request_id: str, timer: response_metrics.Timer) -> AsyncIterator[_Piece]:
+    """The one path of a /v1/responses request through the pool: wait for a slot, send to a
+    replica, and yield the answer's text as it comes (a JSON answer as one piece, a stream chunk
+    by chunk). A backend failure is raised; the caller's output decides how the client hears it."""
+    monitor = request.app[POOL].monitor
+    settings = request.app[SETTINGS]
     async with slot(runtime, queued):
         timer.mark("admitted")
         timer.mark("sent")
-        timeouts = timeouts_of(pool, runtime)
-        async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
+        timeouts = Timeouts.of(settings.service, runtime.model)
+        async with upstream(monitor, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
                             timeouts) as (replica, resp):
-            raw = await read_answer(pool, replica, resp, timeouts)
-            timer.mark("received")
+            # A provider's timings are not engine times we measured.
             own_timings = replica.reach.engine_timings
+            if not payload.get("stream"):
+                raw = await read_answer(monitor, replica, resp, timeouts, settings.service.max_response_bytes)
+                timer.mark("received")
+                answer = _chat_completion(raw)
+                if answer is None:
+                    monitor.report_outcome(replica, "unreadable chat completion")
+                    log.warning("POST /v1/responses: %s answered an unreadable chat completion", label(replica))
+                    raise BackendError(f"{label(replica)} answered with an unreadable chat completion")
+                text, usage, timings = answer
+                yield _Piece(text, usage, timings if own_timings else None)
+                return
+            if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                await read_answer(monitor, replica, resp, timeouts, settings.service.max_response_bytes)
+                raise BackendError(f"{label(replica)} did not answer with an event stream")
+            try:
+                async for chunk in sse_data(resp, timeouts, label(replica)):
+                    yield _Piece(_text_of_chunk(chunk), _numbers(chunk.get("usage")),
+                                 _numbers(chunk.get("timings")) if own_timings else None)
+            except ConnectionResetError:
+                raise  # the client left (aiohttp's reset error is a ClientConnectionError too)
+            except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                resp.close()
+                monitor.report_outcome(replica, exc.message if isinstance(exc, PoolError) else type(exc).__name__)
+                raise
+            monitor.report_outcome(replica, None)
+            timer.mark("received")
+
+
+def _chat_completion(raw: bytes) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None] | None:
+    """A chat completion's text, usage and timings; None when it cannot be read as one."""
     try:
         answer = json.loads(raw)
         text = answer["choices"][0]["message"].get("content") or ""
         if not isinstance(text, str):
-            raise TypeError("content is not a string")
+            return None
     except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):
-        pool.report_outcome(replica, "unreadable chat completion")
-        log.warning("POST /v1/responses: %s answered an unreadable chat completion", label(replica))
-        raise BackendError(f"{label(replica)} answered with an unreadable chat completion") from None
+        return None
+    return text, _numbers(answer.get("usage")), _numbers(answer.get("timings"))
+
+
+async def _as_json(request: web.Request, relay: AsyncIterator[_Piece], timer: response_metrics.Timer,
+                   runtime: ModelRuntime, response_id: str, model: str, headers: Mapping[str, str]) -> web.Response:
+    async with contextlib.aclosing(relay):
+        pieces = [piece async for piece in relay]
     timer.mark("finished")
-    metrics = response_metrics.build(timer, _numbers(answer.get("usage")),
-                                     _numbers(answer.get("timings")) if own_timings else None)
+    metrics = response_metrics.build(timer, pieces[-1].usage, pieces[-1].timings)
     _count(request, runtime.name, metrics, None)
-    return web.json_response(_envelope(response_id, req.model, text, metrics), headers=headers)
+    text = "".join(p.text for p in pieces)
+    return web.json_response(_envelope(response_id, model, text, metrics), headers=headers)
 
 
-async def _stream(request: web.Request, timer: response_metrics.Timer, queued: Any, runtime: ModelRuntime,
-                  payload: dict[str, Any], request_id: str, response_id: str, model: str,
-                  headers: Mapping[str, str]) -> web.StreamResponse:
+async def _as_events(request: web.Request, relay: AsyncIterator[_Piece], timer: response_metrics.Timer,
+                     queued: Any, runtime: ModelRuntime, response_id: str, model: str,
+                     headers: Mapping[str, str]) -> web.StreamResponse:
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     try:
         await out.prepare(request)
@@ -127,37 +179,18 @@ async def _stream(request: web.Request, timer: response_metrics.Timer, queued: A
     pieces: list[str] = []
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
-    pool = request.app[POOL]
     try:
-        async with slot(runtime, queued):
-            timer.mark("admitted")
-            timer.mark("sent")
-            timeouts = timeouts_of(pool, runtime)
-            async with upstream(pool, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
-                                timeouts) as (replica, resp):
-                if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-                    await read_answer(pool, replica, resp, timeouts)
-                    raise BackendError(f"{label(replica)} did not answer with an event stream")
-                try:
-                    async for chunk in sse_data(resp, timeouts, label(replica)):
-                        delta = _text_of_chunk(chunk)
-                        if delta:
-                            if timer.first_token is None:
-                                timer.mark("first_token")
-                            pieces.append(delta)
-                            await out.write(_event("response.output_text.delta",
-                                                   {"item_id": response_id, "delta": delta}))
-                        usage = _numbers(chunk.get("usage")) or usage
-                        if replica.reach.engine_timings:  # a provider's timings are not GPU times we measured
-                            timings = _numbers(chunk.get("timings")) or timings
-                except ConnectionResetError:
-                    raise  # the client left (aiohttp's reset error is a ClientConnectionError too)
-                except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-                    resp.close()
-                    pool.report_outcome(replica, exc.message if isinstance(exc, PoolError) else type(exc).__name__)
-                    raise
-                pool.report_outcome(replica, None)
-                timer.mark("received")
+        # aclosing: a client that leaves while a piece is written ends the relay (slot, upstream) now.
+        async with contextlib.aclosing(relay):
+            async for piece in relay:
+                if piece.text:
+                    if timer.first_token is None:
+                        timer.mark("first_token")
+                    pieces.append(piece.text)
+                    await out.write(_event("response.output_text.delta",
+                                           {"item_id": response_id, "delta": piece.text}))
+                usage = piece.usage or usage
+                timings = piece.timings or timings
     except ConnectionResetError:
         return out  # the client left; its slot and the upstream request are already released
     except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:

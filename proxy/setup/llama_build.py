@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+from proxy.config import LLAMA_CPP_PYTHON_VERSION, cache_root, cached_llama_server
+
+__all__ = ["LLAMA_CPP_PYTHON_VERSION", "build_llama_server", "cache_root", "cached_llama_server"]
 
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -33,18 +34,6 @@ CMAKE_FLAGS = (
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
 )
-
-
-def cache_root() -> Path:
-    base = os.environ.get("LLM_POOL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llm-pool"
-    )
-    return Path(base)
-
-
-def cached_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
-    """Where the build for `version` lives (whether or not it exists yet)."""
-    return cache_root() / "llama-server" / f"{version}-{platform.machine()}" / "llama-server"
 
 
 def _run(argv: list[str], cwd: Path | None = None) -> None:

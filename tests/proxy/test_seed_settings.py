@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.capabilities import capabilities
+from proxy.lifecycle.kinds import traits_for
 from proxy.cli import main
 from proxy.config import ConfigError, load_settings
 from proxy.serving.responses import parse
@@ -85,7 +86,7 @@ def test_the_seed_remote_fragments_load_in_the_remote_model(fragment: Path, tmp_
     settings = load_settings(write_pair(tmp_path / "config", SEED / "settings_openai_remote.json", local))
     model = settings.models["frontier-large"]
     assert all(model.options[k] == v for k, v in json.loads(fragment.read_text()).items())
-    assert capabilities(model).file_inputs == ("remote_file_mode" in fragment.read_text())
+    assert capabilities(model, traits_for(model.backend)).file_inputs == ("remote_file_mode" in fragment.read_text())
 
 
 @pytest.mark.parametrize("example", REQUEST_EXAMPLES, ids=lambda p: p.stem)

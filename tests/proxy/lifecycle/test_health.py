@@ -6,6 +6,7 @@ import pytest
 from launchers import sim
 from proxy.config import ModelConfig
 from proxy.lifecycle.health import HealthPolicy, note_failure, note_success, state_after_check
+from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import InvalidTransition, Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 
@@ -17,7 +18,8 @@ POLICY = HealthPolicy(eject_after=3, eject_base_s=10, eject_max_s=25)
 def runtime(n: int = 2) -> ModelRuntime:
     rt = ModelRuntime(config=CONFIG)
     for i in range(n):
-        replica = Replica(model="m", index=i, spec=sim.launch(CONFIG, i, 18000 + i, 5, {}), fullname=f"g:r{i}")
+        spec = sim.launch(CONFIG, i, 18000 + i, 5, {})
+        replica = Replica(model="m", index=i, spec=spec, fullname=f"g:r{i}", reach=ProgramReach(spec))
         rt.replicas.append(replica)
         rt.set_replica_state(replica, ReplicaState.STARTING)
         rt.set_replica_state(replica, ReplicaState.READY)

@@ -10,6 +10,7 @@ from fakes import FakeSupervisor
 from launchers import sim
 from proxy.config import load_settings
 from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import InvalidTransition, ModelState, Replica, ReplicaState
 from proxy.supervisord.supervisor import ProcessState
 
@@ -27,7 +28,7 @@ def world(tmp_path: Path) -> Any:
     runtime = pool.models["m"]
     runtime.state = ModelState.LOADED
     spec = sim.launch(settings.models["m"], 0, 18000, 5, {})
-    replica = Replica(model="m", index=0, spec=spec, fullname="g:r0", pid=100)
+    replica = Replica(model="m", index=0, spec=spec, fullname="g:r0", pid=100, reach=ProgramReach(spec))
     runtime.replicas = [replica]
     runtime.set_replica_state(replica, ReplicaState.STARTING)
     runtime.set_replica_state(replica, ReplicaState.READY)
@@ -36,7 +37,7 @@ def world(tmp_path: Path) -> Any:
 
 async def observe(world: Any, state: ProcessState, pid: int) -> ReplicaState:
     pool, runtime, replica, fake = world
-    await pool._observe(runtime, replica, fake.set("g:r0", state, pid))
+    await pool.monitor.observe(runtime, replica, fake.set("g:r0", state, pid))
     return replica.state
 
 
@@ -80,13 +81,13 @@ async def test_an_exit_during_load_fails_the_replica_and_stops_its_retries(world
 
 async def test_a_program_removed_behind_the_pools_back_is_stopped(world: Any) -> None:
     pool, runtime, replica, _ = world
-    await pool._observe(runtime, replica, None)
+    await pool.monitor.observe(runtime, replica, None)
     assert replica.state == ReplicaState.STOPPED
 
 
 async def test_a_refused_connection_stops_routing_at_once(world: Any) -> None:
     pool, runtime, replica, _ = world
-    pool.report_connection_failure(replica, "ClientConnectorError")
+    pool.monitor.report_connection_failure(replica, "ClientConnectorError")
     assert replica.state == ReplicaState.STARTING and runtime.pick_replica() is None
     assert replica.last_error == "ClientConnectorError"
 
@@ -106,8 +107,8 @@ async def test_a_ready_replica_that_fails_its_health_check_leaves_rotation_until
     async def probe(*_: Any) -> tuple[bool, str | None]:
         return healthy["now"], None
 
-    monkeypatch.setattr("proxy.lifecycle.pool.probe", probe)
-    await pool.checks.check(runtime, replica, replica.pid)
+    monkeypatch.setattr("proxy.lifecycle.monitor.probe", probe)
+    await pool.monitor.checks.check(runtime, replica, replica.pid)
     assert replica.state == ReplicaState.UNHEALTHY and runtime.admission.capacity == 0
     assert "health check failed while ready" in replica.last_error
     assert await observe(world, RUNNING, 100) == ReplicaState.UNHEALTHY   # same process, still out
@@ -115,7 +116,7 @@ async def test_a_ready_replica_that_fails_its_health_check_leaves_rotation_until
         await replica.probe   # the recheck the monitor started: still failing
     assert replica.state == ReplicaState.UNHEALTHY
     healthy["now"] = True
-    await pool.checks.recheck(runtime, replica, replica.pid)
+    await pool.monitor.checks.recheck(runtime, replica, replica.pid)
     assert replica.state == ReplicaState.READY and runtime.admission.capacity == 2
 
 
@@ -128,5 +129,5 @@ async def test_an_unhealthy_replica_whose_process_dies_is_restarting(world: Any)
 
 async def test_a_request_dropped_after_it_was_sent_does_not_take_the_replica_out(world: Any) -> None:
     pool, _, replica, _ = world
-    pool.report_outcome(replica, "dropped the request: ServerDisconnectedError")
+    pool.monitor.report_outcome(replica, "dropped the request: ServerDisconnectedError")
     assert replica.state == ReplicaState.READY and replica.failures == 1

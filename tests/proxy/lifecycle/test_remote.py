@@ -13,6 +13,7 @@ import pytest
 
 from fakes import FakeSupervisor
 from proxy.capabilities import capabilities
+from proxy.lifecycle.kinds import traits_for
 from proxy.config import ConfigError, ModelConfig, load_settings
 from proxy.errors import BackendError, Forbidden, TooManyRequests
 from proxy.lifecycle.pool import Pool
@@ -118,15 +119,15 @@ def test_responses_sends_a_provider_only_the_seeds_decoding_fields() -> None:
     req = parse({"model": "frontier-large", "input": "Hi", "thinking": "enabled", "decoding": {
         "temperature": 0.3, "top_p": 0.8, "max_tokens": 9, "stop": ["x"], "top_k": 4, "repetition_penalty": 1.2,
         "beam_size": 3}})
-    validate_for_model(req, cfg, capabilities(cfg))
-    out = backend_request(req, cfg, {"temperature": 0.7})
+    validate_for_model(req, cfg, capabilities(cfg, traits_for(cfg.backend)))
+    out = backend_request(req, cfg, traits_for(cfg.backend), {"temperature": 0.7})
     assert {k: v for k, v in out.items() if k != "messages"} == {
         "temperature": 0.3, "top_p": 0.8, "max_tokens": 9, "stop": ["x"], "thinking": {"type": "enabled"}}
 
 
 def test_file_inputs_follow_remote_file_mode() -> None:
-    assert capabilities(config(remote_file_mode="files_extract")).file_inputs
-    assert not capabilities(config()).file_inputs
+    assert capabilities(config(remote_file_mode="files_extract"), traits_for("openai_remote")).file_inputs
+    assert not capabilities(config(), traits_for("openai_remote")).file_inputs
 
 
 def write_settings(tmp_path: Path, model: str) -> Path:

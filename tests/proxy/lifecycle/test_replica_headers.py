@@ -12,8 +12,8 @@ from aiohttp import web
 
 from launchers import vllm_serve
 from proxy.config import ModelConfig
-from proxy.lifecycle.kinds import ProgramReach
-from proxy.lifecycle.pool import probe
+from proxy.lifecycle.reach import ProgramReach
+from proxy.lifecycle.monitor import probe
 
 KEY = "sk-replica-key"
 

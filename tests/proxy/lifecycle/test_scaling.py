@@ -15,6 +15,7 @@ from launchers.spec import program_name
 from proxy.config import load_settings
 from proxy.errors import BadRequest, Conflict, Unavailable
 from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 from proxy.supervisord.supervisor import ProcessState, SupervisorUnavailable
 
@@ -37,7 +38,8 @@ def world(tmp_path: Path) -> Any:
     settings.supervisor.programs_dir.mkdir(parents=True)
     for i in range(3):
         pool.programs.replica_file("m", i).write_text("; the replica's program file\n")
-        replica = Replica(model="m", index=i, spec=sim.launch(runtime.active, i, 18000 + i, 1, {}),
+        spec = sim.launch(runtime.active, i, 18000 + i, 1, {})
+        replica = Replica(model="m", index=i, spec=spec, reach=ProgramReach(spec),
                           fullname=R[i], pid=100 + i)
         runtime.replicas.append(replica)
         runtime.set_replica_state(replica, ReplicaState.STARTING)
@@ -112,8 +114,8 @@ async def test_an_ejected_remote_slot_comes_back_once_its_ejection_is_over(tmp_p
     pool = Pool(load_settings(tmp_path / "pool.yaml"), ScriptedSupervisor(), http=None, environ={})  # type: ignore[arg-type]
     runtime = await pool.load("r")
     slot = runtime.replicas[1]
-    for _ in range(pool.health.eject_after):
-        pool.report_outcome(slot, "HTTP 500 from the provider")
+    for _ in range(pool.monitor.health.eject_after):
+        pool.monitor.report_outcome(slot, "HTTP 500 from the provider")
     assert slot.state == ReplicaState.UNHEALTHY and runtime.admission.capacity == 1
     slot.eject_until = 0.0   # its back-off is over (rather than waiting eject_base_s)
     await pool.start()

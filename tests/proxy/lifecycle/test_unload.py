@@ -14,6 +14,7 @@ from launchers.spec import program_name
 from proxy.config import load_settings
 from proxy.errors import Unavailable
 from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 from proxy.supervisord.supervisor import BadName, ProcessState, StillRunning, SupervisorUnavailable
 
@@ -38,7 +39,8 @@ def world(tmp_path: Path) -> Any:
     for i in range(2):
         pool.programs.replica_file("m", i).write_text("; the replica's program file\n")
     for i, fullname in enumerate((R0, R1)):
-        replica = Replica(model="m", index=i, spec=sim.launch(settings.models["m"], i, 18000 + i, 1, {}),
+        spec = sim.launch(settings.models["m"], i, 18000 + i, 1, {})
+        replica = Replica(model="m", index=i, spec=spec, reach=ProgramReach(spec),
                           fullname=fullname, pid=100 + i)
         runtime.replicas.append(replica)
         runtime.set_replica_state(replica, ReplicaState.STARTING)

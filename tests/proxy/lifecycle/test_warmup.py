@@ -10,6 +10,7 @@ from aiohttp import web
 
 from helpers import free_port
 from launchers.spec import ProgramSpec
+from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import Replica
 from proxy.lifecycle.warmup import warm_up
 
@@ -42,7 +43,7 @@ async def server() -> AsyncIterator[tuple[dict[str, Any], list[dict[str, Any]]]]
 def replica(port: int) -> Replica:
     spec = ProgramSpec(program="m-0", argv=(), env=(), host="127.0.0.1", port=port, health_path="/health",
                        models_path=None, served_model="served-m", start_timeout_s=5, stopwaitsecs=5)
-    return Replica(model="m", index=0, spec=spec)
+    return Replica(model="m", index=0, spec=spec, reach=ProgramReach(spec))
 
 
 async def test_one_token_of_chat_with_the_served_model_name(server: Any) -> None:

@@ -16,6 +16,7 @@ from launchers.spec import ProgramSpec
 from proxy.config import load_settings
 from proxy.serving.metrics import OTHER_KEY, ProxyMetrics, usage_in
 from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 
 USAGE = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17, "prompt_tokens_details": {"cached_tokens": 8}}
@@ -100,7 +101,7 @@ def test_pool_state_is_read_at_scrape_time(pool: Pool) -> None:
     runtime.state, runtime.load_s = ModelState.LOADED, 2.5
     spec = ProgramSpec(program="s-0", argv=(), env=(), host="127.0.0.1", port=1, health_path="/health",
                        models_path=None, served_model="s", start_timeout_s=5, stopwaitsecs=5)
-    replica = Replica(model="s", index=0, spec=spec, restarts=2, ejected_total=1, probe_failures=3, warmup_s=0.25)
+    replica = Replica(model="s", index=0, spec=spec, reach=ProgramReach(spec), restarts=2, ejected_total=1, probe_failures=3, warmup_s=0.25)
     runtime.replicas = [replica]
     runtime.set_replica_state(replica, ReplicaState.STARTING)
     runtime.set_replica_state(replica, ReplicaState.READY)

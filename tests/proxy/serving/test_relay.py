@@ -9,7 +9,7 @@ import pytest
 
 from fakes import FakeSSEResponse
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable
-from proxy.serving.forward import MAX_JSON_DEPTH, _deeper_than
+from proxy.serving.body import MAX_JSON_DEPTH, _deeper_than
 from proxy.serving.relay import KNOWN_BACKEND_CODES, Timeouts, backend_error, sse_data
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from proxy.capabilities import capabilities
+from proxy.lifecycle.kinds import traits_for
 from proxy.config import ModelConfig
 from proxy.errors import BadRequest
 from proxy.serving.response_metrics import METRIC_KEYS, Timer, build
@@ -24,8 +25,8 @@ def model(backend: str = "llama_server", modalities: tuple[str, ...] = ("text",)
 def check(body: dict[str, Any], cfg: ModelConfig | None = None) -> dict[str, Any]:
     cfg = cfg or model()
     req = parse({"model": "m", **body})
-    validate_for_model(req, cfg, capabilities(cfg))
-    return backend_request(req, cfg, {"temperature": 0.7, "max_tokens": 256})
+    validate_for_model(req, cfg, capabilities(cfg, traits_for(cfg.backend)))
+    return backend_request(req, cfg, traits_for(cfg.backend), {"temperature": 0.7, "max_tokens": 256})
 
 
 def rejected(body: dict[str, Any], cfg: ModelConfig | None = None, raw: bool = False) -> BadRequest:
@@ -63,7 +64,7 @@ def test_unknown_fields_are_ignored_and_named_at_both_levels() -> None:
     body = {"model": "m", "input": "x", "min_tokens": 2, "decoding": {"min_p": 0.05, "temperature": 0.2}}
     req = parse(body)
     assert req.ignored == ("min_tokens", "decoding.min_p")
-    out = backend_request(req, model(), {})
+    out = backend_request(req, model(), traits_for("llama_server"), {})
     assert "min_p" not in out and "min_tokens" not in out and out["temperature"] == 0.2
     assert parse({"model": "m", "input": "x", "decoding": {"top_k": 1}}).ignored == ()
 

@@ -1,0 +1,261 @@
+"""The watcher: keeps every replica's state true while the pool's decisions run.
+
+It polls supervisord's process table (every supervisor.poll_interval_s, or at once when woken),
+so that a crash costs one replica until supervisord has restarted it and it answers again, and an
+admin's `supervisorctl stop` is respected; probes a starting replica until its health check (and
+warm-up) passes; runs the periodic health checks and outlier ejection of proxy/lifecycle/health.py;
+scrapes the engines' load gauges for routing; and takes the data path's reports of how a request
+to a replica ended. The pool waits on it for a load's or a scale's replicas to become healthy.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Mapping
+
+import aiohttp
+
+from launchers.spec import ProgramSpec
+from proxy.config import Settings
+from proxy.lifecycle.engine_metrics import read_gauges
+from proxy.lifecycle.health import HealthPolicy, ReadyChecks, note_failure, note_success, state_after_check
+from proxy.lifecycle.programs import Programs
+from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.warmup import warm_up
+from proxy.supervisord.supervisor import ProcessInfo, ProcessState, SupervisorClient, SupervisorError
+
+log = logging.getLogger(__name__)
+
+METRICS_INTERVAL_S = 0.5
+EXITED_STATES = (ProcessState.BACKOFF, ProcessState.EXITED, ProcessState.FATAL)
+DOWN_STATES = (ProcessState.STOPPED, ProcessState.STOPPING)
+PROBE_TIMEOUT_S = 2.0
+
+
+class Monitor:
+    """One per pool; the event loop is its only writer, like the pool's."""
+
+    def __init__(self, settings: Settings, supervisor: SupervisorClient, http: aiohttp.ClientSession,
+                 models: Mapping[str, ModelRuntime], programs: Programs) -> None:
+        self.settings = settings
+        self.supervisor = supervisor
+        self.http = http
+        self.models = models
+        self.programs = programs
+        self.health = HealthPolicy.from_settings(settings.service)
+        self.checks = ReadyChecks(self.health, lambda spec, timeout_s: probe(self.http, spec, timeout_s))
+        self._woken = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="llm-pool monitor")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def wake(self) -> None:
+        """Look at supervisord again now (a program was started, a connection was refused)."""
+        self._woken.set()
+
+    async def await_replicas(self, runtime: ModelRuntime, replicas: list[Replica] | None = None) -> None:
+        # Endpoints are judged inside their kind's start; only programs take time to become healthy.
+        replicas = runtime.replicas if replicas is None else replicas
+        deadline = time.monotonic() + max((r.spec.start_timeout_s for r in replicas if r.spec), default=0.0)
+        while True:
+            starting = [r for r in replicas if r.state == ReplicaState.STARTING]
+            if not starting:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for replica in starting:
+                    tail = await self._log_tail(replica)
+                    last = f" (last: {replica.last_error})" if replica.last_error else ""
+                    runtime.set_replica_state(replica, ReplicaState.FAILED,
+                                              f"not healthy within {replica.spec.start_timeout_s:.0f}s{last}{tail}")
+                return
+            await runtime.wait_changed(min(left, 1.0))
+
+    def report_connection_failure(self, replica: Replica, error: str) -> None:
+        """A refused connection on the data path (the request never reached the replica): its
+        process is gone or restarting, so stop routing to it at once; its health check brings it back."""
+        runtime = self.models[replica.model]
+        replica.failures += 1
+        if replica.state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
+            runtime.set_replica_state(replica, ReplicaState.STARTING, error)
+            self.wake()
+
+    def report_outcome(self, replica: Replica, error: str | None = None) -> None:
+        """How a request sent to `replica` ended: None when it answered, else why it failed (a 5xx,
+        a timeout, a broken connection). Failures in a row eject it (proxy/health.py); a single
+        failure never takes it out of rotation by itself."""
+        if error is None:
+            note_success(replica)
+            return
+        runtime = self.models.get(replica.model)
+        if runtime is not None and replica in runtime.replicas:
+            if note_failure(runtime, replica, error, self.health):
+                log.warning("model %s replica %d ejected: %s", replica.model, replica.index, replica.last_error)
+
+    async def _loop(self) -> None:
+        interval = self.settings.supervisor.poll_interval_s
+        while True:
+            try:
+                taken = time.monotonic()
+                processes = await self.programs.snapshot()
+                for runtime in self.models.values():
+                    if runtime.state in (ModelState.LOADING, ModelState.LOADED):
+                        for replica in runtime.replicas:
+                            if replica.spec is None:
+                                # An endpoint: no program for supervisord to judge, no health path
+                                # to probe. An ejected one comes back once its ejection is over;
+                                # failing again ejects it again, for longer.
+                                self.checks.maybe_recheck(runtime, replica)
+                                continue
+                            # A replica whose state changed while the snapshot was in flight (a load
+                            # just started it) is judged on the next, fresher snapshot.
+                            if replica.state_since <= taken:
+                                await self.observe(runtime, replica, processes.get(replica.fullname))
+                            self._maybe_scrape(replica)
+                            self.checks.maybe_check(runtime, replica)
+            except SupervisorError as exc:
+                log.warning("monitor: %s", exc)
+            except Exception:
+                log.exception("monitor iteration failed")
+            self._woken.clear()
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: a stop's cancel is never lost
+                async with asyncio.timeout(interval):
+                    await self._woken.wait()
+
+    async def observe(self, runtime: ModelRuntime, replica: Replica, info: ProcessInfo | None) -> None:
+        state = replica.state
+        if state in (ReplicaState.STOPPING,):
+            return
+        if info is None:
+            if state != ReplicaState.STOPPED:
+                runtime.set_replica_state(replica, ReplicaState.STOPPED, "program no longer known to supervisord")
+            return
+        pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid)
+        if pid_changed:
+            replica.restarts += 1
+            replica.failures += 1  # a process that keeps crashing is ejected like one that keeps failing
+        if info.pid:
+            replica.pid = info.pid
+        if info.state == ProcessState.FATAL and state in (ReplicaState.READY, ReplicaState.STARTING,
+                                                          ReplicaState.UNHEALTHY):
+            tail = await self._log_tail(replica)
+            runtime.set_replica_state(replica, ReplicaState.FAILED, "supervisord gave up restarting it" + tail)
+            return
+        if state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
+            if info.state in DOWN_STATES:
+                # An admin's `supervisorctl stop`: respected, never undone by the pool.
+                runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
+            elif info.state != ProcessState.RUNNING or pid_changed:
+                runtime.set_replica_state(replica, ReplicaState.STARTING,
+                                          f"process exited ({info.description or info.state.name}); restarting")
+            elif state == ReplicaState.UNHEALTHY:
+                self.checks.maybe_recheck(runtime, replica)
+            return
+        if state == ReplicaState.STARTING:
+            if runtime.state == ModelState.LOADING and (info.state in EXITED_STATES or pid_changed):
+                runtime.set_replica_state(replica, ReplicaState.FAILED,
+                                          f"exited during start ({info.description or info.state.name})"
+                                          + await self._log_tail(replica))
+                await self._stop_quietly(replica)
+                return
+            if info.state in DOWN_STATES and runtime.state == ModelState.LOADED:
+                runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
+                return
+            if info.state == ProcessState.RUNNING:
+                if replica.probe is None or replica.probe.done():
+                    replica.probe = asyncio.create_task(self._probe(runtime, replica, info.pid))
+            return
+        # STOPPED or FAILED: an admin may bring the process back with supervisorctl start.
+        if runtime.state == ModelState.LOADED and info.state in (ProcessState.STARTING, ProcessState.RUNNING):
+            runtime.set_replica_state(replica, ReplicaState.STARTING)
+            self.wake()
+
+    async def _probe(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
+        ok, error = await probe(self.http, replica.spec)
+        if replica.state != ReplicaState.STARTING or replica.pid != pid:
+            return
+        if ok:
+            after = state_after_check(runtime, replica, self.health)
+            if after == ReplicaState.READY and (runtime.active or runtime.config).get("warmup"):
+                # READY only once one generation went through; a failure is retried like a failed check.
+                seconds, error = await warm_up(self.http, replica, replica.spec.start_timeout_s)
+                if replica.state != ReplicaState.STARTING or replica.pid != pid:
+                    return
+                if seconds is None:
+                    replica.probe_failures += 1
+                    replica.last_error = error
+                    log.warning("model %s replica %d: %s", replica.model, replica.index, error)
+                    return
+                replica.warmup_s = seconds
+                log.info("model %s replica %d warmed up in %.3fs", replica.model, replica.index, seconds)
+            runtime.set_replica_state(replica, after)
+            if replica.state == ReplicaState.READY:
+                replica.last_error = None
+        elif error:
+            replica.last_error = error
+
+    def _maybe_scrape(self, replica: Replica) -> None:
+        """Refresh the backend's load gauges in the background, at most every METRICS_INTERVAL_S."""
+        if replica.state != ReplicaState.READY or replica.spec.metrics is None:
+            return
+        if replica.scrape is not None and (not replica.scrape.done() or
+                                           time.monotonic() - replica.scraped_at < METRICS_INTERVAL_S):
+            return
+        replica.scrape = asyncio.create_task(self._scrape(replica))
+
+    async def _scrape(self, replica: Replica) -> None:
+        assert replica.spec.metrics is not None
+        try:
+            async with self.http.get(replica.reach.url("/metrics"), headers=dict(replica.spec.headers),
+                                     timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            text = ""
+        replica.scraped_at = time.monotonic()
+        if replica.state == ReplicaState.READY:  # it may have left READY while the scrape was in flight
+            replica.reported = read_gauges(text, replica.spec.metrics) if text else {}
+
+    async def _log_tail(self, replica: Replica, length: int = 2000) -> str:
+        try:
+            text = await self.supervisor.tail_log(replica.fullname, length)
+        except SupervisorError:
+            return ""
+        text = text.strip()
+        return f"; log tail:\n{text}" if text else ""
+
+    async def _stop_quietly(self, replica: Replica) -> None:
+        try:
+            await self.supervisor.stop_process(replica.fullname)
+        except SupervisorError:
+            pass
+
+
+async def probe(http: aiohttp.ClientSession, spec: ProgramSpec | None,
+                timeout_s: float = PROBE_TIMEOUT_S) -> tuple[bool, str | None]:
+    """Healthy when the health path answers 200 and the server serves the expected model. An
+    endpoint (no spec) has nothing to probe between requests: its requests are its health check."""
+    if spec is None:
+        return True, None
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with http.get(spec.base_url + spec.health_path, timeout=timeout, headers=dict(spec.headers)) as resp:
+            if resp.status != 200:
+                return False, None  # llama-server answers 503 while it loads
+        if spec.models_path:
+            async with http.get(spec.base_url + spec.models_path, timeout=timeout, headers=dict(spec.headers)) as resp:
+                data = await resp.json(content_type=None)
+            ids = {m.get("id") for m in data.get("data", [])} if isinstance(data, dict) else set()
+            if spec.served_model not in ids:
+                return False, f"port {spec.port} serves {sorted(i for i in ids if i)}, not {spec.served_model!r}"
+        return True, None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return False, None

@@ -1,0 +1,68 @@
+"""How a request reaches one replica: the data path's whole view of a replica's kind.
+
+A replica carries a `Reach`; the data path sends to it without knowing whether it is a program on
+this machine (`ProgramReach`, here) or a remote provider (proxy/lifecycle/remote.py).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+import aiohttp
+
+from launchers.spec import ProgramSpec
+
+# Fields only llm-pool reads; a backend must never see them (the fairness key least of all).
+# Every kind's reach strips them, so this is the one list.
+PROXY_ONLY_FIELDS = ("fairness_key", "allow_remote")
+
+
+class Reach(Protocol):
+    """How a request gets to one replica."""
+
+    served_model: str           # the `model` the replica expects
+    engine_timings: bool        # its `timings` were measured by an engine we run (llama-server's own)
+
+    def url(self, path: str) -> str: ...
+
+    async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
+                   timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        """Send one OpenAI request. A refused or reset connection propagates (the replica died since
+        it was picked); anything a kind handles itself becomes a PoolError."""
+        ...
+
+    def describe(self) -> dict[str, object]: ...
+
+
+class ProgramReach:
+    """A replica that is a server process on this machine: plain HTTP to its port."""
+
+    engine_timings = True
+
+    def __init__(self, spec: ProgramSpec) -> None:
+        self.base_url = spec.base_url
+        self.served_model = spec.served_model
+        self.headers = dict(spec.headers)   # e.g. vLLM's bearer key: sent, never logged
+        # A backend's own bound on the wait for an answer's next bytes (vllm_serve_timeout_s).
+        self.read_timeout_s = spec.request_timeout_s
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
+                   timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        body = json.dumps({**without_proxy_fields(payload), "model": self.served_model}).encode()
+        if self.read_timeout_s is not None:
+            timeout = aiohttp.ClientTimeout(total=timeout.total, sock_connect=timeout.sock_connect,
+                                            sock_read=self.read_timeout_s)
+        return await http.post(self.url(path), data=body, timeout=timeout,
+                               headers={**self.headers, "Content-Type": "application/json", "X-Request-Id": request_id})
+
+    def describe(self) -> dict[str, object]:
+        return {}
+
+
+def without_proxy_fields(payload: dict[str, Any]) -> dict[str, Any]:
+    if not any(k in payload for k in PROXY_ONLY_FIELDS):
+        return payload
+    return {k: v for k, v in payload.items() if k not in PROXY_ONLY_FIELDS}

@@ -1,0 +1,92 @@
+"""The edge of a request: its body, its model, its fairness key and whether it may be served now.
+
+What a route decides before the data path (proxy/serving/forward.py) takes a slot: read once here,
+in this order, by every public route.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from proxy.errors import BadRequest, Conflict, TooLarge, Unavailable
+from proxy.fairness import normalize_key
+from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.replicas import ModelState
+from proxy.lifecycle.runtime import ModelRuntime
+from proxy.serving.keys import FAIRNESS_KEY, MODEL, SETTINGS
+
+# Deeper bodies are refused before anything walks them (schema checks, re-encoding recurse).
+MAX_JSON_DEPTH = 128
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[SETTINGS].service.max_body_bytes
+        raise TooLarge(f"request body is over the limit of {limit} bytes (service.max_body_bytes)") from None
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise _too_deep() from None
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    if _deeper_than(body, MAX_JSON_DEPTH):
+        raise _too_deep()
+    return body
+
+
+def _too_deep() -> BadRequest:
+    return BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Iterative, so a deep document cannot exhaust the stack while it is measured."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def requested_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("`model` is required and must be a non-empty string", code="missing_model", param="model")
+    return model
+
+
+def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
+    """From the body's `fairness_key`, else the X-Fairness-Key header (for plain OpenAI clients)."""
+    key = body.get("fairness_key")
+    if key is not None and not isinstance(key, str):
+        raise BadRequest("`fairness_key` must be a string", code="invalid_fairness_key", param="fairness_key")
+    key = normalize_key(key if key is not None else request.headers.get("X-Fairness-Key"))
+    request[FAIRNESS_KEY] = key
+    return key
+
+
+def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) -> ModelRuntime:
+    """The model's runtime if this request may be sent to it now; otherwise the right error."""
+    runtime = pool.get(name)
+    request[MODEL] = name
+    if runtime.kind is not None:
+        runtime.kind.gate(runtime.active or runtime.config, request.headers, body)  # e.g. allow_remote
+    if runtime.state == ModelState.LOADING:
+        raise Unavailable(f"model {name!r} is loading", code="model_loading", retry_after=5)
+    if runtime.state == ModelState.UNLOADING:
+        raise Unavailable(f"model {name!r} is being unloaded", code="model_unloading", retry_after=5)
+    if runtime.state != ModelState.LOADED:
+        raise Conflict(f"model {name!r} is configured but not loaded; load it with "
+                       f"POST /v1/admin/models/{name}/load", code="model_not_loaded", param="model")
+    if not runtime.ready():
+        raise Unavailable(f"model {name!r} has no healthy replica right now", code="model_unavailable",
+                          retry_after=2)
+    return runtime
