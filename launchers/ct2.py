@@ -36,7 +36,8 @@ def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[s
 
 
 def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
-    return shim_spec(model, replica, port, stopwaitsecs, environ, argv(model, SHIM_HOST, port, stopwaitsecs), DEFAULT_START_TIMEOUT_S, METRICS)
+    return shim_spec(model, replica, port, stopwaitsecs, environ, argv(model, SHIM_HOST, port, stopwaitsecs),
+                     DEFAULT_START_TIMEOUT_S, METRICS)
 
 
 def option_problems(model: ModelConfig) -> list[str]:

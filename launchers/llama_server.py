@@ -59,7 +59,7 @@ def binary(model: ModelConfig) -> str:
     """The configured binary, else llama-server on PATH, else the build `llm-pool setup` caches."""
     configured = model.get("llama_server_binary")
     if configured:
-        return configured
+        return str(configured)
     return shutil.which("llama-server") or str(cached_llama_server())
 
 

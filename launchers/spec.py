@@ -57,9 +57,21 @@ class ProgramSpec:
 class Launcher(Protocol):
     """What every backend module in launchers/ provides (each module is one of these)."""
 
-    TRAITS: Traits                      # what the backend can do (proxy/capabilities.py)
-    LOAD_OVERRIDES: tuple[str, ...]     # the fields a load may override for a while
-    PORT_FIELD: str                     # the field that fixes a replica's port (replica i: port + i)
+    # Read-only, so that a module's constants (a tuple of three names, say) satisfy them.
+    @property
+    def TRAITS(self) -> Traits:
+        """What the backend can do (proxy/capabilities.py)."""
+        ...
+
+    @property
+    def LOAD_OVERRIDES(self) -> tuple[str, ...]:
+        """The fields a load may override for a while."""
+        ...
+
+    @property
+    def PORT_FIELD(self) -> str:
+        """The field that fixes a replica's port (replica i: that port + i)."""
+        ...
 
     def check(self, model: ModelConfig) -> list[str]:
         """Problems that stop the model from loading (missing files, refused values), by field."""

@@ -48,7 +48,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3
                    "nvfp4_ds_mla", "turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                    "turboquant_k8v4", "ultraquant_4bit")
 # What the backend can do (proxy/capabilities.py reads it; nothing else names the backend).
-TRAITS = Traits(multi_turn=True, thinking="template")
+TRAITS = Traits(multi_turn=True, thinking="template", model_field="vllm_model")
 # Runtime knobs an admin may change for one load without editing files (seed: "Live admin overrides").
 LOAD_OVERRIDES = ("vllm_max_model_len", "vllm_kv_cache_dtype", "vllm_kv_cache_memory_bytes", "vllm_max_pixels",
                   "vllm_speculative_method", "vllm_speculative_model", "vllm_speculative_moe_backend",

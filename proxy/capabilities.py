@@ -28,6 +28,7 @@ class Traits:
     # The decoding fields it takes besides stop (None: all); the others are accepted and ignored.
     decoding_only: tuple[str, ...] | None = None
     file_inputs_field: str | None = None             # the field that lets it take file items
+    model_field: str = "model_path"                  # the field that names the model it serves
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ DEFAULT_SERVICE = {"host": "127.0.0.1", "port": 8011, "log_level": "info", "max_
                    "drain_timeout_s": 30.0, "admin_token_env": None}
 # Reliability defaults (README: Timeouts, health and ejection). A long prefill on a big model is
 # legitimate, so the first byte gets minutes; a stream that goes quiet mid-answer does not.
-DEFAULT_RELIABILITY = {"first_byte_timeout_s": 600.0, "stream_idle_timeout_s": 120.0,
+DEFAULT_RELIABILITY: dict[str, Any] = {"first_byte_timeout_s": 600.0, "stream_idle_timeout_s": 120.0,
                        "max_response_bytes": 64 * 1024 * 1024, "health_interval_s": 5.0, "health_timeout_s": 5.0,
                        "eject_after_failures": 5, "eject_base_s": 30.0, "eject_max_s": 300.0}
 DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "port_range": [18100, 18999],

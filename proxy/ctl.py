@@ -213,7 +213,7 @@ COMMANDS: dict[str, Callable[..., None]] = {"models": cmd_models, "load": cmd_lo
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add `ctl` and its commands to the `llm-pool` subparsers."""
-    ctl = sub.add_parser("ctl", help="operate a running proxy through its admin API",
+    ctl: argparse.ArgumentParser = sub.add_parser("ctl", help="operate a running proxy through its admin API",
                          description="Exit codes: 0 ok, 1 refused by the server (4xx), 2 usage error, "
                                      "3 server error or no answer (5xx, connection refused, timeout).")
     ctl.add_argument("--url", help="the proxy's base URL (default: service.host and service.port of the settings)")

@@ -1,14 +1,13 @@
-"""One error hierarchy for the proxy, rendered in one place as the OpenAI error envelope."""
+"""One error hierarchy for the proxy, as values: each knows its OpenAI envelope and headers.
+
+It is rendered to HTTP in one place, proxy/serving/errors_http.py; this module stays free of aiohttp so
+that the pure decisions (admission, fairness) can raise these.
+"""
 from __future__ import annotations
 
 import json
-import logging
 import math
 from typing import Any
-
-from aiohttp import web
-
-log = logging.getLogger(__name__)
 
 # Every 429 and 503 tells the client when to come back, even where nothing better is known.
 DEFAULT_RETRY_AFTER_S = 2.0
@@ -111,40 +110,6 @@ class BackendTimeout(PoolError):
     code = "backend_timeout"
 
 
-def error_response(err: PoolError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers())
-
-
 def sse_error_event(err: PoolError) -> bytes:
     """The error as an SSE event, for failures after a stream has started (headers already sent)."""
     return b"event: error\ndata: " + json.dumps(err.body()).encode() + b"\n\n"
-
-
-def from_http_exception(exc: web.HTTPException) -> PoolError:
-    """aiohttp raises these itself (body too large, unknown route, wrong method)."""
-    codes = {404: ("not_found", NotFound), 405: ("method_not_allowed", BadRequest),
-             413: ("request_too_large", TooLarge)}
-    code, cls = codes.get(exc.status, ("http_error", PoolError))
-    return cls(exc.reason if exc.status != 413 else exc.text or exc.reason, code=code, status=exc.status)
-
-
-# The metrics' error code of a request answered by `error_middleware` (kept here, not in keys.py,
-# which imports what imports this module).
-ERROR_CODE = web.RequestKey("error_code", str)
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except PoolError as err:
-        request[ERROR_CODE] = err.metric_code
-        return error_response(err)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(from_http_exception(exc))
-    except Exception:
-        # Unknown failures are the proxy's fault, never the client's: 500, with the trace in the log.
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(PoolError("internal error in llm-pool; see the proxy log"))

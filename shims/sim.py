@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from shims.core import EngineFault, GenerationRequest, base_parser, create_app, run
 
@@ -212,7 +213,7 @@ def _fault_middleware(engine: SimEngine) -> Any:
     rng = random.Random(None if params.seed is None else params.seed + 1)
 
     @web.middleware
-    async def faults(request: web.Request, handler: Any) -> web.StreamResponse:
+    async def faults(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method != "POST" or not request.path.endswith("completions"):
             return await handler(request)
         engine.counters["requests_received"] += 1

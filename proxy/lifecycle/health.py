@@ -42,7 +42,7 @@ class HealthPolicy:
                    eject_max_s=service.eject_max_s)
 
     def backoff(self, ejections: int) -> float:
-        return min(self.eject_max_s, self.eject_base_s * 2 ** max(0, ejections - 1))
+        return min(self.eject_max_s, self.eject_base_s * 2.0 ** max(0, ejections - 1))
 
 
 def note_success(replica: Replica) -> None:

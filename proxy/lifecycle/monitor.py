@@ -17,7 +17,7 @@ from typing import Mapping
 
 import aiohttp
 
-from launchers.spec import ProgramSpec
+from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.config import Settings
 from proxy.lifecycle.engine_metrics import read_gauges
 from proxy.lifecycle.health import HealthPolicy, ReadyChecks, note_failure, note_success, state_after_check
@@ -75,8 +75,9 @@ class Monitor:
                 for replica in starting:
                     tail = await self._log_tail(replica)
                     last = f" (last: {replica.last_error})" if replica.last_error else ""
+                    limit = replica.spec.start_timeout_s if replica.spec else 0.0
                     runtime.set_replica_state(replica, ReplicaState.FAILED,
-                                              f"not healthy within {replica.spec.start_timeout_s:.0f}s{last}{tail}")
+                                              f"not healthy within {limit:.0f}s{last}{tail}")
                 return
             await runtime.wait_changed(min(left, 1.0))
 
@@ -170,24 +171,24 @@ class Monitor:
             if info.state in DOWN_STATES and runtime.state == ModelState.LOADED:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
                 return
-            if info.state == ProcessState.RUNNING:
+            if info.state == ProcessState.RUNNING and replica.spec is not None:
                 if replica.probe is None or replica.probe.done():
-                    replica.probe = asyncio.create_task(self._probe(runtime, replica, info.pid))
+                    replica.probe = asyncio.create_task(self._probe(runtime, replica, replica.spec, info.pid))
             return
         # STOPPED or FAILED: an admin may bring the process back with supervisorctl start.
         if runtime.state == ModelState.LOADED and info.state in (ProcessState.STARTING, ProcessState.RUNNING):
             runtime.set_replica_state(replica, ReplicaState.STARTING)
             self.wake()
 
-    async def _probe(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
-        ok, error = await probe(self.http, replica.spec)
+    async def _probe(self, runtime: ModelRuntime, replica: Replica, spec: ProgramSpec, pid: int) -> None:
+        ok, error = await probe(self.http, spec)
         if replica.state != ReplicaState.STARTING or replica.pid != pid:
             return
         if ok:
             after = state_after_check(runtime, replica, self.health)
             if after == ReplicaState.READY and (runtime.active or runtime.config).get("warmup"):
                 # READY only once one generation went through; a failure is retried like a failed check.
-                seconds, error = await warm_up(self.http, replica, replica.spec.start_timeout_s)
+                seconds, error = await warm_up(self.http, replica, spec.start_timeout_s)
                 if replica.state != ReplicaState.STARTING or replica.pid != pid:
                     return
                 if seconds is None:
@@ -198,31 +199,31 @@ class Monitor:
                 replica.warmup_s = seconds
                 log.info("model %s replica %d warmed up in %.3fs", replica.model, replica.index, seconds)
             runtime.set_replica_state(replica, after)
-            if replica.state == ReplicaState.READY:
+            if after == ReplicaState.READY:
                 replica.last_error = None
         elif error:
             replica.last_error = error
 
     def _maybe_scrape(self, replica: Replica) -> None:
         """Refresh the backend's load gauges in the background, at most every METRICS_INTERVAL_S."""
-        if replica.state != ReplicaState.READY or replica.spec.metrics is None:
+        spec = replica.spec
+        if replica.state != ReplicaState.READY or spec is None or spec.metrics is None:
             return
         if replica.scrape is not None and (not replica.scrape.done() or
                                            time.monotonic() - replica.scraped_at < METRICS_INTERVAL_S):
             return
-        replica.scrape = asyncio.create_task(self._scrape(replica))
+        replica.scrape = asyncio.create_task(self._scrape(replica, spec, spec.metrics))
 
-    async def _scrape(self, replica: Replica) -> None:
-        assert replica.spec.metrics is not None
+    async def _scrape(self, replica: Replica, spec: ProgramSpec, metrics: EngineMetrics) -> None:
         try:
-            async with self.http.get(replica.reach.url("/metrics"), headers=dict(replica.spec.headers),
+            async with self.http.get(replica.reach.url("/metrics"), headers=dict(spec.headers),
                                      timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
                 text = await resp.text() if resp.status == 200 else ""
         except (aiohttp.ClientError, asyncio.TimeoutError):
             text = ""
         replica.scraped_at = time.monotonic()
         if replica.state == ReplicaState.READY:  # it may have left READY while the scrape was in flight
-            replica.reported = read_gauges(text, replica.spec.metrics) if text else {}
+            replica.reported = read_gauges(text, metrics) if text else {}
 
     async def _log_tail(self, replica: Replica, length: int = 2000) -> str:
         try:

@@ -179,7 +179,8 @@ class Pool:
         if runtime.state in (ModelState.UNLOADED, ModelState.UNLOADING):
             raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
         async with runtime.lock:
-            if runtime.state == ModelState.UNLOADED:
+            # It may have changed while this waited for the lock (a load that failed, a racing unload).
+            if runtime.state == ModelState.UNLOADED:  # type: ignore[comparison-overlap]
                 raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
             runtime.move(ModelState.UNLOADING)
             started = time.monotonic()

@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from launchers import launcher_for
-from launchers.spec import Launcher, ports_in_file, program_name, render_replica, replica_index
+from launchers.spec import Launcher, ProgramSpec, ports_in_file, program_name, render_replica, replica_index
 from proxy.config import ModelConfig, Settings
 from proxy.errors import Unavailable
 from proxy.supervisord.orphans import PidRecord
 from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
-from proxy.supervisord.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning, SupervisorClient,
-                              SupervisorError)
+from proxy.supervisord.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning,
+                                          SupervisorClient, SupervisorError)
 
 log = logging.getLogger(__name__)
 
@@ -101,32 +101,31 @@ class Programs:
             previous.update(ports_in_file(path.read_text()))
         ports = self._assign_ports(config, launcher, previous)
         log_dir = self.settings.service.state_dir / "logs"
-        added = []
-        for i in indices:
-            spec = launcher.launch(config, i, ports[i], self.settings.supervisor.stopwaitsecs, self.environ)
-            added.append(Replica(model=config.name, index=i, spec=spec, fullname=f"{spec.program}:{spec.program}",
-                                 reach=ProgramReach(spec)))
+        specs = [launcher.launch(config, i, ports[i], self.settings.supervisor.stopwaitsecs, self.environ)
+                 for i in indices]
+        added = [Replica(model=config.name, index=i, spec=spec, fullname=f"{spec.program}:{spec.program}",
+                         reach=ProgramReach(spec)) for i, spec in zip(indices, specs)]
         runtime.replicas = runtime.replicas + added
-        to_start = []
-        for replica in added:
-            text = render_replica(config.name, replica.spec, log_dir)
+        to_start: list[tuple[Replica, ProgramSpec]] = []
+        for replica, spec in zip(added, specs):
+            text = render_replica(config.name, spec, log_dir)
             path = self.replica_file(config.name, replica.index)
-            info = self.running(replica.spec.program)
+            info = self.running(spec.program)
             if adopt and info is not None and path.exists() and path.read_text() == text:
                 log.info("model %s: adopting running replica %d (pid %d)", config.name, replica.index, info.pid)
                 replica.pid = info.pid
                 runtime.set_replica_state(replica, ReplicaState.STARTING)
                 continue
-            await self.remove_group(replica.spec.program)
+            await self.remove_group(spec.program)
             log_dir.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".conf.tmp")
             tmp.write_text(text)
             tmp.replace(path)
-            to_start.append(replica)
+            to_start.append((replica, spec))
         if to_start:
             await self.supervisor.reload_config()
-            for replica in to_start:
-                await self.supervisor.add_process_group(replica.spec.program)
+            for replica, spec in to_start:
+                await self.supervisor.add_process_group(spec.program)
                 runtime.set_replica_state(replica, ReplicaState.STARTING)
                 await self.supervisor.start_process(replica.fullname)
         self.wake()

@@ -38,7 +38,7 @@ RETRY_BACKOFF_S = 0.2   # first wait after a failure without Retry-After; double
 # provider's own thinking switch, the seed's decoding mapping (temperature, top_p, max_tokens and
 # stop), and file items where `remote_file_mode` says how.
 TRAITS = Traits(multi_turn=True, thinking="provider", decoding_only=("max_tokens", "temperature", "top_p"),
-                file_inputs_field="remote_file_mode")
+                file_inputs_field="remote_file_mode", model_field="remote_model")
 
 
 class Secret:
@@ -210,7 +210,8 @@ async def _read_and_close(resp: aiohttp.ClientResponse) -> bytes:
 class EndpointKind:
     """`openai_remote` models: one endpoint replica per configured replica, no program."""
 
-    def __init__(self, http: aiohttp.ClientSession, environ: Mapping[str, str]) -> None:
+    def __init__(self, http: aiohttp.ClientSession | None, environ: Mapping[str, str]) -> None:
+        # http None: for checks only (check-config); a start needs the session.
         self.http = http
         self.environ = environ
 
@@ -237,6 +238,7 @@ class EndpointKind:
     async def _health(self, config: ModelConfig, reach: RemoteReach) -> str | None:
         """remote_health_check: models: GET {base}/models once and find remote_model in it."""
         url = reach.url("/v1/models")
+        assert self.http is not None, "a remote model's health check needs the proxy's HTTP session"
         try:
             async with self.http.get(url, headers=reach.headers(json_body=False),
                                      timeout=aiohttp.ClientTimeout(total=reach.timeout_s)) as resp:
@@ -249,7 +251,8 @@ class EndpointKind:
         except (ValueError, AttributeError):
             return f"GET {url} did not answer with an OpenAI model list"
         if reach.served_model not in ids:
-            return f"remote_model {reach.served_model!r} is not among the models {url} lists: {sorted(map(str, ids))[:20]}"
+            listed = sorted(map(str, ids))[:20]
+            return f"remote_model {reach.served_model!r} is not among the models {url} lists: {listed}"
         return None
 
     async def stop(self, runtime: ModelRuntime) -> None:

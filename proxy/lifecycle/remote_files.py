@@ -58,7 +58,9 @@ async def extracted(http: aiohttp.ClientSession, reach: RemoteReach,
 
 async def _extract(http: aiohttp.ClientSession, reach: RemoteReach, item: dict[str, Any],
                    uploaded: list[str]) -> str:
-    file = item.get("file") if isinstance(item.get("file"), dict) else {}
+    file = item.get("file")
+    if not isinstance(file, dict):
+        file = {}
     name = str(file.get("filename") or "upload")
     data_url = file.get("file_data")
     if not isinstance(data_url, str) or not data_url.startswith("data:") or ";base64," not in data_url:

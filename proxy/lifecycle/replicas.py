@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from launchers.spec import ProgramSpec
 
 if TYPE_CHECKING:
-    from proxy.lifecycle.kinds import Reach
+    from proxy.lifecycle.reach import Reach
 
 
 class ReplicaState(str, enum.Enum):

@@ -25,14 +25,16 @@ REDACTED = "<redacted>"
 # Schema keywords a form needs to offer and check a value; descriptions help label it.
 CONSTRAINT_KEYWORDS = ("enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "items",
                        "properties", "additionalProperties", "minItems", "maxItems", "description")
-# Shown at the top level of `definition`; every other configured field goes under `fields`.
-DEFINITION_FIELDS = ("model_path", "vllm_model", "prompt_format", "description")
+# Shown at the top level of `definition`, with the field naming the model the backend serves (its
+# traits' model_field); every other configured field goes under `fields`.
+DEFINITION_FIELDS = ("model_path", "prompt_format", "description")
 
 
 def model_schema() -> dict[str, Any]:
     """The schema's properties of one model definition."""
     schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
-    return schema["$defs"]["model"]["properties"]
+    properties: dict[str, Any] = schema["$defs"]["model"]["properties"]
+    return properties
 
 
 def load_constraints(model: ModelConfig, properties: Mapping[str, Any], loadable: bool) -> dict[str, Any]:
@@ -59,14 +61,15 @@ def load_constraints(model: ModelConfig, properties: Mapping[str, Any], loadable
     }
 
 
-def definition(model: ModelConfig, environ: Mapping[str, str]) -> dict[str, Any]:
+def definition(model: ModelConfig, environ: Mapping[str, str], model_field: str = "model_path") -> dict[str, Any]:
     """The model as configured (not as loaded), secrets redacted: API keys and tokens are never shown,
     and a `*_env` field shows which variable it names and whether that variable is set."""
+    top = tuple(dict.fromkeys((model_field, *DEFINITION_FIELDS)))
     fields = {k: redact(k, v, environ) for k, v in sorted(model.options.items())
-              if k not in DEFINITION_FIELDS and k not in ("backend", "modalities", "replicas", "replica_max")}
+              if k not in top and k not in ("backend", "modalities", "replicas", "replica_max")}
     return {
         "backend": model.backend,
-        **{k: redact(k, model.options.get(k), environ) for k in DEFINITION_FIELDS},
+        **{k: redact(k, model.options.get(k), environ) for k in top},
         "modalities": list(model.modalities),
         "replicas": model.replicas,
         "replica_max": model.replica_max,
@@ -143,7 +146,7 @@ def _json_type(value: Any) -> str:
 
 
 def admin_row(described: dict[str, Any], model: ModelConfig, properties: Mapping[str, Any],
-              environ: Mapping[str, str], loadable: bool) -> dict[str, Any]:
+              environ: Mapping[str, str], loadable: bool, model_field: str = "model_path") -> dict[str, Any]:
     """A runtime's `describe()` with its load constraints and its definition added."""
     return {**described, "load_constraints": load_constraints(model, properties, loadable),
-            "definition": definition(model, environ)}
+            "definition": definition(model, environ, model_field)}

@@ -11,13 +11,15 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from proxy.supervisord import managed
 from proxy.serving import routes_admin
 from proxy.serving import routes_public
 from proxy.serving import routes_responses
 from proxy.config import Settings
-from proxy.errors import ERROR_CODE, NotFound, error_middleware
+from proxy.errors import NotFound
+from proxy.serving.errors_http import ERROR_CODE, error_middleware
 from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, MODEL, POOL, SETTINGS, STARTED, STREAM_ERROR, VRAM
 from proxy.serving.metrics import ProxyMetrics
 from proxy.supervisord.orphans import PidRecord
@@ -30,7 +32,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 @web.middleware
-async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Count and time every request that reached a served model, with its final status and error code."""
     started = time.perf_counter()
     request[STARTED] = started
@@ -54,7 +56,7 @@ def _error_code(request: web.Request, response: web.StreamResponse | None) -> st
     where the error was answered, or read from a small error body built elsewhere."""
     failed = request.get(STREAM_ERROR) or request.get(ERROR_CODE)
     if failed is not None:
-        return failed
+        return str(failed)
     if response is None or response.status < 400 or not isinstance(response, web.Response) or \
             not isinstance(response.body, bytes):
         return ""
@@ -70,9 +72,9 @@ def admin_listener_middleware(admin_port: int) -> Any:
     """With service.admin_port, the admin API answers on that listener only, and nothing else does
     (but /health): a public port that never routes /v1/admin/* cannot expose it by mistake."""
     @web.middleware
-    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         sockname = request.transport.get_extra_info("sockname") if request.transport else None
-        on_admin = bool(sockname) and sockname[1] == admin_port
+        on_admin = isinstance(sockname, tuple) and sockname[1] == admin_port
         if request.path.startswith("/v1/admin/") != on_admin and request.path != "/health":
             raise NotFound(f"no route {request.path} on this listener", code="not_found")
         return await handler(request)

@@ -102,7 +102,8 @@ class ProxyMetrics:
         self.latency = Histogram("llm_pool_request_seconds", "Time to the end of the response",
                                  ["model", "endpoint"], registry=r, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("llm_pool_time_to_first_token_seconds",
-                              "Streams: from the request's arrival to the answer's first bytes (/v1/responses: first text)",
+                              "Streams: from the request's arrival to the answer's first bytes "
+                              "(/v1/responses: first text)",
                               ["model", "endpoint"], registry=r, buckets=LATENCY_BUCKETS)
         self.queue_wait = Histogram("llm_pool_queue_wait_seconds", "Time waiting for a slot (fairness queue)",
                                     ["model"], registry=r, buckets=QUEUE_BUCKETS)

@@ -41,7 +41,8 @@ async def admin_models(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     properties = model_schema()
     return web.json_response({"object": "list", "data": [admin_row(rt.describe(), rt.config, properties, pool.environ,
-                                                                   loadable=rt.kind is not None)
+                                                                   loadable=rt.kind is not None,
+                                                                   model_field=rt.traits.model_field)
                                                          for rt in pool.models.values()]})
 
 
@@ -156,7 +157,8 @@ async def admin_logs(request: web.Request) -> web.Response:
             end = offset + len(text.encode("utf-8"))
     except SupervisorError as exc:
         raise Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=1) from exc
-    return web.json_response({"model": runtime.name, "replica": index, "program": replica.spec.program if replica.spec else None,
+    return web.json_response({"model": runtime.name, "replica": index,
+                              "program": replica.spec.program if replica.spec else None,
                               "text": text, "offset": end, "overflow": overflow})
 
 

@@ -13,7 +13,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncGenerator, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -101,7 +101,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 async def _relay(request: web.Request, runtime: ModelRuntime, queued: Any, payload: dict[str, Any],
-                 request_id: str, timer: response_metrics.Timer) -> AsyncIterator[_Piece]:
+                 request_id: str, timer: response_metrics.Timer) -> AsyncGenerator[_Piece, None]:
     """The one path of a /v1/responses request through the pool: wait for a slot, send to a
     replica, and yield the answer's text as it comes (a JSON answer as one piece, a stream chunk
     by chunk). A backend failure is raised; the caller's output decides how the client hears it."""
@@ -155,7 +155,7 @@ def _chat_completion(raw: bytes) -> tuple[str, dict[str, Any] | None, dict[str, 
     return text, _numbers(answer.get("usage")), _numbers(answer.get("timings"))
 
 
-async def _as_json(request: web.Request, relay: AsyncIterator[_Piece], timer: response_metrics.Timer,
+async def _as_json(request: web.Request, relay: AsyncGenerator[_Piece, None], timer: response_metrics.Timer,
                    runtime: ModelRuntime, response_id: str, model: str, headers: Mapping[str, str]) -> web.Response:
     async with contextlib.aclosing(relay):
         pieces = [piece async for piece in relay]
@@ -166,7 +166,7 @@ async def _as_json(request: web.Request, relay: AsyncIterator[_Piece], timer: re
     return web.json_response(_envelope(response_id, model, text, metrics), headers=headers)
 
 
-async def _as_events(request: web.Request, relay: AsyncIterator[_Piece], timer: response_metrics.Timer,
+async def _as_events(request: web.Request, relay: AsyncGenerator[_Piece, None], timer: response_metrics.Timer,
                      queued: Any, runtime: ModelRuntime, response_id: str, model: str,
                      headers: Mapping[str, str]) -> web.StreamResponse:
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})

@@ -61,7 +61,8 @@ def _run(argv: list[str]) -> None:
 
 
 def _site_packages(env: Path) -> Path:
-    out = subprocess.run([str(env / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    out = subprocess.run([str(env / "bin" / "python"), "-c", purelib],
                          check=True, capture_output=True, text=True)
     return Path(out.stdout.strip())
 

@@ -99,7 +99,8 @@ async def stop_orphans(state_dir: Path, timeout_s: float = 10.0) -> list[int]:
             _signal_group(pid, signal.SIGTERM)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while any(identity(p) is not None for p in orphans) and loop.time() < deadline:
+    # Processes that are not our children: nothing signals their exit, so it is polled.
+    while any(identity(p) is not None for p in orphans) and loop.time() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.05)
     for pid in orphans:
         if identity(pid) is not None:

@@ -195,16 +195,16 @@ class SupervisorClient:
 
     async def tail_log(self, fullname: str, length: int = 4000) -> str:
         text, _offset, _overflow = await self.call("supervisor.tailProcessStdoutLog", fullname, 0, length)
-        return text
+        return str(text)
 
     async def tail_log_end(self, fullname: str, length: int) -> tuple[str, int]:
         """The last `length` bytes of the program's log (stdout and stderr) and the log's size."""
         text, size, _overflow = await self.call("supervisor.tailProcessStdoutLog", fullname, 0, length)
-        return text, int(size)
+        return str(text), int(size)
 
     async def read_log(self, fullname: str, offset: int, length: int) -> str:
         """`length` bytes of the program's log from `offset` on."""
-        return await self.call("supervisor.readProcessStdoutLog", fullname, offset, length)
+        return str(await self.call("supervisor.readProcessStdoutLog", fullname, offset, length))
 
     async def shutdown(self) -> None:
         await self.call("supervisor.shutdown")

@@ -64,7 +64,7 @@ def test_metrics_count_what_was_sent_and_the_dashboard_uses_only_real_names(star
     proxy.wait_state("sim", "loaded")
     chat = {"model": "sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 5}
     prompt = output = 0
-    for i in range(3):  # a named key: its own label
+    for _ in range(3):  # a named key: its own label
         status, _, body = http("POST", proxy.url + "/v1/chat/completions", {**chat, "fairness_key": "gold"})
         assert status == 200, body
         prompt += body["usage"]["prompt_tokens"]

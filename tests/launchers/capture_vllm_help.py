@@ -12,7 +12,6 @@ against these files.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

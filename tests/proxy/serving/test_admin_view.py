@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from launchers import llama_server, sim
+from proxy.lifecycle.kinds import traits_for
 from proxy.serving.admin_view import REDACTED, definition, load_constraints, model_schema
 from proxy.config import SCHEMA_PATH, ModelConfig, load_settings
 
@@ -68,7 +69,7 @@ def test_definition_shows_metadata_and_redacts_secrets(tmp_path: Path) -> None:
         "vllm_max_model_len": 8192, "vllm_num_speculative_tokens": 3,
     }, r={"backend": "openai_remote", "remote_base_url": "https://user:pw-789@api.example.com/v1",
           "remote_api_key_env": "TEST_REMOTE_KEY", "remote_model": "gpt-x"})
-    shown = definition(model["v"], environ={})
+    shown = definition(model["v"], environ={}, model_field=traits_for("vllm_serve").model_field)
     text = json.dumps(shown)
     for secret in ("sk-live-123", "hf_secret", "sk-arg-456", "hf_arg"):
         assert secret not in text
