@@ -52,6 +52,30 @@ def model_kind(path: Path) -> str:
     raise ValueError(f"{path}: no vocabulary file, so neither a decoder-only nor an encoder-decoder CT2 model")
 
 
+class Detokenizer:
+    """One generation's token ids to text pieces, one piece per token, as the tokens are made.
+
+    `DecodeStream` holds back a token that ends inside a UTF-8 character until a later one completes
+    it; at the last token nothing will, so what it holds is decoded there as the tokenizer decodes
+    the whole sequence (the incomplete bytes become U+FFFD). Joined, the pieces are that decoding:
+    streamed or not, an answer keeps its last bytes.
+    """
+
+    def __init__(self, tokenizer: Any, stream: Any) -> None:
+        self._tokenizer = tokenizer
+        self._stream = stream
+        self._ids: list[int] = []
+        self._sent = 0   # characters out so far
+
+    def step(self, token_id: int, last: bool) -> str:
+        self._ids.append(token_id)
+        piece = self._stream.step(self._tokenizer, token_id)
+        if piece is None and last:
+            piece = self._tokenizer.decode(self._ids, skip_special_tokens=True)[self._sent:]
+        self._sent += len(piece or "")
+        return piece or ""
+
+
 class CT2Engine:
     def __init__(self, model_name: str, options: CT2Options) -> None:
         self.model_name = model_name
@@ -142,14 +166,13 @@ class CT2Engine:
     def _decode(self, pipe: TokenPipe[str], tokens: list[str], request: GenerationRequest,
                 options: dict[str, Any]) -> None:
         """In a worker thread: the blocking CT2 call, each token out through `pipe` as it is made."""
-        stream = self._decode_stream(skip_special_tokens=True)
-        tokenizer = self.tokenizer
+        text = Detokenizer(self.tokenizer, self._decode_stream(skip_special_tokens=True))
         counters = self.counters
 
         def on_token(step: Any) -> bool:
             counters["generation_tokens"] += 1
             # True stops this decoding: its client has gone.
-            return not pipe.emit(stream.step(tokenizer, step.token_id) or "")
+            return not pipe.emit(text.step(step.token_id, step.is_last))
 
         beam = request.beam_size
         common = dict(beam_size=beam, **options)
@@ -164,9 +187,9 @@ class CT2Engine:
             produced = results[0].sequences_ids[0]
         if beam > 1:
             # Beam search has no per-token callback: stream the best hypothesis once it is known.
-            for token_id in produced:
+            for i, token_id in enumerate(produced):
                 counters["generation_tokens"] += 1
-                if not pipe.emit(stream.step(tokenizer, token_id) or ""):
+                if not pipe.emit(text.step(token_id, last=i == len(produced) - 1)):
                     break
 
     def metrics_text(self) -> str:

@@ -356,6 +356,26 @@ class GatedEngine:
         return ""
 
 
+class FakeCT2Generator:
+    """FAKE ctranslate2.Generator that answers every prompt with the same token ids, so a test
+    chooses where the answer ends (a random-weight model cannot be steered). It calls back per
+    token as CT2's greedy search does (`is_last` on the final one) and returns the same ids for
+    beam search; the ids are assumed to fit `max_length`."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def generate_batch(self, prompts: list[list[str]], *, max_length: int, include_prompt_in_result: bool,
+                       beam_size: int = 1, callback: Callable[[Any], bool] | None = None,
+                       **options: Any) -> list[Any]:
+        for step, token_id in enumerate(self.ids):
+            last = step == len(self.ids) - 1
+            if callback is not None and callback(SimpleNamespace(step=step, batch_id=0, token_id=token_id,
+                                                                 is_last=last)):
+                break
+        return [SimpleNamespace(sequences_ids=[list(self.ids)])]
+
+
 class _FakeTensor:
     """FAKE of the one torch.Tensor trait the ExLlamaV3 shim uses: `.shape`."""
 

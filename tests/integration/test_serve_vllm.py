@@ -6,6 +6,7 @@ proxy serves the whole module, because every `vllm serve` start costs tens of se
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,7 +35,7 @@ MODEL = "tiny-vllm"
 API_KEY = "sk-test-vllm-replica-key"
 CHAT = [{"role": "user", "content": "Hello there, tiny model."}]
 START_S = 900.0   # a vLLM start on a busy 2-core machine: imports, weights, profiling
-LONG = 3000       # tokens: far more than a disconnect lets it generate
+LONG = 3000       # tokens: far more than a request makes between its first line and a pause
 
 
 def vllm_command() -> str:
@@ -58,7 +59,9 @@ def proxy(tiny_hf: Path) -> Iterator[ProxyProcess]:
     models: dict[str, dict[str, Any]] = {
         MODEL: {"backend": "vllm_serve", "enabled": True, "target_inflight": 2, "vllm_model": str(tiny_hf),
                 "vllm_serve_binary": vllm_command(), "vllm_dtype": "float32", "vllm_max_model_len": 4096,
-                "vllm_kv_cache_memory_bytes": 16 * 1024 * 1024, "vllm_serve_env": vllm_env(),
+                "vllm_kv_cache_memory_bytes": 16 * 1024 * 1024,
+                # Dev mode serves /pause and /resume, with which a test holds a request in flight.
+                "vllm_serve_env": {**vllm_env(), "VLLM_SERVER_DEV_MODE": "1"},
                 "vllm_serve_api_key": API_KEY, "vllm_serve_start_timeout_s": START_S,
                 "vllm_serve_extra_args": ["--enforce-eager", "--max-num-seqs", "2"]},
     }
@@ -110,6 +113,23 @@ def vllm_metric(replica: dict[str, Any], name: str) -> float:
               if line.startswith(f"vllm:{name}{{") or line.startswith(f"vllm:{name} ")]
     assert values, f"vllm:{name} not in the replica's metrics"
     return sum(values)
+
+
+@contextlib.contextmanager
+def paused(replica: dict[str, Any]) -> Iterator[None]:
+    """The replica's engine paused in vLLM's "keep" mode: its requests stay running, holding their
+    cache, and make no token until it resumes; an abort still ends one."""
+    def call(path: str) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{replica['port']}{path}", data=b"", method="POST",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200
+
+    call("/pause?mode=keep")
+    try:
+        yield
+    finally:
+        call("/resume")
 
 
 def test_loads_and_serves_chat_streaming_and_responses(proxy: ProxyProcess) -> None:
@@ -165,15 +185,23 @@ def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> 
     resp = urllib.request.urlopen(req, timeout=300)
     try:
         assert resp.readline().startswith(b"data: ")
-        # Routing reads vLLM's own gauges from /metrics: the proxy sees the request running there.
-        wait_for(lambda: proxy.admin_model(MODEL)["replicas"][0]["reported"].get("running", 0) >= 1,
-                 timeout=120, what="the proxy to read vllm:num_requests_running >= 1")
-        reported = proxy.admin_model(MODEL)["replicas"][0]["reported"]
-        assert set(reported) == {"running", "waiting", "kv_cache"} and 0 < reported["kv_cache"] <= 1
+        # vLLM generates whether or not its client reads, so left alone the request ends within
+        # seconds, maybe before one of the proxy's scrapes (every 0.5 s) sees it. Paused, it stays
+        # running for as long as the checks take, with the few tokens it made before the pause.
+        with paused(replica):
+            assert vllm_metric(replica, "num_requests_running") == 1   # paused mid-generation
+            # Routing reads vLLM's own gauges from /metrics: the proxy sees the request running there.
+            wait_for(lambda: proxy.admin_model(MODEL)["replicas"][0]["reported"].get("running", 0) >= 1,
+                     timeout=120, what="the proxy to read vllm:num_requests_running >= 1")
+            reported = proxy.admin_model(MODEL)["replicas"][0]["reported"]
+            assert set(reported) == {"running", "waiting", "kv_cache"} and 0 < reported["kv_cache"] <= 1
+            resp.close()   # the client goes away mid-stream
+            # Still paused, so the request cannot end by itself: only the disconnect, carried
+            # through the proxy, aborts it.
+            wait_for(lambda: vllm_metric(replica, "num_requests_running") == 0, timeout=120,
+                     what="vLLM to stop the abandoned request")
     finally:
-        resp.close()   # the client goes away mid-stream
-    wait_for(lambda: vllm_metric(replica, "num_requests_running") == 0, timeout=120,
-             what="vLLM to stop the abandoned request")
+        resp.close()
     assert vllm_metric(replica, "generation_tokens_total") - generated < LONG - 1
     wait_for(lambda: proxy.admin_model(MODEL)["replicas"][0]["reported"].get("running") == 0, timeout=120,
              what="the proxy to read the running count back at 0")

@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fakes import FakeCT2Generator
 from helpers import gauge, metrics, wait_metric
 from shims.ct2 import CT2Engine, CT2Options, model_kind
 
@@ -83,6 +84,26 @@ async def test_beam_size_is_honoured(serve: Any, tiny_ct2: dict[str, Path]) -> N
             async with s.post(url + "/v1/completions", json={"prompt": "the weather is", "max_tokens": 12,
                                                              "beam_size": beam, "temperature": 0}) as resp:
                 assert (await resp.json())["choices"][0]["text"] == expected[beam]
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+async def test_an_answer_ending_inside_a_character_keeps_its_last_bytes(serve: Any, beam: int) -> None:
+    engine, url = await serve()
+    # Byte-level tokens: a snowman whole, then one cut after two of its three bytes, at the very end.
+    ids = engine.tokenizer.encode("snow \u2603 ok \u2603", add_special_tokens=False).ids[:-1]
+    expected = engine.tokenizer.decode(ids)
+    assert expected == "snow \u2603 ok \ufffd"   # what the library makes of the incomplete bytes
+    engine.model = FakeCT2Generator(ids)
+    body = {"prompt": "x", "max_tokens": len(ids), "beam_size": beam}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json=body) as resp:
+            whole = await resp.json()
+        async with s.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
+            events = [json.loads(e[6:]) for e in (await resp.text()).split("\n\n") if e and e != "data: [DONE]"]
+    assert whole["choices"][0]["text"] == expected
+    assert whole["usage"]["completion_tokens"] == len(ids)
+    assert "".join(e["choices"][0]["text"] for e in events) == expected
+    assert events[-1]["usage"]["completion_tokens"] == len(ids)
 
 
 async def test_concurrent_requests_run_together(serve: Any) -> None:
