@@ -52,6 +52,15 @@ class BadRequest(PoolError):
     code = "invalid_request"
 
 
+class RefusedByBackend(PoolError):
+    """A backend refused the request as malformed (its 400, 413 or 422): the client's mistake, passed
+    on with the backend's message and status, and counted as a client error, not a backend one."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request_error"
+
+
 class Unauthorized(PoolError):
     status = 401
     type = "authentication_error"

@@ -19,6 +19,13 @@ from proxy.serving.keys import FAIRNESS_KEY, MODEL, SETTINGS
 
 # Deeper bodies are refused before anything walks them (schema checks, re-encoding recurse).
 MAX_JSON_DEPTH = 128
+# What each pass-through endpoint cannot do without (OpenAI's required parameter, and its JSON
+# types): checked here, so that a client hears OpenAI's error, not an engine's internals.
+REQUIRED: dict[str, tuple[str, tuple[type, ...], str]] = {
+    "/v1/chat/completions": ("messages", (list,), "an array of messages"),
+    "/v1/completions": ("prompt", (str, list), "a string or an array"),
+    "/v1/embeddings": ("input", (str, list), "a string or an array"),
+}
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -90,3 +97,14 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) 
         raise Unavailable(f"model {name!r} has no healthy replica right now", code="model_unavailable",
                           retry_after=2)
     return runtime
+
+
+def check_required(path: str, body: dict[str, Any]) -> None:
+    """400 when the body lacks what `path` needs (`messages`, `prompt`, `input`) or has it in the wrong
+    JSON type; nothing is sent to a backend then."""
+    name, types, what = REQUIRED[path]
+    if name not in body:
+        raise BadRequest(f"Missing required parameter: '{name}'.", code="missing_required_parameter", param=name)
+    value = body[name]
+    if not isinstance(value, types) or (isinstance(value, list) and not value):
+        raise BadRequest(f"'{name}' must be {what}, not empty", code="invalid_type", param=name)

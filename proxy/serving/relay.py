@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 import aiohttp
 
 from proxy.config import ModelConfig, ServiceSettings
-from proxy.errors import BackendError, BackendTimeout, PoolError
+from proxy.errors import BackendError, BackendTimeout, PoolError, RefusedByBackend
 
 T = TypeVar("T")
 EXCERPT_CHARS = 200
@@ -30,7 +30,17 @@ KNOWN_BACKEND_CODES = frozenset({
     "context_length_exceeded", "invalid_request", "invalid_request_error", "invalid_messages",
     "model_not_found", "model_loading", "model_load_failed", "shutting_down", "engine_fault", "engine_error",
     "modality_unsupported", "multi_turn_unsupported", "target_lang_required", "unsupported_language",
-    "rate_limit_exceeded", "server_error"})
+    "rate_limit_exceeded", "server_error", "invalid_type", "missing_required_parameter"})
+# A backend's answer to a request it refuses as malformed: the client's mistake (see backend_error).
+CLIENT_STATUSES = frozenset({400, 413, 422})
+# The OpenAI error types a backend's 4xx may keep; an engine's own (llama-server's
+# `exceed_context_size_error`) becomes `invalid_request_error`.
+OPENAI_CLIENT_TYPES = frozenset({"invalid_request_error", "not_found_error", "permission_error"})
+# How engines say that a prompt does not fit (llama-server's type, vLLM's and llama-server's
+# messages), for OpenAI's `context_length_exceeded`.
+CONTEXT_TYPES = frozenset({"exceed_context_size_error"})
+CONTEXT_PHRASES = ("exceeds the available context size", "maximum context length", "context length exceeded",
+                   "longer than the maximum model length")
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,9 @@ def backend_error(status: int, raw: bytes, label: str, retry_after: str | None =
         doc = None
     err = doc.get("error") if isinstance(doc, dict) else None
     message = err.get("message") if isinstance(err, dict) else err
+    if status in CLIENT_STATUSES and not mid_stream:
+        return _refused(status, err if isinstance(err, dict) else {}, message if isinstance(message, str) else None,
+                        raw, label)
     if isinstance(message, str) and message:
         out = BackendError(message, status=502 if mid_stream else status)
         assert isinstance(err, dict) or isinstance(err, str)
@@ -179,4 +192,23 @@ def backend_error(status: int, raw: bytes, label: str, retry_after: str | None =
             out.retry_after = float(retry_after)
         except ValueError:
             pass  # an HTTP date; the default Retry-After applies
+    return out
+
+
+def _refused(status: int, err: dict[str, Any], message: str | None, raw: bytes, label: str) -> PoolError:
+    """A request the backend refused as malformed, as OpenAI says it: the backend's message (or an
+    excerpt of its answer), OpenAI's type, and `context_length_exceeded` for a prompt that does not
+    fit. It is the client's mistake: counted as such, and never against the replica."""
+    text = message or f"{label} refused the request (HTTP {status}): {excerpt(raw)!r}"
+    out = RefusedByBackend(text, status=status)
+    kind, code = err.get("type"), err.get("code")
+    if kind in CONTEXT_TYPES or any(p in text.lower() for p in CONTEXT_PHRASES):
+        out.code = "context_length_exceeded"
+    elif isinstance(code, str) and code:
+        out.code = code   # the client gets it as sent; the metrics only a well-known one
+    if isinstance(kind, str) and kind in OPENAI_CLIENT_TYPES:
+        out.type = kind
+    if isinstance(err.get("param"), str):
+        out.param = err["param"]
+    out.metric_code = out.code if out.code in KNOWN_BACKEND_CODES else RefusedByBackend.code
     return out

@@ -37,7 +37,9 @@ def test_a_backend_code_reaches_the_client_but_only_well_known_ones_reach_the_me
     # An engine's own invention (or a per-request string) would add a label value per request.
     odd = code_of("slot_17_busy_at_1733000000")
     assert odd.body()["error"]["code"] == "slot_17_busy_at_1733000000"
-    assert odd.metric_code == "backend_error"
+    assert odd.metric_code == "invalid_request_error"   # a 4xx: the client's mistake, counted as one
+    failed = backend_error(500, json.dumps({"error": {"message": "no", "code": "slot_17_oom"}}).encode(), "r")
+    assert (failed.body()["error"]["code"], failed.metric_code) == ("slot_17_oom", "backend_error")
     assert Unavailable("unloading", code="model_unloading").metric_code == "model_unloading"
 
 
@@ -87,3 +89,26 @@ async def test_an_error_chunk_in_a_stream_is_the_backends_error() -> None:
     with pytest.raises(BackendError, match="KV cache full"):
         await _collect([ok, b"\n", error, b"\n"])
     assert len(await _collect([ok, b"\n", b": ping\n", b"data: [DONE]\n"])) == 1
+
+
+def test_a_backend_refusal_is_the_clients_mistake_in_openais_words() -> None:
+    # What the pinned llama-server answers to a prompt over its context: its own type, an int code.
+    raw = json.dumps({"error": {"code": 400, "message": "the request exceeds the available context size, try "
+                                "increasing it", "type": "exceed_context_size_error", "n_prompt_tokens": 900,
+                                "n_ctx": 512}}).encode()
+    err = backend_error(400, raw, "replica 0 of 'demo'")
+    assert (err.status, err.type, err.code, err.metric_code) == (
+        400, "invalid_request_error", "context_length_exceeded", "context_length_exceeded")
+    assert err.message.startswith("the request exceeds the available context size")
+    # vLLM's words for the same thing.
+    raw = json.dumps({"error": {"message": "This model's maximum context length is 512 tokens. However, you "
+                                "requested 900 tokens.", "type": "BadRequestError", "code": 400}}).encode()
+    assert (backend_error(400, raw, "r").code, backend_error(400, raw, "r").type) == (
+        "context_length_exceeded", "invalid_request_error")
+    # Any other refusal keeps the backend's message and is an invalid request, never backend_error.
+    raw = json.dumps({"error": {"code": 400, "message": "[json.exception.type_error.302] type must be string",
+                                "type": "invalid_request_error"}}).encode()
+    err = backend_error(422, raw, "r")
+    assert (err.status, err.code, err.metric_code) == (422, "invalid_request_error", "invalid_request_error")
+    assert "type must be string" in err.message
+    assert backend_error(400, b"<html>bad</html>", "replica 0 of 'm'").code == "invalid_request_error"
