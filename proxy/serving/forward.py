@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable, sse_error_event
-from proxy.lifecycle.monitor import Monitor
+from proxy.lifecycle.monitor import Monitor, process_gone
 from proxy.lifecycle.replicas import Replica
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, SETTINGS, STARTED, STREAM_ERROR
@@ -53,14 +53,17 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
     """POST `payload` to the least loaded READY replica that has room and yield its response once
     its headers arrive (within first_byte_timeout_s, else 504 `backend_timeout`).
 
-    Retried on another replica only when the connection was refused: the request never reached
-    the replica. A request dropped after it was sent is not replayed (it may be what brings
-    replicas down) and does not take its replica out of rotation by itself: it counts toward
-    ejection, and the health check decides. Leaving the block closes the response, which ends the
+    Sent to another replica only when the first did not take the request: the connection was
+    refused, the replica's process died before any answer, or a server of ours answered 503 (it
+    is restarting) while another replica is READY; the last two once at most. A request dropped
+    by a live replica after it was sent is not replayed (it may be what brings replicas down) and
+    does not take its replica out of rotation by itself: it counts toward ejection, and the health
+    check decides. Leaving the block closes the response, which ends the
     backend's work on it if it is still generating.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeouts.first_byte_s
+    failed_over = False   # a request goes to a second replica once at most (below)
     for _attempt in range(len(runtime.replicas) + 1):
         replica = runtime.pick_replica()
         while replica is None and runtime.ready() and loop.time() < deadline:
@@ -84,8 +87,23 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
                 raise BackendTimeout(f"{label(replica)} sent no answer within {timeouts.first_byte_s:g}s "
                                      "(first_byte_timeout_s)") from None
             except (aiohttp.ClientError, OSError) as exc:
+                if not failed_over and process_gone(replica):
+                    # Its process died with the request before any answer: nothing ran it to an
+                    # end, so another replica may. Out of rotation until its health check passes.
+                    monitor.report_connection_failure(replica, f"its process exited ({type(exc).__name__})")
+                    failed_over = True
+                    continue
                 monitor.report_outcome(replica, f"dropped the request: {type(exc).__name__}")
                 raise BackendError(f"{label(replica)} dropped the request: {type(exc).__name__}") from exc
+            if resp.status == 503 and replica.spec is not None and not failed_over and \
+                    any(r is not replica for r in runtime.ready()):
+                # A server of ours that is not serving (a restarted llama-server loading its
+                # model, a shim shutting down) did not take the request: another replica does,
+                # and this one stays out of rotation until its health check passes.
+                resp.close()
+                monitor.report_connection_failure(replica, "answered 503 (not serving)")
+                failed_over = True
+                continue
             async with resp:
                 yield replica, resp
             return
