@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -101,9 +102,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
-    from proxy.serving.app import create_app
+    from proxy.serving.app import create_app, serve
 
     settings = _load_or_exit(args.config)
     logging.basicConfig(level=settings.service.log_level.upper(),
@@ -143,10 +142,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with lock, contextlib.ExitStack() as stack:
         for sock in socks:
             stack.enter_context(sock)
-        # handler_cancellation: a client that disconnects cancels its handler, which closes the
-        # upstream request so the backend stops generating for nobody.
-        web.run_app(app, sock=socks, handler_cancellation=True, access_log=None,
-                    print=lambda _msg: print(banner, flush=True))
+        # Not web.run_app: it closes the listeners before the drain and the unload (see serve).
+        asyncio.run(serve(app, socks, lambda: print(banner, flush=True)))
     return 0
 
 

@@ -216,13 +216,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     ctl: argparse.ArgumentParser = sub.add_parser("ctl", help="operate a running proxy through its admin API",
                          description="Exit codes: 0 ok, 1 refused by the server (4xx), 2 usage error, "
                                      "3 server error or no answer (5xx, connection refused, timeout).")
-    ctl.add_argument("--url", help="the proxy's base URL (default: service.host and service.port of the settings)")
-    ctl.add_argument("--json", action="store_true", help="print the API's JSON instead of tables")
-    ctl.add_argument("--timeout", type=float, default=600.0,
-                     help="seconds to wait for an answer (a load waits until the model is ready)")
+    _add_common(ctl, defaults=True)
     ctl.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     cmds = ctl.add_subparsers(dest="ctl_command", required=True)
-    cmds.add_parser("models", help="every configured model: state, ready replicas, queues, last error")
+    models = cmds.add_parser("models", help="every configured model: state, ready replicas, queues, last error")
     load = cmds.add_parser("load", help="load a configured model (answers once it is ready or failed)")
     load.add_argument("name")
     load.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
@@ -238,9 +235,28 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     logs.add_argument("--replica", type=int, default=0, help="replica index (default 0)")
     logs.add_argument("--bytes", type=int, default=16384, help="how much of the end of the log (default 16384)")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing what is written, like tail -f")
-    cmds.add_parser("gpu", help="GPU memory: measured per GPU and model, estimated per model")
+    gpu = cmds.add_parser("gpu", help="GPU memory: measured per GPU and model, estimated per model")
+    # Users type `ctl models --json` as often as `ctl --json models`: every command takes the
+    # common options too, with no default of its own, so one given before the command is kept.
+    for command in (models, load, unload, scale, logs, gpu):
+        _add_common(command, defaults=False)
     ctl.set_defaults(func=run)
     return ctl
+
+
+def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """--url, --json and --timeout; with `defaults` False they are absent from the namespace unless
+    given, so a subcommand's parser leaves what the `ctl` parser read (argparse copies every
+    attribute a subparser sets onto the parent's namespace)."""
+    def default(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument("--url", default=default(None),
+                        help="the proxy's base URL (default: service.host and service.port of the settings)")
+    parser.add_argument("--json", action="store_true", default=default(False),
+                        help="print the API's JSON instead of tables")
+    parser.add_argument("--timeout", type=float, default=default(600.0),
+                        help="seconds to wait for an answer (a load waits until the model is ready)")
 
 
 def resolve_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str | None]:

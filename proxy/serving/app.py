@@ -1,13 +1,13 @@
-"""The aiohttp application: routes, middleware, and the pool's lifetime in cleanup_ctx."""
+"""The aiohttp application: routes, middleware, the pool's lifetime in cleanup_ctx, and serving it
+on its listeners until a stop signal (`serve`)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import signal
+import socket
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -22,13 +22,15 @@ from proxy.errors import NotFound
 from proxy.serving.errors_http import ERROR_CODE, error_middleware
 from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, MODEL, POOL, SETTINGS, STARTED, STREAM_ERROR, VRAM
 from proxy.serving.metrics import ProxyMetrics
+from proxy.serving.shutdown import SHUTDOWN, STOP_SIGNALS, Shutdown, shutdown_middleware
 from proxy.supervisord.orphans import PidRecord
 from proxy.lifecycle.pool import Pool
 from proxy.supervisord.supervisor import SupervisorClient
 from proxy.gpu.vram_estimate import Estimator
 
 log = logging.getLogger(__name__)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+STRAGGLERS_WAIT_S = 5.0
+KEEPALIVE_TIMEOUT_S = 75.0
 
 
 @web.middleware
@@ -82,40 +84,23 @@ def admin_listener_middleware(admin_port: int) -> Any:
 
 
 def create_app(settings: Settings, *, keep_models: bool = False) -> web.Application:
-    """The proxy app. On cleanup it unloads every model and, in managed mode, stops supervisord,
+    """The proxy app. When it stops it unloads every model and, in managed mode, stops supervisord,
     unless `keep_models`: then both keep running for the next proxy to adopt.
 
     SIGUSR1 makes a running proxy exit as if started with `--keep-models`: an upgrade or a settings
-    change without unloading anything (the systemd unit's `reload`)."""
+    change without unloading anything (the systemd unit's `reload`). See `serve`."""
     # metrics outside errors: it sees the status the error middleware rendered.
-    middlewares = [metrics_middleware, error_middleware]
+    middlewares = [metrics_middleware, shutdown_middleware, error_middleware]
     if settings.service.admin_port is not None:
         middlewares.append(admin_listener_middleware(settings.service.admin_port))
     app = web.Application(client_max_size=settings.service.max_body_bytes, middlewares=middlewares)
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
     app[VRAM] = Estimator()
+    app[SHUTDOWN] = Shutdown(keep_models)
     app.add_routes(routes_public.routes)
     app.add_routes(routes_admin.routes)
     app.add_routes(routes_responses.routes)
-
-    keep = [keep_models]   # SIGUSR1 sets it
-
-    def already_stopping(sig: signal.Signals) -> None:
-        # A second Ctrl-C used to interrupt the unload half-way; the unload is bounded by each
-        # program's stop wait, so it is let finish, and the way out is said plainly.
-        log.warning("%s ignored: already shutting down (%s); SIGKILL would leave supervisord and the "
-                    "models running for the next serve to adopt", sig.name,
-                    "keeping the models" if keep[0] else "unloading the models")
-
-    async def ignore_further_signals(_: web.Application) -> None:
-        # on_shutdown runs before in-flight requests are waited for and before pool_ctx's exit
-        # unloads the models: from here on, one more signal must not cut the shutdown short.
-        log.info("shutting down: requests in flight finish, then the models are %s",
-                 "left running" if keep[0] else "unloaded")
-        for sig in STOP_SIGNALS:
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                asyncio.get_running_loop().add_signal_handler(sig, already_stopping, sig)
 
     async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
         # One pooled session for every upstream call; no per-connection limit, since admission
@@ -138,28 +123,59 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
         app[HTTP] = http
         app[METRICS].watch(pool)
         pool.load_in_background()
-
-        def exit_keeping_models() -> None:
-            log.info("SIGUSR1: exiting, leaving supervisord and the models running for the next proxy")
-            keep[0] = True
-            raise web.GracefulExit()  # what aiohttp's own SIGTERM handler raises
-
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
-            loop.add_signal_handler(signal.SIGUSR1, exit_keeping_models)
         yield
-        keep_models_now = keep[0]
         try:
-            await pool.close(stop_models=not keep_models_now)
-            if settings.supervisor.mode == "managed" and not keep_models_now:
-                await managed.stop_supervisord(supervisor)
+            await release_pool(app)
         finally:
             await supervisor.close()
             await http.close()
-            for sig in STOP_SIGNALS:
-                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                    loop.remove_signal_handler(sig)
 
-    app.on_shutdown.append(ignore_further_signals)
     app.cleanup_ctx.append(pool_ctx)
     return app
+
+
+async def release_pool(app: web.Application) -> None:
+    """Unload every model and stop supervisord (managed mode), or leave both running when the
+    models are kept. Once: `serve` calls it while the listeners still answer, the app's cleanup
+    again (then a no-op) for any other way the app ends."""
+    shutdown = app[SHUTDOWN]
+    if shutdown.pool_released:
+        return
+    shutdown.pool_released = True
+    pool, keep = app[POOL], shutdown.keep_models
+    await pool.close(stop_models=not keep)
+    if app[SETTINGS].supervisor.mode == "managed" and not keep:
+        await managed.stop_supervisord(pool.supervisor)
+
+
+async def serve(app: web.Application, socks: Sequence[socket.socket], on_listening: Callable[[], None]) -> None:
+    """Serve `app` on `socks` until SIGINT, SIGTERM or SIGUSR1; then, with the listeners still open
+    and answering new work 503 shutting_down (proxy/serving/shutdown.py), let the requests in flight
+    finish (up to service.drain_timeout_s), unload the models (or keep them, on SIGUSR1 or
+    --keep-models), and only then close the listeners."""
+    shutdown = app[SHUTDOWN]
+    loop = asyncio.get_running_loop()
+    # Before the startup (supervisord, the pool): a signal then stops the proxy the same way.
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, shutdown.on_signal, sig)
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the
+    # upstream request so the backend stops generating for nobody. shutdown_timeout: what is still
+    # running when the listeners close outlived the drain and lost its model; it is not waited for long.
+    # keepalive_timeout: run_app's, not the runner's hour-long default.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=STRAGGLERS_WAIT_S,
+                           keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+    await runner.setup()
+    try:
+        for sock in socks:
+            await web.SockSite(runner, sock).start()
+        on_listening()
+        await shutdown.requested.wait()
+        drain_timeout_s = app[SETTINGS].service.drain_timeout_s
+        if not await shutdown.drained(drain_timeout_s):
+            log.warning("%d request(s) still in flight after service.drain_timeout_s (%ss); stopping anyway",
+                        shutdown.inflight, drain_timeout_s)
+        await release_pool(app)
+    finally:
+        await runner.cleanup()
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)

@@ -10,6 +10,7 @@ from proxy.serving.body import check_required, fairness_key, read_json, requeste
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import METRICS, POOL
+from proxy.serving.shutdown import SHUTDOWN, stopping_error
 
 routes = web.RouteTableDef()
 
@@ -46,7 +47,8 @@ async def list_models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     # A model that could not start is named with its reason; the others serve, so the service is up.
-    return web.json_response({"status": "ok",
+    # Stopping is still alive (200): an orchestrator that killed it then would cut the drain short.
+    return web.json_response({"status": "shutting_down" if request.app[SHUTDOWN].started else "ok",
                               "models": {name: rt.state.value for name, rt in pool.models.items()},
                               "errors": {name: rt.last_error for name, rt in pool.models.items()
                                          if rt.state == ModelState.FAILED and rt.last_error}})
@@ -55,7 +57,8 @@ async def health(request: web.Request) -> web.Response:
 @routes.get("/ready")
 async def ready(request: web.Request) -> web.Response:
     """Readiness, unlike /health (liveness): 503 until every model loading at startup has loaded
-    or failed; the body gives each one's state, and a failed model's reason."""
+    or failed, and again once the proxy is stopping; the body gives each one's state, and a failed
+    model's reason."""
     pool = request.app[POOL]
     pending = pool.startup_pending
     models = {}
@@ -65,6 +68,10 @@ async def ready(request: web.Request) -> web.Response:
             if rt.state != ModelState.LOADED and rt.last_error and name not in pending:
                 entry["reason"] = rt.last_error
             models[name] = entry
+    if request.app[SHUTDOWN].started:
+        # A load balancer takes it out of rotation; the requests it still sends get 503 shutting_down.
+        error = stopping_error()
+        return web.json_response({"status": "shutting_down", "models": models}, status=503, headers=error.headers())
     if pending:
         return web.json_response({"status": "loading", "waiting_for": sorted(pending), "models": models},
                                  status=503, headers={"Retry-After": "1"})

@@ -185,3 +185,64 @@ def test_a_second_sigterm_during_shutdown_is_ignored_and_the_models_are_still_st
     assert proxy.proc.wait(60) == 0
     assert not pid_alive(replica["pid"]) and not pid_alive(supervisord)
     assert "unload did not finish" not in proxy.log_path.read_text()
+
+
+def test_during_the_shutdown_new_requests_get_503_shutting_down_and_the_port_stays_open(proxies) -> None:
+    # A stalled stream holds the drain open: what the test sends meanwhile surely meets a proxy
+    # that is stopping, not one that has already closed its port.
+    proxy = start(proxies, {"sim": sim_model(sim={"max_seqs": 2, "decode_tokens_per_s": 200, "ttft_ms": 1,
+                                                  "stall_after_tokens": 2})})
+    replica = proxy.wait_state("sim", "loaded")["replicas"][0]
+    supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
+    conn = http_client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(
+        {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}),
+        {"Content-Type": "application/json"})
+    try:
+        stream = conn.getresponse()
+        assert stream.status == 200 and stream.readline().startswith(b"data: ")
+        assert proxy.proc is not None
+        proxy.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "shutting down" in proxy.log_path.read_text(), what="the shutdown to begin")
+        _answers_while_stopping(proxy, replica["pid"])
+    finally:
+        conn.close()   # the last request in flight ends; the models are unloaded and the proxy exits
+    assert proxy.proc.wait(60) == 0
+    assert not pid_alive(replica["pid"]) and not pid_alive(supervisord)
+    assert "unload did not finish" not in proxy.log_path.read_text()
+
+
+def _answers_while_stopping(proxy: ProxyProcess, replica_pid: int) -> None:
+    assert proxy.proc is not None
+    status, headers, body = http("POST", proxy.url + "/v1/chat/completions",
+                                 {"model": "sim", "messages": [{"role": "user", "content": "hi"}]})
+    assert (status, body["error"]["code"], body["error"]["type"]) == (503, "shutting_down", "server_error")
+    assert int(headers["Retry-After"]) >= 1 and headers["Connection"] == "close"
+    status, headers, body = http("GET", proxy.url + "/ready")
+    assert (status, body["status"]) == (503, "shutting_down") and int(headers["Retry-After"]) >= 1
+    status, _, body = http("GET", proxy.url + "/health")
+    assert (status, body["status"]) == (200, "shutting_down")   # alive: killing it would cut the drain short
+    assert proxy.proc.poll() is None and pid_alive(replica_pid)   # the stream in flight still has its model
+
+
+def test_a_request_that_outlives_the_drain_timeout_does_not_hold_the_exit(proxies) -> None:
+    # The stalled stream never ends by itself: after service.drain_timeout_s the models are unloaded
+    # anyway, and its client is told so by an error event, not left hanging.
+    proxy = start(proxies, {"sim": sim_model(sim={"max_seqs": 2, "decode_tokens_per_s": 200, "ttft_ms": 1,
+                                                  "stall_after_tokens": 2})}, drain_timeout_s=1)
+    replica = proxy.wait_state("sim", "loaded")["replicas"][0]
+    conn = http_client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}),
+            {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200 and stream.readline().startswith(b"data: ")
+        assert proxy.proc is not None
+        proxy.proc.send_signal(signal.SIGTERM)
+        assert proxy.proc.wait(60) == 0
+        assert b"event: error" in stream.read()
+    finally:
+        conn.close()
+    assert not pid_alive(replica["pid"])
+    assert "1 request(s) still in flight after service.drain_timeout_s" in proxy.log_path.read_text()

@@ -165,3 +165,28 @@ def test_gpu_table_says_why_nothing_was_measured_and_shows_unknown_memory() -> N
     lines = ctl.gpu_text(report).splitlines()
     assert lines[1].split() == ["0", "H100", "10.0", "80.0", "70.0", "-"]
     assert lines[-1].split() == ["q", "loaded", "unknown", "120.5", "241.0", "0:yes"]
+
+
+@pytest.mark.parametrize("argv", [["ctl", "--json", "--url", "http://a:1", "models"],
+                                  ["ctl", "models", "--json", "--url", "http://a:1"],
+                                  ["ctl", "--url", "http://a:1", "load", "qwen", "--json"],
+                                  ["ctl", "logs", "qwen", "--url", "http://a:1", "-f", "--json"]])
+def test_json_and_url_are_taken_before_or_after_the_command(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    assert (args.json, args.url) == (True, "http://a:1")
+
+
+def test_an_option_after_the_command_wins_and_one_given_once_is_not_reset() -> None:
+    args = build_parser().parse_args(["ctl", "--url", "http://before:1", "models", "--url", "http://after:2"])
+    assert args.url == "http://after:2"
+    # Given only before the command, the command's own (suppressed) default must not overwrite it.
+    args = build_parser().parse_args(["ctl", "--json", "--timeout", "5", "gpu"])
+    assert (args.json, args.url, args.timeout) == (True, None, 5.0)
+    args = build_parser().parse_args(["ctl", "unload", "qwen", "--timeout", "7"])
+    assert (args.json, args.timeout) == (False, 7.0)
+
+
+async def test_models_json_after_the_command_prints_json(upstream: Upstream) -> None:
+    upstream.answers["/v1/admin/models"] = lambda r: web.json_response({"object": "list", "data": [MODEL]})
+    code, out = await run_ctl(upstream, "models", "--json")
+    assert code == 0 and out.startswith("{") and '"qwen"' in out
