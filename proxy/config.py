@@ -19,6 +19,8 @@ from typing import Any, Mapping
 import jsonschema
 import yaml
 
+from shims.prompts import FORMATS as PROMPT_FORMATS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO_ROOT / "conf" / "schema.json"
 DEFAULT_SETTINGS = REPO_ROOT / "conf" / "pool.yaml"
@@ -213,10 +215,14 @@ def _with_effective_backends(doc: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**doc, "engine": {**engine, "models": models}}
 
 
+def did_you_mean(given: str, known: Any) -> str:
+    """`; did you mean `x`?` naming the closest of `known`, or "" when none is close."""
+    close = difflib.get_close_matches(given, sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
 def _unknown_key(path: list[Any], key: str, known: Any) -> str:
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    hint = f"; did you mean `{close[0]}`?" if close else ""
-    return f"{_json_path(path + [key])}: unknown field, ignored{hint}"
+    return f"{_json_path(path + [key])}: unknown field, ignored{did_you_mean(key, known)}"
 
 
 def schema_findings(doc: Mapping[str, Any]) -> tuple[list[str], list[str]]:
@@ -308,6 +314,12 @@ def semantic_problems(settings: Settings) -> list[str]:
             problems.append(f"{where}.backend: required (or set engine.backend)")
         if model.replicas > model.replica_max:
             problems.append(f"{where}.replicas: {model.replicas} is above replica_max {model.replica_max}")
+        # The renderers' own list (shims/prompts.py) is the one source: an unknown name loaded, showed
+        # READY and then failed every request with a 400 that blamed the client.
+        prompt_format = model.options.get("prompt_format")
+        if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
+            problems.append(f"{where}.prompt_format: {prompt_format!r} is not a prompt format llm-pool knows"
+                            f"{did_you_mean(prompt_format, PROMPT_FORMATS)} (one of {', '.join(PROMPT_FORMATS)})")
     return problems
 
 
