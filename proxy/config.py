@@ -120,7 +120,9 @@ class ModelConfig:
         return default if value is None else value
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "ModelConfig":
-        options = {**self.options, **overrides}
+        """These settings with a load's overrides, deep-merged as the config files are: an override
+        of one key of a nested field (`{"sim": {"ttft_ms": 5}}`) keeps the field's other keys."""
+        options = deep_merge(dict(self.options), dict(overrides))
         return replace(self, options=options, replicas=overrides.get("replicas", self.replicas),
                        target_inflight=overrides.get("target_inflight", self.target_inflight))
 
@@ -246,6 +248,19 @@ def deep_merge(base: Any, over: Any) -> Any:
             merged[key] = deep_merge(base[key], value) if key in base else value
         return merged
     return over
+
+
+def changed(base: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
+    """What `current` sets differently from `base`; of a nested mapping, only the keys that differ."""
+    found: dict[str, Any] = {}
+    for key, value in current.items():
+        was = base.get(key)
+        if isinstance(was, dict) and isinstance(value, dict):
+            if inner := changed(was, value):
+                found[key] = inner
+        elif was != value:
+            found[key] = value
+    return found
 
 
 def _read_document(path: Path) -> tuple[dict[str, Any], list[tuple[Key, Origin]]]:

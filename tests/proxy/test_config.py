@@ -202,3 +202,15 @@ def test_check_config_fails_what_would_fail_at_load(tmp_path: Path, capsys: pyte
         code = exc.code
     assert code == 2
     assert expected.format(**values) in capsys.readouterr().err
+
+
+def test_a_load_override_of_a_nested_field_keeps_the_models_other_settings() -> None:
+    from proxy.config import ModelConfig
+
+    sim = {"ttft_ms": 100, "decode_tokens_per_s": 50.0, "max_seqs": 4}
+    config = ModelConfig(name="m", backend="sim", enabled=True, replicas=1, replica_max=2, target_inflight=1,
+                         modalities=("text",), gpus=(), options={"backend": "sim", "sim": sim})
+    loaded = config.with_overrides({"sim": {"ttft_ms": 5}, "replicas": 2})
+    # Before: the whole `sim` object was replaced, dropping decode_tokens_per_s and max_seqs.
+    assert loaded.options["sim"] == {"ttft_ms": 5, "decode_tokens_per_s": 50.0, "max_seqs": 4}
+    assert loaded.replicas == 2 and config.options["sim"] == sim
