@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from launchers.gguf_header import MAGIC as GGUF_MAGIC
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.config import REPO_ROOT, ModelConfig
 
@@ -32,19 +33,6 @@ def missing_file(where: str, key: str, value: Any) -> list[str]:
     if value and not Path(value).exists():
         return [f"{where}.{key}: {value} does not exist"]
     return []
-
-
-# Every GGUF file starts with these four bytes: enough to tell one from a folder's config file or a
-# YAML file given by mistake, without reading (or importing a reader for) the rest.
-GGUF_MAGIC = b"GGUF"
-
-
-def is_gguf(path: Path) -> bool:
-    try:
-        with path.open("rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
 
 
 def gguf_problem(path: Path, backend: str) -> str | None:

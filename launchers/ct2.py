@@ -4,7 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from launchers.common import SHIM_HOST, is_gguf, shim_argv, shim_problems, shim_spec
+from launchers.common import SHIM_HOST, shim_argv, shim_problems, shim_spec
+from launchers.gguf_header import is_gguf
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.capabilities import Traits
 from proxy.config import ModelConfig

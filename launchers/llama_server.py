@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Mapping
 
 from launchers.common import gguf_problem, library_env, model_file_problems
+from launchers.gguf_header import declared_pooling
 from launchers.llama_help import HelpUnavailable, Option, choices, help_text, options
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.capabilities import Traits
@@ -47,6 +48,9 @@ ENUM_FIELDS = (("llama_server_flash_attn", "--flash-attn"), ("llama_server_spec_
 # names (`draft` is `draft-simple` there; the binary refuses the old name).
 SPEC_TYPE_NAMES = {"draft": "draft-simple", "eagle3": "draft-eagle3", "mtp": "draft-mtp", "dflash": "draft-dflash",
                    "dspark": "draft-dspark"}
+# The pooling embeddings get when llama_server_pooling is unset and the GGUF declares none: with
+# llama-server's `none`, every /v1/embeddings answers 400 "Pooling type 'none' is not OAI compatible".
+DEFAULT_EMBEDDINGS_POOLING = "mean"
 # What the backend can do (proxy/capabilities.py reads it; nothing else names the backend).
 TRAITS = Traits(multi_turn=True, thinking="template", embeddings_field="llama_server_embeddings",
                 repetition_field="repeat_penalty")
@@ -156,6 +160,17 @@ def ctx_args(model: ModelConfig) -> list[str]:
     return ["--ctx-size", str(int(n_ctx) * model.target_inflight)]
 
 
+def pooling(model: ModelConfig) -> str | None:
+    """The --pooling value: the configured one; with embeddings on and none configured, the GGUF's
+    own when it declares one that serves OAI embeddings, else DEFAULT_EMBEDDINGS_POOLING; None for
+    no flag (embeddings off, or a model file that cannot be read, which fails its load anyway)."""
+    configured = model.get("llama_server_pooling")
+    if configured is not None or not model.get("llama_server_embeddings"):
+        return None if configured is None else str(configured)
+    declared = declared_pooling(Path(str(model.get("model_path"))))
+    return DEFAULT_EMBEDDINGS_POOLING if declared in ("", "none") else None
+
+
 def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
     args = [binary(model), "--model", model.get("model_path"), "--host", host, "--port", str(port),
             "--alias", model.name,
@@ -164,7 +179,7 @@ def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
             # /metrics feeds replica routing (running, deferred, KV-cache use).
             "--metrics", "--no-webui", *ctx_args(model)]
     for key, flag in FLAGS:
-        value = model.get(key)
+        value = pooling(model) if key == "llama_server_pooling" else model.get(key)
         if value is not None:
             args += [flag, _flag_value(key, value)]
     args += [flag for key, flag in SWITCHES if model.get(key)]

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 
 from pathlib import Path
 
-from launchers.common import is_gguf, library_env, model_file_problems
+from launchers.common import library_env, model_file_problems
+from launchers.gguf_header import is_gguf
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.capabilities import Traits
 from proxy.config import ModelConfig

@@ -294,3 +294,40 @@ def test_extra_args_the_built_binary_knows_pass_with_their_values(llama_server_b
              "--override-kv", "tokenizer.ggml.add_bos_token=bool:false", "-c", "512"]
     assert llama_server.option_problems(model(llama_server_binary=str(llama_server_bin),
                                               llama_server_extra_args=extra)) == []
+
+
+def _gguf_declaring(path: Path, pooling: int | None) -> Path:
+    """A header-only GGUF (no tensors) whose architecture declares `pooling`, or no pooling at all."""
+    from gguf import GGUFWriter, PoolingType
+
+    writer = GGUFWriter(str(path), "bert")
+    writer.add_name("pooling test")
+    writer.add_token_list(["<s>", "</s>", "a"])   # an array of strings before the key is read past
+    if pooling is not None:
+        writer.add_pooling_type(PoolingType(pooling))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("declared, flag", [(None, "mean"), (0, "mean"), (1, None), (2, None), (3, None)])
+def test_embeddings_pool_by_mean_unless_the_gguf_declares_a_pooling(tmp_path: Path, declared: int | None,
+                                                                     flag: str | None) -> None:
+    # llama-server's `none` pooling cannot serve /v1/embeddings (400 "not OAI compatible").
+    gguf = _gguf_declaring(tmp_path / "m.gguf", declared)
+    argv = llama_server.argv(model(model_path=str(gguf), llama_server_pooling=None), "127.0.0.1", 18100)
+    assert (argv[argv.index("--pooling") + 1] if "--pooling" in argv else None) == flag
+
+
+def test_pooling_is_left_alone_when_set_or_when_embeddings_are_off(tiny_gguf: Path, tmp_path: Path) -> None:
+    given = llama_server.argv(model(model_path=str(tiny_gguf), llama_server_pooling="cls"), "127.0.0.1", 18100)
+    assert given[given.index("--pooling") + 1] == "cls"
+    off = llama_server.argv(model(model_path=str(tiny_gguf), llama_server_pooling=None,
+                                  llama_server_embeddings=False), "127.0.0.1", 18100)
+    assert "--pooling" not in off and "--embeddings" not in off
+    tiny = llama_server.argv(model(model_path=str(tiny_gguf), llama_server_pooling=None), "127.0.0.1", 18100)
+    assert tiny[tiny.index("--pooling") + 1] == "mean"   # the tiny GGUF declares none
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:40])        # unreadable: llama-server fails its load anyway
+    assert "--pooling" not in llama_server.argv(model(model_path=str(cut), llama_server_pooling=None), "h", 1)
