@@ -193,7 +193,7 @@ def _key_origins(node: yaml.Node, file: Path, key: Key = (), seen: frozenset[int
 def _value_at(doc: Any, key: Key) -> Any:
     for part in key:
         if isinstance(doc, dict):
-            doc = {str(k): v for k, v in doc.items()}.get(part)
+            doc = doc[part] if part in doc else next((v for k, v in doc.items() if str(k) == part), None)
         elif isinstance(doc, list) and part.isdigit() and int(part) < len(doc):
             doc = doc[int(part)]
         else:
@@ -203,13 +203,14 @@ def _value_at(doc: Any, key: Key) -> Any:
 
 def _merge_origins(by_key: dict[Key, tuple[Origin, ...]], base_doc: Any, over: list[tuple[Key, Origin]],
                    over_doc: Any) -> None:
-    """What deep_merge does to the values, done to their origins."""
+    """What deep_merge does to the values, done to their origins (`over` in pre-order)."""
     for key, origin in over:
-        if isinstance(_value_at(base_doc, key), dict) and isinstance(_value_at(over_doc, key), dict):
-            by_key[key] = by_key.get(key, ()) + (origin,)
-            continue
-        for old in [k for k in by_key if k[:len(key)] == key]:
-            del by_key[old]
+        if key in by_key:
+            if isinstance(_value_at(base_doc, key), dict) and isinstance(_value_at(over_doc, key), dict):
+                by_key[key] += (origin,)
+                continue
+            for old in [k for k in by_key if k[:len(key)] == key]:
+                del by_key[old]
         by_key[key] = (origin,)
 
 
@@ -306,8 +307,7 @@ def load_document(config: str | os.PathLike[str] | None = None) -> tuple[dict[st
     if not base.exists():
         raise ConfigError([f"{base}: settings file not found"])
     doc, keys = _read_document(base)
-    by_key: dict[Key, tuple[Origin, ...]] = {}
-    _merge_origins(by_key, {}, keys, doc)
+    by_key: dict[Key, tuple[Origin, ...]] = {key: (origin,) for key, origin in keys}
     sources = [base]
     if local.exists():
         local_doc, local_keys = _read_document(local)
