@@ -5,8 +5,9 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from launchers.gguf_header import MAGIC as GGUF_MAGIC
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.config import REPO_ROOT, ModelConfig
 
@@ -34,6 +35,32 @@ def missing_file(where: str, key: str, value: Any) -> list[str]:
     return []
 
 
+def gguf_problem(path: Path, backend: str) -> str | None:
+    """Why the existing `path` is not the GGUF file `backend` loads, or None. Caught here, a folder or
+    a stray file is a config error; at load it was only `failed to read magic` in a log tail."""
+    if path.is_dir():
+        return f"{path} is a folder; backend {backend!r} needs a GGUF file"
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        return f"{path} cannot be read: {exc.strerror}"
+    if magic != GGUF_MAGIC:
+        return f"{path} is not a GGUF file (it does not start with the GGUF magic)"
+    return None
+
+
+def model_file_problems(where: str, key: str, value: Any, judge: Callable[[Path], str | None]) -> list[str]:
+    """A path field that must exist and be what `judge` (a GGUF file, a model folder) accepts."""
+    if not value:
+        return []
+    path = Path(value)
+    if not path.exists():
+        return [f"{where}.{key}: {value} does not exist"]
+    problem = judge(path)
+    return [f"{where}.{key}: {problem}"] if problem else []
+
+
 def shim_env(model: ModelConfig, library_field: str | None,
              environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """library_env plus PYTHONPATH naming llm-pool's own source tree.
@@ -45,8 +72,10 @@ def shim_env(model: ModelConfig, library_field: str | None,
     return tuple(sorted({**dict(library_env(model, library_field, environ)), "PYTHONPATH": str(REPO_ROOT)}.items()))
 
 
-def shim_problems(model: ModelConfig, module: str, python_field: str, extra: str) -> list[str]:
-    """What stops a shim backend from starting: no model file, or no interpreter with its engine.
+def shim_problems(model: ModelConfig, module: str, python_field: str, extra: str,
+                  judge: Callable[[Path], str | None]) -> list[str]:
+    """What stops a shim backend from starting: no model, a model `judge` refuses (a file where the
+    engine reads a folder, or the other way round), or no interpreter with its engine.
 
     Without `<engine>_python` the shim runs under the proxy's own interpreter, so the engine must be
     importable there; `find_spec` finds it without importing it (heavy imports stay in the shim).
@@ -57,7 +86,7 @@ def shim_problems(model: ModelConfig, module: str, python_field: str, extra: str
     if not path:
         problems.append(f"{where}.model_path: required for backend {model.backend!r}")
     else:
-        problems += missing_file(where, "model_path", path)
+        problems += model_file_problems(where, "model_path", path, judge)
     python = model.get(python_field)
     if python:
         if not (Path(python).is_file() and os.access(python, os.X_OK)):

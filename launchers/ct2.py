@@ -1,12 +1,15 @@
 """CTranslate2 models (shims/ct2.py) as supervisord programs: `device`, `compute_type`, `prompt_format`."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping
 
 from launchers.common import SHIM_HOST, shim_argv, shim_problems, shim_spec
+from launchers.gguf_header import is_gguf
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.capabilities import Traits
 from proxy.config import ModelConfig
+from shims.ct2 import TOKENIZER_FILE, model_kind
 
 PORT_FIELD = "ct2_port"
 PYTHON_FIELD = "ct2_python"
@@ -19,8 +22,22 @@ METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_r
                         kv_cache="vllm:kv_cache_usage_perc")
 
 
+def model_folder_problem(path: Path) -> str | None:
+    """Why `path` is not a converted CTranslate2 folder the shim can serve (the shim's own rule), or None."""
+    if path.is_dir():
+        try:
+            model_kind(path)
+        except ValueError as exc:
+            return str(exc)
+        return None
+    what, instead = ("a GGUF file", "; a GGUF runs on backend llama_server or llama_cpp") if is_gguf(path) \
+        else ("a file", "")
+    return (f"{path} is {what}; backend 'ct2' needs a CTranslate2 model folder (model.bin, a vocabulary, "
+            f"{TOKENIZER_FILE}){instead}")
+
+
 def check(model: ModelConfig) -> list[str]:
-    return shim_problems(model, "ctranslate2", PYTHON_FIELD, "ct2")
+    return shim_problems(model, "ctranslate2", PYTHON_FIELD, "ct2", model_folder_problem)
 
 
 def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[str, ...]:

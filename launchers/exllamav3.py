@@ -1,9 +1,11 @@
 """ExLlamaV3 (EXL3) models (shims/exllamav3.py) as supervisord programs; every `exllama_*` field."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping
 
 from launchers.common import SHIM_HOST, shim_argv, shim_problems, shim_spec
+from launchers.gguf_header import is_gguf
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.capabilities import Traits
 from proxy.config import ModelConfig
@@ -28,8 +30,19 @@ METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_r
                         kv_cache="vllm:kv_cache_usage_perc")
 
 
+def model_folder_problem(path: Path) -> str | None:
+    """Why `path` is not an EXL3 model folder (exllamav3's Config.from_directory reads its config.json), or None."""
+    if path.is_dir():
+        return None if (path / "config.json").is_file() else \
+            f"{path} holds no config.json, so it is not an EXL3 model folder"
+    what, instead = ("a GGUF file", "; a GGUF runs on backend llama_server or llama_cpp") if is_gguf(path) \
+        else ("a file", "")
+    return (f"{path} is {what}; backend 'exllamav3' needs an EXL3 model folder (config.json and its .safetensors)"
+            f"{instead}")
+
+
 def check(model: ModelConfig) -> list[str]:
-    return shim_problems(model, "exllamav3", PYTHON_FIELD, "exllamav3")
+    return shim_problems(model, "exllamav3", PYTHON_FIELD, "exllamav3", model_folder_problem)
 
 
 def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[str, ...]:

@@ -6,9 +6,10 @@ to 1, and throughput comes from `replicas`.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping
 
-from launchers.common import SHIM_HOST, shim_argv, shim_problems, shim_spec
+from launchers.common import SHIM_HOST, gguf_problem, shim_argv, shim_problems, shim_spec
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.capabilities import Traits
 from proxy.config import ModelConfig
@@ -33,7 +34,10 @@ METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_r
 
 
 def check(model: ModelConfig) -> list[str]:
-    return shim_problems(model, "llama_cpp", PYTHON_FIELD, "llama_cpp")
+    def judge(path: Path) -> str | None:
+        return gguf_problem(path, model.backend)
+
+    return shim_problems(model, "llama_cpp", PYTHON_FIELD, "llama_cpp", judge)
 
 
 def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[str, ...]:

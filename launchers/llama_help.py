@@ -31,6 +31,12 @@ class Option:
     hint: str            # the value hint after the flags ("N", "[on|off|auto]", "none,draft-simple,..."), or ""
     text: str            # the whole help block of the option
 
+    @property
+    def nargs(self) -> int:
+        """How many command-line items follow the flag: one per word of the hint (`START END` is two),
+        a bracketed word counting once (`<tensor name pattern>=<buffer type>,...` is one)."""
+        return len(re.findall(r"(?:<[^>]*>|\[[^\]]*\]|\{[^}]*\}|[^\s<\[{])+", self.hint))
+
 
 def _cache_file(binary: Path, cache_dir: Path) -> Path:
     st = binary.stat()
@@ -81,7 +87,10 @@ def options(help: str) -> dict[str, Option]:
                 break
         if not names:
             continue
-        hint = rest.strip().split("  ")[0].strip() if rest.strip() else ""
+        # The hint follows the last flag after one space; the description starts after two or more
+        # (or on the next line), so a flag without a value has no hint.
+        hint_match = re.match(r" (\S.*?)(?:\s{2,}|$)", rest)
+        hint = hint_match.group(1) if hint_match else ""
         option = Option(flags=tuple(names), hint=hint, text=help[head.start():end])
         for name in names:
             found.setdefault(name, option)

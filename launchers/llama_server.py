@@ -3,18 +3,22 @@
 Flag names were checked against `llama-server --help` of the llama.cpp tree vendored in
 llama-cpp-python 0.3.36 (see proxy/llama_build.py); tests/launchers checks every flag and every
 enumerated value against the built binary. At config time, the values of enumerated fields are
-checked against the binary that will run them (launchers/llama_help.py), so a value it refuses is a
-config error listing what it accepts, not a failed load.
+checked against the binary that will run them (launchers/llama_help.py), and so are the options of
+`llama_server_extra_args`: a value or an option it refuses is a config error listing what it
+accepts, not a failed load.
 """
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Mapping
 
-from launchers.common import library_env, missing_file
-from launchers.llama_help import HelpUnavailable, choices, help_text, options
+from launchers.common import gguf_problem, library_env, model_file_problems
+from launchers.gguf_header import declared_pooling
+from launchers.llama_help import HelpUnavailable, Option, choices, help_text, options
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.capabilities import Traits
 from proxy.config import ModelConfig, cache_root, cached_llama_server
@@ -44,6 +48,9 @@ ENUM_FIELDS = (("llama_server_flash_attn", "--flash-attn"), ("llama_server_spec_
 # names (`draft` is `draft-simple` there; the binary refuses the old name).
 SPEC_TYPE_NAMES = {"draft": "draft-simple", "eagle3": "draft-eagle3", "mtp": "draft-mtp", "dflash": "draft-dflash",
                    "dspark": "draft-dspark"}
+# The pooling embeddings get when llama_server_pooling is unset and the GGUF declares none: with
+# llama-server's `none`, every /v1/embeddings answers 400 "Pooling type 'none' is not OAI compatible".
+DEFAULT_EMBEDDINGS_POOLING = "mean"
 # What the backend can do (proxy/capabilities.py reads it; nothing else names the backend).
 TRAITS = Traits(multi_turn=True, thinking="template", embeddings_field="llama_server_embeddings",
                 repetition_field="repeat_penalty")
@@ -71,8 +78,11 @@ def check(model: ModelConfig) -> list[str]:
     if not (Path(exe).is_file() and os.access(exe, os.X_OK)):
         hint = "" if model.get("llama_server_binary") else " (run `llm-pool setup` to build it)"
         return [f"{where}.llama_server_binary: {exe} does not exist or is not executable{hint}"]
+    def judge(path: Path) -> str | None:
+        return gguf_problem(path, model.backend)
+
     for key in ("model_path", "llama_server_mmproj_path", "llama_server_draft_model_path"):
-        problems += missing_file(where, key, model.get(key))
+        problems += model_file_problems(where, key, model.get(key), judge)
     media = model.get("llama_server_media_path")
     if media and not Path(media).is_dir():
         problems.append(f"{where}.llama_server_media_path: {media} is not a folder")
@@ -80,9 +90,10 @@ def check(model: ModelConfig) -> list[str]:
 
 
 def option_problems(model: ModelConfig) -> list[str]:
-    """Values the binary would refuse at start, each with what it accepts (from its --help)."""
+    """Values and extra arguments the binary would refuse at start, each with what it accepts (from its --help)."""
     wanted = [(key, flag, _flag_value(key, model.get(key))) for key, flag in ENUM_FIELDS if model.get(key) is not None]
-    if not wanted:
+    extra = [str(a) for a in model.get("llama_server_extra_args", [])]
+    if not wanted and not extra:
         return []
     exe = binary(model)
     try:
@@ -101,6 +112,33 @@ def option_problems(model: ModelConfig) -> list[str]:
         if refused:
             problems.append(f"engine.models.{model.name}.{key}: {model.get(key)!r} is not accepted by {exe} "
                             f"({flag} {', '.join(refused)}); it accepts: {', '.join(sorted(accepted or ()))}")
+    return problems + extra_args_problems(f"engine.models.{model.name}.llama_server_extra_args", extra, exe, known)
+
+
+def extra_args_problems(where: str, extra: list[str], exe: str, known: Mapping[str, Option]) -> list[str]:
+    """Options of `llama_server_extra_args` the binary does not have: it would exit at start with
+    `invalid argument`. Each option's values (as many as its --help hint names) are skipped, so a
+    value such as `-1` is never taken for an option; a stray value is left to llama-server."""
+    problems = []
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        i += 1
+        if not re.match(r"--?[A-Za-z]", arg):
+            continue
+        option = known.get(arg)
+        if option is not None:
+            i += option.nargs
+            continue
+        name, _, value = arg.partition("=")
+        if value and name in known:
+            # The pinned build reads `--threads 8` and refuses `--threads=8`.
+            problems.append(f"{where}: {exe} does not read {arg}; give the value as the next item: {name}, {value}")
+            continue
+        same_kind = [flag for flag in known if flag.startswith("--") == arg.startswith("--")]
+        close = difflib.get_close_matches(arg, same_kind, n=1, cutoff=0.8)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        problems.append(f"{where}: {arg} is not an option of {exe}{hint}")
     return problems
 
 
@@ -122,6 +160,17 @@ def ctx_args(model: ModelConfig) -> list[str]:
     return ["--ctx-size", str(int(n_ctx) * model.target_inflight)]
 
 
+def pooling(model: ModelConfig) -> str | None:
+    """The --pooling value: the configured one; with embeddings on and none configured, the GGUF's
+    own when it declares one that serves OAI embeddings, else DEFAULT_EMBEDDINGS_POOLING; None for
+    no flag (embeddings off, or a model file that cannot be read, which fails its load anyway)."""
+    configured = model.get("llama_server_pooling")
+    if configured is not None or not model.get("llama_server_embeddings"):
+        return None if configured is None else str(configured)
+    declared = declared_pooling(Path(str(model.get("model_path"))))
+    return DEFAULT_EMBEDDINGS_POOLING if declared in ("", "none") else None
+
+
 def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
     args = [binary(model), "--model", model.get("model_path"), "--host", host, "--port", str(port),
             "--alias", model.name,
@@ -130,7 +179,7 @@ def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
             # /metrics feeds replica routing (running, deferred, KV-cache use).
             "--metrics", "--no-webui", *ctx_args(model)]
     for key, flag in FLAGS:
-        value = model.get(key)
+        value = pooling(model) if key == "llama_server_pooling" else model.get(key)
         if value is not None:
             args += [flag, _flag_value(key, value)]
     args += [flag for key, flag in SWITCHES if model.get(key)]

@@ -12,7 +12,10 @@ import os
 import shutil
 from typing import Any, Mapping
 
-from launchers.common import library_env, missing_file
+from pathlib import Path
+
+from launchers.common import library_env, model_file_problems
+from launchers.gguf_header import is_gguf
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.capabilities import Traits
 from proxy.config import ModelConfig
@@ -122,10 +125,24 @@ def check(model: ModelConfig) -> list[str]:
             " (`vllm` is not on PATH: set vllm_serve_binary to a vLLM environment's `vllm`)"
         problems.append(f"{where}.vllm_serve_binary: {exe} does not exist or is not executable{hint}")
     vllm_model = model.get("vllm_model")
-    # A path-like vllm_model must exist; anything else is a Hugging Face id vLLM resolves itself.
+    # A path-like vllm_model must be a model vLLM can load; anything else is a Hugging Face id vLLM
+    # resolves itself.
     if isinstance(vllm_model, str) and vllm_model.startswith(("/", "./", "../", "~")):
-        problems += missing_file(where, "vllm_model", os.path.expanduser(vllm_model))
+        problems += model_file_problems(where, "vllm_model", os.path.expanduser(vllm_model), model_folder_problem)
     return problems
+
+
+def model_folder_problem(path: Path) -> str | None:
+    """Why `path` is not a model vLLM loads from disk (a Hugging Face folder, a Mistral-format folder,
+    or a single GGUF file), or None."""
+    if path.is_dir():
+        if (path / "config.json").is_file() or (path / "params.json").is_file():
+            return None
+        return f"{path} holds no config.json (nor a Mistral params.json), so it is not a model folder vLLM can load"
+    if is_gguf(path):
+        return None
+    return (f"{path} is a file and not a GGUF; vLLM needs a model folder (with config.json), a GGUF file or "
+            "a Hugging Face id")
 
 
 def warnings(model: ModelConfig) -> list[str]:

@@ -29,14 +29,15 @@ def service_problems(settings: Settings, environ: Mapping[str, str] | None = Non
     if env and not environ.get(env, "").strip():
         # Fail closed: serving with the admin API open because a variable was forgotten is worse
         # than not serving. Name the variable, never a value.
-        return [f"service.admin_token_env: {env} is unset or empty; set it to the admin token, "
-                "or remove admin_token_env to leave the admin API without a token"]
+        return [settings.where(f"service.admin_token_env: {env} is unset or empty; set it to the admin token, "
+                               "or remove admin_token_env to leave the admin API without a token")]
     return []
 
 
 def startup_problems(settings: Settings) -> list[str]:
     """What would stop an enabled model from starting: an unsupported backend, missing files.
-    Each costs only its model: `serve` goes on, `check-config` exits non-zero."""
+    Each costs only its model: `serve` goes on, `check-config` exits non-zero. Each names the file
+    and line that set its key."""
     problems = []
     # Kinds without supervisord or an HTTP session: enough to check a model, not to run one.
     kinds = kinds_for({m.backend for m in settings.models.values()}, ProgramKind(None), EndpointKind(None, os.environ))
@@ -49,7 +50,7 @@ def startup_problems(settings: Settings) -> list[str]:
                             "of llm-pool (set enabled: false to keep it configured)")
         else:
             problems += kind.check(model)
-    return problems
+    return [settings.where(p) for p in problems]
 
 
 def _load_or_exit(config: str | None, strict: bool = False) -> Settings:
@@ -81,7 +82,7 @@ def startup_warnings(settings: Settings) -> list[str]:
         launcher = launcher_for(model.backend)
         if model.enabled and launcher is not None:
             found += launcher.warnings(model)
-    return found
+    return [settings.where(w) for w in found]
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

@@ -14,10 +14,12 @@ import os
 import platform
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import jsonschema
 import yaml
+
+from shims.prompts import FORMATS as PROMPT_FORMATS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO_ROOT / "conf" / "schema.json"
@@ -118,9 +120,98 @@ class ModelConfig:
         return default if value is None else value
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "ModelConfig":
-        options = {**self.options, **overrides}
+        """These settings with a load's overrides, deep-merged as the config files are: an override
+        of one key of a nested field (`{"sim": {"ttft_ms": 5}}`) keeps the field's other keys."""
+        options = deep_merge(dict(self.options), dict(overrides))
         return replace(self, options=options, replicas=overrides.get("replicas", self.replicas),
                        target_inflight=overrides.get("target_inflight", self.target_inflight))
+
+
+Key = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a key of the settings was set: its file and (1-based) line."""
+
+    file: Path
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+class Origins:
+    """The file and line of every key of the merged settings, so that each message can say where
+    to look. A key set in both files as a mapping (a model both define) has both origins; one the
+    local file replaces (a value, a list) has only the local one."""
+
+    def __init__(self, by_key: Mapping[Key, tuple[Origin, ...]] | None = None, base: Path | None = None) -> None:
+        self.by_key = dict(by_key or {})
+        self.base = base
+        # Longest first, so a message is placed by the deepest key its path names.
+        self._dotted = sorted(((".".join(k), k) for k in self.by_key), key=lambda d: -len(d[0]))
+
+    def where(self, message: str) -> str:
+        """`message` (`path: rule`) with the file and line of the deepest key its path names."""
+        for dotted, key in self._dotted:
+            if message.startswith(dotted) and message[len(dotted):len(dotted) + 1] in (".", ":"):
+                return f"{message} ({', '.join(str(o) for o in self.by_key[key])})"
+        return message
+
+    def misspelt_model(self, name: str) -> str:
+        """For a model id only the local file sets: the closest model id of the base file, which the
+        local entry was most likely meant to change ("" when there is none)."""
+        origins = self.by_key.get(("engine", "models", name), ())
+        if not origins or any(o.file == self.base for o in origins):
+            return ""
+        base_ids = [k[2] for k, found in self.by_key.items()
+                    if len(k) == 3 and k[:2] == ("engine", "models") and any(o.file == self.base for o in found)]
+        close = difflib.get_close_matches(name, sorted(base_ids), n=1, cutoff=0.6)
+        if not close:
+            return ""
+        return f"; `{name}` is set only in {origins[0].file}: did you mean `{close[0]}` of {self.base}?"
+
+
+def _key_origins(node: yaml.Node, file: Path, key: Key = (), seen: frozenset[int] = frozenset()
+                 ) -> Iterator[tuple[Key, Origin]]:
+    """Every key (and list item) under `node`, pre-order, with the line it starts on."""
+    if id(node) in seen:  # an alias of a node that holds itself
+        return
+    seen = seen | {id(node)}
+    if isinstance(node, yaml.MappingNode):
+        items = [(str(k.value), k, v) for k, v in node.value]
+    elif isinstance(node, yaml.SequenceNode):
+        items = [(str(i), v, v) for i, v in enumerate(node.value)]
+    else:
+        return
+    for name, at, value in items:
+        yield key + (name,), Origin(file, at.start_mark.line + 1)
+        yield from _key_origins(value, file, key + (name,), seen)
+
+
+def _value_at(doc: Any, key: Key) -> Any:
+    for part in key:
+        if isinstance(doc, dict):
+            doc = doc[part] if part in doc else next((v for k, v in doc.items() if str(k) == part), None)
+        elif isinstance(doc, list) and part.isdigit() and int(part) < len(doc):
+            doc = doc[int(part)]
+        else:
+            return None
+    return doc
+
+
+def _merge_origins(by_key: dict[Key, tuple[Origin, ...]], base_doc: Any, over: list[tuple[Key, Origin]],
+                   over_doc: Any) -> None:
+    """What deep_merge does to the values, done to their origins (`over` in pre-order)."""
+    for key, origin in over:
+        if key in by_key:
+            if isinstance(_value_at(base_doc, key), dict) and isinstance(_value_at(over_doc, key), dict):
+                by_key[key] += (origin,)
+                continue
+            for old in [k for k in by_key if k[:len(key)] == key]:
+                del by_key[old]
+        by_key[key] = (origin,)
 
 
 @dataclass(frozen=True)
@@ -132,6 +223,11 @@ class Settings:
     models: Mapping[str, ModelConfig]
     sources: tuple[Path, ...]
     warnings: tuple[str, ...] = ()         # unknown keys, each with the closest known name
+    origins: Origins = field(default_factory=Origins, compare=False)
+
+    def where(self, message: str) -> str:
+        """A config message with the file and line that set its key, e.g. `(conf/local.yaml:12)`."""
+        return self.origins.where(message)
 
     @property
     def socket_path(self) -> Path:
@@ -155,23 +251,42 @@ def deep_merge(base: Any, over: Any) -> Any:
     return over
 
 
-def _read_document(path: Path) -> dict[str, Any]:
+def changed(base: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
+    """What `current` sets differently from `base`; of a nested mapping, only the keys that differ."""
+    found: dict[str, Any] = {}
+    for key, value in current.items():
+        was = base.get(key)
+        if isinstance(was, dict) and isinstance(value, dict):
+            if inner := changed(was, value):
+                found[key] = inner
+        elif was != value:
+            found[key] = value
+    return found
+
+
+def _read_document(path: Path) -> tuple[dict[str, Any], list[tuple[Key, Origin]]]:
+    """The file's document and the line of each of its keys (from the composed nodes' marks; JSON
+    is YAML, so a settings.json has its lines too)."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
+    loader = yaml.SafeLoader(text)
     try:
-        doc = yaml.safe_load(text)
+        node = loader.get_single_node()
+        doc = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError([f"{where}: invalid YAML: {problem}"]) from None
-    if doc is None:
-        return {}
+    finally:
+        loader.dispose()
+    if doc is None or node is None:
+        return {}, []
     if not isinstance(doc, dict):
         raise ConfigError([f"{path}: the top level must be a mapping, not {type(doc).__name__}"])
-    return doc
+    return doc, list(_key_origins(node, path))
 
 
 def settings_paths(config: str | os.PathLike[str] | None = None) -> tuple[Path, Path]:
@@ -186,16 +301,20 @@ def settings_paths(config: str | os.PathLike[str] | None = None) -> tuple[Path, 
     return base, local
 
 
-def load_document(config: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], tuple[Path, ...]]:
+def load_document(config: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], tuple[Path, ...], Origins]:
+    """The merged document, the files it came from, and where each of its keys was set."""
     base, local = settings_paths(config)
     if not base.exists():
         raise ConfigError([f"{base}: settings file not found"])
-    doc = _read_document(base)
+    doc, keys = _read_document(base)
+    by_key: dict[Key, tuple[Origin, ...]] = {key: (origin,) for key, origin in keys}
     sources = [base]
     if local.exists():
-        doc = deep_merge(doc, _read_document(local))
+        local_doc, local_keys = _read_document(local)
+        _merge_origins(by_key, doc, local_keys, local_doc)
+        doc = deep_merge(doc, local_doc)
         sources.append(local)
-    return doc, tuple(sources)
+    return doc, tuple(sources), Origins(by_key, base)
 
 
 def _json_path(parts: Any) -> str:
@@ -213,14 +332,20 @@ def _with_effective_backends(doc: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**doc, "engine": {**engine, "models": models}}
 
 
+def did_you_mean(given: str, known: Any) -> str:
+    """`; did you mean `x`?` naming the closest of `known`, or "" when none is close."""
+    close = difflib.get_close_matches(given, sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
 def _unknown_key(path: list[Any], key: str, known: Any) -> str:
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    hint = f"; did you mean `{close[0]}`?" if close else ""
-    return f"{_json_path(path + [key])}: unknown field, ignored{hint}"
+    return f"{_json_path(path + [key])}: unknown field, ignored{did_you_mean(key, known)}"
 
 
-def schema_findings(doc: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-    """(errors, warnings): errors break a rule and stop the start; warnings are unknown keys."""
+def schema_findings(doc: Mapping[str, Any], origins: Origins | None = None) -> tuple[list[str], list[str]]:
+    """(errors, warnings): errors break a rule and stop the start; warnings are unknown keys. Without
+    `origins`, messages say no file."""
+    origins = origins or Origins()
     schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
     validator = jsonschema.Draft202012Validator(schema)
     problems, warnings = [], []
@@ -235,19 +360,21 @@ def schema_findings(doc: Mapping[str, Any]) -> tuple[list[str], list[str]]:
         because = f" ({why})" if why else ""
         if err.validator == "required":
             missing = err.message.split("'")[1] if "'" in err.message else err.message
-            problems.append(f"{_json_path(where + [missing])}: required{because}")
+            typo = origins.misspelt_model(str(where[2])) if where[:2] == ["engine", "models"] and len(where) == 3 \
+                else ""
+            problems.append(f"{_json_path(where + [missing])}: required{because}{typo}")
             continue
         if "propertyNames" in err.absolute_schema_path:
             problems.append(f"{_json_path(where)}: model id {err.instance!r} must be 1-128 characters of "
                             "letters, digits and ._:@+- (model ids are names, never paths)")
             continue
         problems.append(f"{_json_path(where)}: {err.message}{because}")
-    return sorted(set(problems)), sorted(set(warnings))
+    return sorted({origins.where(p) for p in problems}), sorted({origins.where(w) for w in warnings})
 
 
-def schema_problems(doc: Mapping[str, Any]) -> list[str]:
+def schema_problems(doc: Mapping[str, Any], origins: Origins | None = None) -> list[str]:
     """Every rule broken, unknown keys included (what `check-config --strict` reports)."""
-    problems, warnings = schema_findings(doc)
+    problems, warnings = schema_findings(doc, origins)
     return sorted(problems + warnings)
 
 
@@ -305,17 +432,23 @@ def semantic_problems(settings: Settings) -> list[str]:
     for name, model in settings.models.items():
         where = f"engine.models.{name}"
         if not model.backend:
-            problems.append(f"{where}.backend: required (or set engine.backend)")
+            problems.append(f"{where}.backend: required (or set engine.backend){settings.origins.misspelt_model(name)}")
         if model.replicas > model.replica_max:
             problems.append(f"{where}.replicas: {model.replicas} is above replica_max {model.replica_max}")
-    return problems
+        # The renderers' own list (shims/prompts.py) is the one source: an unknown name loaded, showed
+        # READY and then failed every request with a 400 that blamed the client.
+        prompt_format = model.options.get("prompt_format")
+        if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
+            problems.append(f"{where}.prompt_format: {prompt_format!r} is not a prompt format llm-pool knows"
+                            f"{did_you_mean(prompt_format, PROMPT_FORMATS)} (one of {', '.join(PROMPT_FORMATS)})")
+    return [settings.where(p) for p in problems]
 
 
 def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = False) -> Settings:
     """Load, merge and validate; raise ConfigError listing every problem found. Unknown keys are
     returned as `Settings.warnings`, or are problems too when `strict`."""
-    doc, sources = load_document(config)
-    problems, warnings = schema_findings(doc)
+    doc, sources, origins = load_document(config)
+    problems, warnings = schema_findings(doc, origins)
     if strict:
         problems, warnings = sorted(problems + warnings), []
     if problems:
@@ -349,6 +482,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                 for name, raw in (engine.get("models") or {}).items()},
         sources=sources,
         warnings=tuple(warnings),
+        origins=origins,
     )
     problems = semantic_problems(settings)
     if problems:

@@ -28,6 +28,7 @@ from shims.threaded import TokenPipe
 DECODER_VOCABULARIES = ("vocabulary.json", "vocabulary.txt")
 SEQ2SEQ_VOCABULARIES = ("shared_vocabulary.json", "shared_vocabulary.txt", "source_vocabulary.json",
                         "source_vocabulary.txt")
+TOKENIZER_FILE = "tokenizer.json"
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,19 @@ class CT2Options:
 
 
 def model_kind(path: Path) -> str:
-    """"generator" or "translator", from the vocabulary files a converted CT2 folder holds."""
+    """"generator" or "translator", from the vocabulary files a converted CT2 folder holds; ValueError
+    naming what is missing from a folder this shim cannot serve (the launcher's check asks it too)."""
     if not (path / "model.bin").is_file():
         raise ValueError(f"{path} is not a CTranslate2 model folder (no model.bin)")
     if any((path / name).is_file() for name in SEQ2SEQ_VOCABULARIES):
-        return "translator"
-    if any((path / name).is_file() for name in DECODER_VOCABULARIES):
-        return "generator"
-    raise ValueError(f"{path}: no vocabulary file, so neither a decoder-only nor an encoder-decoder CT2 model")
+        kind = "translator"
+    elif any((path / name).is_file() for name in DECODER_VOCABULARIES):
+        kind = "generator"
+    else:
+        raise ValueError(f"{path}: no vocabulary file, so neither a decoder-only nor an encoder-decoder CT2 model")
+    if not (path / TOKENIZER_FILE).is_file():
+        raise ValueError(f"{path}: no {TOKENIZER_FILE} (the CT2 shim tokenizes with the `tokenizers` library)")
+    return kind
 
 
 class Detokenizer:
@@ -101,10 +107,7 @@ class CT2Engine:
 
         path = Path(self.options.model_path)
         self.kind = model_kind(path)
-        tokenizer_file = path / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise ValueError(f"{path}: no tokenizer.json (the CT2 shim tokenizes with the `tokenizers` library)")
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.tokenizer = Tokenizer.from_file(str(path / TOKENIZER_FILE))
         self._decode_stream = DecodeStream
         workers = self.options.max_concurrency
         intra = self.options.intra_threads or max(1, (os.cpu_count() or 1) // workers)

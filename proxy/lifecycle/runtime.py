@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from proxy.admission import Admission
 from proxy.capabilities import Capabilities, Traits, capabilities
-from proxy.config import ModelConfig
+from proxy.config import ModelConfig, changed
 from proxy.fairness import FairnessPolicy
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState, model_transition
 
@@ -118,7 +118,7 @@ class ModelRuntime:
             "key_counts": self.admission.key_counts(),
             "capabilities": capabilities(cfg, self.traits).as_dict(),
             "gpus": list(cfg.gpus),
-            "overrides": {k: v for k, v in cfg.options.items() if self.config.options.get(k) != v},
+            "overrides": changed(self.config.options, cfg.options),
             "last_error": self.last_error,
             **(self.kind.describe(cfg) if self.kind is not None else {}),
         }

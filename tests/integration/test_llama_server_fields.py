@@ -86,6 +86,18 @@ def test_completions_and_embeddings_through_the_proxy_with_the_openai_client(sta
     assert proxy.admin_model("tiny")["capabilities"]["embeddings"] is False
 
 
+def test_embeddings_on_a_model_that_declares_no_pooling_answer_200(start_proxy, llama_model) -> None:
+    # Before: the tiny GGUF declares no pooling, llama-server pooled with `none` and answered every
+    # /v1/embeddings 400 "Pooling type 'none' is not OAI compatible".
+    proxy = start_proxy({"embed": llama_model(llama_server_embeddings=True)})
+    replica = proxy.wait_state("embed", "loaded")["replicas"][0]
+    vectors = client(proxy).embeddings.create(model="embed", input=["first text", "second text"])
+    assert [d.index for d in vectors.data] == [0, 1]
+    assert all(len(d.embedding) == 64 for d in vectors.data)
+    argv = cmdline(replica["pid"])
+    assert argv[argv.index("--pooling") + 1] == "mean"
+
+
 def test_the_seeds_spec_type_draft_starts_the_pinned_build(start_proxy, llama_model, tiny_gguf) -> None:
     # Before: `--spec-type draft` made llama-server exit ("unknown speculative type") and the load 502.
     proxy = start_proxy({"spec": llama_model(llama_server_spec_type="draft",

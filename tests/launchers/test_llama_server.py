@@ -170,9 +170,11 @@ def test_values_the_binary_refuses_are_config_errors_listing_what_it_accepts(tmp
     exe = tmp_path / "llama-server"
     exe.write_text(f"#!/bin/sh\ncat <<'EOF'\n{HELP}EOF\n")
     exe.chmod(0o755)
-    ok = model(llama_server_binary=str(exe), llama_server_spec_type="draft", llama_server_reasoning=None)
+    ok = model(llama_server_binary=str(exe), llama_server_spec_type="draft", llama_server_reasoning=None,
+               llama_server_extra_args=[])
     assert llama_server.option_problems(ok) == []
-    bad = model(llama_server_binary=str(exe), llama_server_spec_type="draft-eagle3", llama_server_reasoning=None)
+    bad = model(llama_server_binary=str(exe), llama_server_spec_type="draft-eagle3", llama_server_reasoning=None,
+                llama_server_extra_args=[])
     (problem,) = llama_server.option_problems(bad)
     assert problem == (f"engine.models.{bad.name}.llama_server_spec_type: 'draft-eagle3' is not accepted by {exe} "
                        "(--spec-type draft-eagle3); it accepts: draft-mtp, draft-simple, ngram-mod, none")
@@ -232,3 +234,100 @@ def test_program_names_are_safe_and_distinct(name: str) -> None:
 def test_ports_are_read_back_from_a_rendered_file() -> None:
     cfg = model()
     assert ports_in_file(render(cfg)) == {program_name(cfg.name, 0): 18100, program_name(cfg.name, 1): 18101}
+
+
+def _help_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("LLM_POOL_CACHE_DIR", str(tmp_path / "cache"))
+    exe = tmp_path / "llama-server"
+    exe.write_text(f"#!/bin/sh\ncat <<'EOF'\n{HELP}EOF\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_model_files_must_be_gguf_files_not_folders_or_other_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  tiny_gguf: Path) -> None:
+    exe = _help_binary(tmp_path, monkeypatch)
+
+    def cfg(**options: object) -> ModelConfig:
+        return model(**{"llama_server_binary": str(exe), "llama_server_mmproj_path": None,
+                        "llama_server_media_path": None, "llama_server_draft_model_path": None,
+                        "llama_server_extra_args": [], **options})
+
+    name = model().name
+    assert llama_server.check(cfg(model_path=str(tiny_gguf))) == []
+    folder = tmp_path / "models"
+    folder.mkdir()
+    assert llama_server.check(cfg(model_path=str(folder))) == \
+        [f"engine.models.{name}.model_path: {folder} is a folder; backend 'llama_server' needs a GGUF file"]
+    yaml_file = tmp_path / "pool.yaml"
+    yaml_file.write_text("engine: {}\n")  # before: llama-server failed at load (gguf_init_from_reader: failed to read magic)
+    assert llama_server.check(cfg(model_path=str(yaml_file))) == \
+        [f"engine.models.{name}.model_path: {yaml_file} is not a GGUF file (it does not start with the GGUF magic)"]
+    assert llama_server.check(cfg(model_path=str(tiny_gguf), llama_server_mmproj_path=str(yaml_file),
+                                  llama_server_draft_model_path=str(folder))) == \
+        [f"engine.models.{name}.llama_server_mmproj_path: {yaml_file} is not a GGUF file (it does not start with "
+         "the GGUF magic)",
+         f"engine.models.{name}.llama_server_draft_model_path: {folder} is a folder; backend 'llama_server' needs "
+         "a GGUF file"]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--no-such-flag"], "--no-such-flag is not an option of {exe}"),
+    (["--thread", "8"], "--thread is not an option of {exe}; did you mean --threads?"),
+    (["--threads=8"], "{exe} does not read --threads=8; give the value as the next item: --threads, 8"),
+    (["--threads", "8", "-x"], "-x is not an option of {exe}"),
+])
+def test_extra_args_the_built_binary_does_not_know_are_config_errors(llama_server_bin: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     extra: list[str], expected: str) -> None:
+    monkeypatch.setenv("LLM_POOL_CACHE_DIR", str(tmp_path))
+    cfg = model(llama_server_binary=str(llama_server_bin), llama_server_extra_args=extra)
+    assert llama_server.option_problems(cfg) == \
+        [f"engine.models.{cfg.name}.llama_server_extra_args: " + expected.format(exe=llama_server_bin)]
+
+
+def test_extra_args_the_built_binary_knows_pass_with_their_values(llama_server_bin: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_POOL_CACHE_DIR", str(tmp_path))
+    # Values that look like flags (-1) belong to the option before them; one option takes two values.
+    extra = ["--threads", "8", "-ngl", "-1", "--no-warmup", "--control-vector-layer-range", "1", "2",
+             "--override-kv", "tokenizer.ggml.add_bos_token=bool:false", "-c", "512"]
+    assert llama_server.option_problems(model(llama_server_binary=str(llama_server_bin),
+                                              llama_server_extra_args=extra)) == []
+
+
+def _gguf_declaring(path: Path, pooling: int | None) -> Path:
+    """A header-only GGUF (no tensors) whose architecture declares `pooling`, or no pooling at all."""
+    from gguf import GGUFWriter, PoolingType
+
+    writer = GGUFWriter(str(path), "bert")
+    writer.add_name("pooling test")
+    writer.add_token_list(["<s>", "</s>", "a"])   # an array of strings before the key is read past
+    if pooling is not None:
+        writer.add_pooling_type(PoolingType(pooling))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("declared, flag", [(None, "mean"), (0, "mean"), (1, None), (2, None), (3, None)])
+def test_embeddings_pool_by_mean_unless_the_gguf_declares_a_pooling(tmp_path: Path, declared: int | None,
+                                                                     flag: str | None) -> None:
+    # llama-server's `none` pooling cannot serve /v1/embeddings (400 "not OAI compatible").
+    gguf = _gguf_declaring(tmp_path / "m.gguf", declared)
+    argv = llama_server.argv(model(model_path=str(gguf), llama_server_pooling=None), "127.0.0.1", 18100)
+    assert (argv[argv.index("--pooling") + 1] if "--pooling" in argv else None) == flag
+
+
+def test_pooling_is_left_alone_when_set_or_when_embeddings_are_off(tiny_gguf: Path, tmp_path: Path) -> None:
+    given = llama_server.argv(model(model_path=str(tiny_gguf), llama_server_pooling="cls"), "127.0.0.1", 18100)
+    assert given[given.index("--pooling") + 1] == "cls"
+    off = llama_server.argv(model(model_path=str(tiny_gguf), llama_server_pooling=None,
+                                  llama_server_embeddings=False), "127.0.0.1", 18100)
+    assert "--pooling" not in off and "--embeddings" not in off
+    tiny = llama_server.argv(model(model_path=str(tiny_gguf), llama_server_pooling=None), "127.0.0.1", 18100)
+    assert tiny[tiny.index("--pooling") + 1] == "mean"   # the tiny GGUF declares none
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:40])        # unreadable: llama-server fails its load anyway
+    assert "--pooling" not in llama_server.argv(model(model_path=str(cut), llama_server_pooling=None), "h", 1)

@@ -53,7 +53,8 @@ def test_compute_type_defaults_to_int8_and_flash_attn_bools_map_to_on_off(seed_m
     assert args[args.index("--flash-attn") + 1] == "off" and args[args.index("--type-k") + 1] == "q8_0"
 
 
-def test_check_names_a_missing_model_a_missing_interpreter_and_a_missing_engine(tmp_path: Path) -> None:
+def test_check_names_a_missing_model_a_missing_interpreter_and_a_missing_engine(tmp_path: Path,
+                                                                               tiny_gguf: Path) -> None:
     def model(backend: str, **options: object) -> ModelConfig:
         return ModelConfig(name="m", backend=backend, enabled=True, replicas=1, replica_max=1, target_inflight=1,
                            modalities=("text",), gpus=(), options={"backend": backend, **options})
@@ -61,8 +62,9 @@ def test_check_names_a_missing_model_a_missing_interpreter_and_a_missing_engine(
     assert ct2.check(model("ct2")) == ["engine.models.m.model_path: required for backend 'ct2'"]
     assert ct2.check(model("ct2", model_path=str(tmp_path / "nope"))) == \
         [f"engine.models.m.model_path: {tmp_path / 'nope'} does not exist"]
-    assert llama_cpp.check(model("llama_cpp", model_path=str(tmp_path), llama_cpp_python="/no/python")) == \
+    assert llama_cpp.check(model("llama_cpp", model_path=str(tiny_gguf), llama_cpp_python="/no/python")) == \
         ["engine.models.m.llama_cpp_python: /no/python is not an executable interpreter"]
+    (tmp_path / "config.json").write_text("{}")
     problems = exllamav3.check(model("exllamav3", model_path=str(tmp_path)))  # no exllamav3 here: no CUDA
     assert problems == ["engine.models.m.backend: 'exllamav3' needs the exllamav3 package in this interpreter "
                         "(pip install 'llm-pool[exllamav3]'), or exllamav3_python naming one that has it"]
@@ -79,3 +81,45 @@ def test_schema_holds_llama_cpp_to_one_request_at_a_time(tmp_path: Path) -> None
             load_settings(path)
         assert any(p.startswith("engine.models.g.target_inflight: 2 is greater than the maximum of 1")
                    for p in err.value.problems), err.value.problems
+
+
+def _shim_model(backend: str, model_path: object, **options: object) -> ModelConfig:
+    # The proxy's own interpreter stands in for the engine's, so only the model files are judged.
+    python = {"ct2": "ct2_python", "llama_cpp": "llama_cpp_python", "exllamav3": "exllamav3_python"}[backend]
+    return ModelConfig(name="m", backend=backend, enabled=True, replicas=1, replica_max=1, target_inflight=1,
+                       modalities=("text",), gpus=(), options={"backend": backend, "model_path": str(model_path),
+                                                                python: sys.executable, **options})
+
+
+def test_a_ct2_model_must_be_a_converted_folder_not_a_gguf_or_a_bare_folder(tmp_path: Path, tiny_gguf: Path,
+                                                                           tiny_ct2: dict[str, Path]) -> None:
+    assert ct2.check(_shim_model("ct2", tiny_ct2["decoder"])) == []
+    assert ct2.check(_shim_model("ct2", tiny_ct2["seq2seq"])) == []
+    (problem,) = ct2.check(_shim_model("ct2", tiny_gguf))
+    assert problem.startswith(f"engine.models.m.model_path: {tiny_gguf} is a GGUF file;")
+    assert "llama_server" in problem  # where a GGUF runs instead
+    (problem,) = ct2.check(_shim_model("ct2", tmp_path))
+    assert problem.startswith(f"engine.models.m.model_path: {tmp_path} is not a CTranslate2 model folder (no model.bin)")
+    (tmp_path / "model.bin").write_bytes(b"\0")
+    (problem,) = ct2.check(_shim_model("ct2", tmp_path))
+    assert problem.startswith(f"engine.models.m.model_path: {tmp_path}: no vocabulary file")
+
+
+def test_a_llama_cpp_model_must_be_a_gguf_file(tmp_path: Path, tiny_gguf: Path) -> None:
+    assert llama_cpp.check(_shim_model("llama_cpp", tiny_gguf)) == []
+    assert llama_cpp.check(_shim_model("llama_cpp", tmp_path)) == \
+        [f"engine.models.m.model_path: {tmp_path} is a folder; backend 'llama_cpp' needs a GGUF file"]
+    yaml_file = tmp_path / "pool.yaml"
+    yaml_file.write_text("engine: {}\n")
+    assert llama_cpp.check(_shim_model("llama_cpp", yaml_file)) == \
+        [f"engine.models.m.model_path: {yaml_file} is not a GGUF file (it does not start with the GGUF magic)"]
+
+
+def test_an_exllamav3_model_must_be_a_folder_with_its_config(tmp_path: Path, tiny_gguf: Path) -> None:
+    (problem,) = exllamav3.check(_shim_model("exllamav3", tiny_gguf))
+    assert problem.startswith(f"engine.models.m.model_path: {tiny_gguf} is a GGUF file; backend 'exllamav3' needs "
+                              "an EXL3 model folder")
+    assert exllamav3.check(_shim_model("exllamav3", tmp_path)) == \
+        [f"engine.models.m.model_path: {tmp_path} holds no config.json, so it is not an EXL3 model folder"]
+    (tmp_path / "config.json").write_text("{}")
+    assert exllamav3.check(_shim_model("exllamav3", tmp_path)) == []

@@ -244,3 +244,19 @@ def test_speculative_values_exist_in_the_pinned_vllm() -> None:
 
 def test_the_max_num_seqs_flag_the_warning_reads_exists() -> None:
     assert "--max-num-seqs" in _help_flags()
+
+
+def test_a_path_like_vllm_model_must_be_a_model_folder_or_a_gguf(tmp_path: Path, tiny_gguf: Path) -> None:
+    def found(vllm_model: Path) -> list[str]:
+        cfg = model("m", {"backend": "vllm_serve", "vllm_model": str(vllm_model), "vllm_serve_binary": "/bin/true"})
+        return vllm_serve.check(cfg)
+
+    yaml_file = tmp_path / "pool.yaml"
+    yaml_file.write_text("engine: {}\n")
+    assert found(yaml_file) == [f"engine.models.m.vllm_model: {yaml_file} is a file and not a GGUF; vLLM needs a "
+                                "model folder (with config.json), a GGUF file or a Hugging Face id"]
+    assert found(tmp_path) == [f"engine.models.m.vllm_model: {tmp_path} holds no config.json (nor a Mistral "
+                               "params.json), so it is not a model folder vLLM can load"]
+    (tmp_path / "config.json").write_text("{}")
+    assert found(tmp_path) == []
+    assert found(tiny_gguf) == []   # vLLM loads a single GGUF file

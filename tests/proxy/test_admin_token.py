@@ -65,4 +65,5 @@ def test_the_admin_listener_needs_a_port_of_its_own(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"service": {"port": 9000, "admin_port": 9000}}))
     with pytest.raises(ConfigError) as info:
         load_settings(path)
-    assert info.value.problems == ["service.admin_port: 9000 is service.port; the admin listener needs a port of its own"]
+    assert info.value.problems == ["service.admin_port: 9000 is service.port; the admin listener needs a port of its own"
+                                   f" ({path}:2)"]

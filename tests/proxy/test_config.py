@@ -155,3 +155,62 @@ def test_check_config_accepts_a_good_file(tmp_path: Path, capsys: pytest.Capture
         "enabled": True}}}})
     assert main(["--config", str(path), "check-config"]) == 0
     assert capsys.readouterr().out.startswith("ok: 1 model(s), 1 enabled")
+
+
+def test_a_prompt_format_the_shims_do_not_know_is_an_error_with_the_closest_name(tmp_path: Path) -> None:
+    # Before: the model loaded and answered every request 400 invalid_request (blaming the client).
+    path = write(tmp_path / "pool.yaml", {"engine": {"models": {"m": {**LLAMA_MODEL, "prompt_format": "genric"}}}})
+    (problem,) = problems_of(path)
+    assert problem.startswith("engine.models.m.prompt_format: 'genric' is not a prompt format llm-pool knows; "
+                              "did you mean `generic`? (one of generic, mistral_template, qwen3_template, "
+                              "gemma4_template, translategemma_template)"), problem
+
+
+def test_prompt_formats_come_from_the_shims_renderers() -> None:
+    from proxy.config import PROMPT_FORMATS
+    from shims import prompts
+
+    assert PROMPT_FORMATS is prompts.FORMATS
+    for name in PROMPT_FORMATS:  # every format named is one the renderer takes
+        prompts.render([{"role": "user", "content": [{"type": "text", "text": "hi", "source_lang_code": "en",
+                                                      "target_lang_code": "de"}]}], name, multi_turn=False)
+
+
+@pytest.mark.parametrize("model, expected", [
+    ({"backend": "llama_server", "model_path": "{yaml}"}, "engine.models.m.model_path: {yaml} is not a GGUF file"),
+    ({"backend": "llama_server", "model_path": "{dir}"}, "engine.models.m.model_path: {dir} is a folder"),
+    ({"backend": "ct2", "model_path": "{gguf}", "ct2_python": "{python}"},
+     "engine.models.m.model_path: {gguf} is a GGUF file"),
+    ({"backend": "llama_server", "model_path": "{gguf}", "llama_server_extra_args": ["--no-such-flag"]},
+     "engine.models.m.llama_server_extra_args: --no-such-flag is not an option of"),
+    ({"backend": "llama_cpp", "model_path": "{gguf}", "llama_cpp_python": "{python}", "prompt_format": "genric"},
+     "engine.models.m.prompt_format: 'genric' is not a prompt format llm-pool knows; did you mean `generic`?"),
+])
+def test_check_config_fails_what_would_fail_at_load(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    tiny_gguf: Path, llama_server_bin: Path,
+                                                    model: dict, expected: str) -> None:
+    import sys
+
+    yaml_file = write(tmp_path / "notes.yaml", {"a": 1})
+    values = {"yaml": str(yaml_file), "dir": str(tmp_path), "gguf": str(tiny_gguf), "python": sys.executable}
+    model = {k: v.format(**values) if isinstance(v, str) else v for k, v in model.items()}
+    path = write(tmp_path / "pool.yaml", {"service": {"state_dir": str(tmp_path / "state")}, "engine": {"models": {
+        "m": {**model, "llama_server_binary": str(llama_server_bin), "enabled": True}}}})
+    try:
+        code = main(["--config", str(path), "check-config"])
+    except SystemExit as exc:  # a problem of the settings themselves, found before any model is checked
+        code = exc.code
+    assert code == 2
+    assert expected.format(**values) in capsys.readouterr().err
+
+
+def test_a_load_override_of_a_nested_field_keeps_the_models_other_settings() -> None:
+    from proxy.config import ModelConfig
+
+    sim = {"ttft_ms": 100, "decode_tokens_per_s": 50.0, "max_seqs": 4}
+    config = ModelConfig(name="m", backend="sim", enabled=True, replicas=1, replica_max=2, target_inflight=1,
+                         modalities=("text",), gpus=(), options={"backend": "sim", "sim": sim})
+    loaded = config.with_overrides({"sim": {"ttft_ms": 5}, "replicas": 2})
+    # Before: the whole `sim` object was replaced, dropping decode_tokens_per_s and max_seqs.
+    assert loaded.options["sim"] == {"ttft_ms": 5, "decode_tokens_per_s": 50.0, "max_seqs": 4}
+    assert loaded.replicas == 2 and config.options["sim"] == sim

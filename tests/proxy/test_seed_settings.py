@@ -126,8 +126,10 @@ def test_a_model_inheriting_a_backend_is_judged_by_it(tmp_path: Path) -> None:
     # ... and llama_server's rules still hold for a model that inherits llama_server.
     doc = {"engine": {"backend": "llama_server", "models": {"g": {"model_path": None}}}}
     with pytest.raises(ConfigError) as info:
-        load_settings(write_pair(tmp_path, doc, None))
-    assert info.value.problems == ["engine.models.g.model_path: None is not of type 'string'"]
+        base = write_pair(tmp_path, doc, None)
+        load_settings(base)
+    assert info.value.problems == [f"engine.models.g.model_path: None is not of type 'string' "
+                                   f"({base}:{line_of(base, 'model_path')})"]
 
 
 @pytest.mark.parametrize("fields", [{"modalities": ["text", "image"]},
@@ -146,11 +148,13 @@ def test_image_input_on_llama_server_needs_an_mmproj(tmp_path: Path, fields: dic
 def test_unknown_keys_are_warnings_with_the_closest_name(tmp_path: Path) -> None:
     doc = {"servce": {"port": 1}, "engine": {"models": {"m": {
         "backend": "llama_server", "model_path": "/m.gguf", "llama_server_nctx": 4096, "flavour": 1}}}}
-    settings = load_settings(write_pair(tmp_path, doc, None))
+    base = write_pair(tmp_path, doc, None)
+    settings = load_settings(base)
     assert settings.warnings == (
-        "engine.models.m.flavour: unknown field, ignored",
-        "engine.models.m.llama_server_nctx: unknown field, ignored; did you mean `llama_server_n_ctx`?",
-        "servce: unknown field, ignored; did you mean `service`?",
+        f"engine.models.m.flavour: unknown field, ignored ({base}:{line_of(base, 'flavour')})",
+        "engine.models.m.llama_server_nctx: unknown field, ignored; did you mean `llama_server_n_ctx`? "
+        f"({base}:{line_of(base, 'llama_server_nctx')})",
+        f"servce: unknown field, ignored; did you mean `service`? ({base}:{line_of(base, 'servce')})",
     )
     with pytest.raises(ConfigError) as info:
         load_settings(write_pair(tmp_path, doc, None), strict=True)
@@ -213,3 +217,84 @@ def test_check_config_judges_the_spec_type_by_the_binary(tmp_path: Path, capsys:
         err = capsys.readouterr().err
         assert "engine.models.g.llama_server_spec_type: 'draft-turbo' is not accepted by" in err
         assert "it accepts: " in err and "draft-simple" in err
+
+
+# Every config message names the file (and line) its key was set in.
+
+def line_of(path: Path, needle: str, after: str = "") -> int:
+    """The 1-based line of the first `needle` in the file (after the first `after`, when given)."""
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if after in line) if after else 0
+    return next(i for i, line in enumerate(lines) if i >= start and needle in line) + 1
+
+
+TINY = {"backend": "llama_server", "model_path": "/models/tiny.gguf", "enabled": False}
+
+
+def test_a_model_only_in_local_json_is_named_there_with_the_base_model_it_misspells(tmp_path: Path) -> None:
+    base = write_pair(tmp_path, {"engine": {"models": {"tiny-lcpp": TINY}}}, {"engine": {"models": {
+        "tiny-lpp": {"enabled": True}}}})
+    local = base.with_name("local.json")
+    with pytest.raises(ConfigError) as info:
+        load_settings(base)
+    (problem,) = info.value.problems
+    assert problem == ("engine.models.tiny-lpp.backend: required (or set engine.backend); `tiny-lpp` is set only "
+                       f"in {local}: did you mean `tiny-lcpp` of {base}? ({local}:{line_of(local, 'tiny-lpp')})")
+
+
+def test_a_wrong_value_names_the_file_and_line_that_set_it(tmp_path: Path) -> None:
+    base = write_pair(tmp_path, {"engine": {"models": {"m": {**TINY, "replicas": 1}}}},
+                      {"engine": {"models": {"m": {"replicas": "two"}}}})
+    local = base.with_name("local.json")
+    with pytest.raises(ConfigError) as info:
+        load_settings(base)
+    assert info.value.problems == [f"engine.models.m.replicas: 'two' is not of type 'integer' "
+                                   f"({local}:{line_of(local, 'replicas')})"]
+    # The same value in the base file is the base file's.
+    base = write_pair(tmp_path, {"engine": {"models": {"m": {**TINY, "replicas": "two"}}}}, {})
+    with pytest.raises(ConfigError) as info:
+        load_settings(base)
+    assert info.value.problems == [f"engine.models.m.replicas: 'two' is not of type 'integer' "
+                                   f"({base}:{line_of(base, 'replicas')})"]
+
+
+def test_a_missing_field_names_every_file_that_sets_its_model(tmp_path: Path) -> None:
+    base = write_pair(tmp_path, {"engine": {"models": {"m": {"backend": "llama_server"}}}},
+                      {"engine": {"models": {"m": {"enabled": True}}}})
+    local = base.with_name("local.json")
+    with pytest.raises(ConfigError) as info:
+        load_settings(base)
+    key = '"m"'
+    assert info.value.problems == [f"engine.models.m.model_path: required ({base}:{line_of(base, key)}, "
+                                   f"{local}:{line_of(local, key)})"]
+
+
+def test_semantic_problems_and_warnings_name_their_line(tmp_path: Path) -> None:
+    base = write_pair(tmp_path, {"engine": {"models": {"m": {**TINY, "replicas": 3, "replica_max": 2,
+                                                             "flavour": 1}}}}, None)
+    with pytest.raises(ConfigError) as info:
+        load_settings(base)
+    assert info.value.problems == [f"engine.models.m.replicas: 3 is above replica_max 2 ({base}:"
+                                   f"{line_of(base, 'replicas')})"]
+    settings = load_settings(write_pair(tmp_path, {"engine": {"models": {"m": {**TINY, "flavour": 1}}}}, None))
+    assert settings.warnings == (f"engine.models.m.flavour: unknown field, ignored ({base}:{line_of(base, 'flavour')})",)
+
+
+def test_yaml_files_name_their_lines_too(tmp_path: Path) -> None:
+    base = tmp_path / "pool.yaml"
+    base.write_text("engine:\n  models:\n    m:\n      backend: llama_server\n      model_path: /m.gguf\n"
+                    "      target_inflight: -1\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(base)
+    assert info.value.problems == [f"engine.models.m.target_inflight: -1 is less than the minimum of 1 ({base}:6)"]
+
+
+def test_check_config_names_the_file_of_a_model_that_cannot_start(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    base = write_pair(tmp_path, {"service": {"state_dir": str(tmp_path / "state")},
+                                 "engine": {"models": {"m": {**TINY, "llama_server_binary": "/no/llama-server"}}}},
+                      {"engine": {"models": {"m": {"enabled": True}}}})
+    assert _check_config(base) == 2
+    err = capsys.readouterr().err
+    assert (f"engine.models.m.llama_server_binary: /no/llama-server does not exist or is not executable "
+            f"({base}:{line_of(base, 'llama_server_binary')})") in err

@@ -62,7 +62,7 @@ def test_a_backend_this_version_cannot_run_offers_no_overrides(tmp_path: Path, m
 
 def test_definition_shows_metadata_and_redacts_secrets(tmp_path: Path) -> None:
     model = configured(tmp_path, v={
-        "backend": "vllm_serve", "vllm_model": "/models/qwen", "prompt_format": "chatml",
+        "backend": "vllm_serve", "vllm_model": "/models/qwen", "prompt_format": "qwen3_template",
         "modalities": ["text", "image"], "description": "Qwen for the workbench", "replicas": 1, "replica_max": 2,
         "vllm_serve_api_key": "sk-live-123", "vllm_serve_env": {"HF_TOKEN": "hf_secret", "VLLM_X": "1"},
         "vllm_serve_extra_args": ["--max-num-seqs", "4", "--api-key", "sk-arg-456", "--hf-token=hf_arg"],
@@ -74,7 +74,7 @@ def test_definition_shows_metadata_and_redacts_secrets(tmp_path: Path) -> None:
     for secret in ("sk-live-123", "hf_secret", "sk-arg-456", "hf_arg"):
         assert secret not in text
     assert (shown["backend"], shown["vllm_model"], shown["prompt_format"], shown["description"]) == \
-        ("vllm_serve", "/models/qwen", "chatml", "Qwen for the workbench")
+        ("vllm_serve", "/models/qwen", "qwen3_template", "Qwen for the workbench")
     assert (shown["modalities"], shown["replicas"], shown["replica_max"]) == (["text", "image"], 1, 2)
     fields = shown["fields"]
     assert fields["vllm_serve_api_key"] == REDACTED

@@ -32,5 +32,7 @@ def test_only_the_listed_variables_pass_and_never_a_secret(tmp_path: Path) -> No
 def test_passing_a_secret_on_purpose_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         settings(tmp_path, pass_env=["PROVIDER_KEY"])
+    path = tmp_path / "pool.yaml"
+    line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if "pass_env" in text)
     assert info.value.problems == ["supervisor.pass_env: PROVIDER_KEY holds a secret of the proxy (named by "
-                                   "admin_token_env or a *_env field); model servers never get it"]
+                                   f"admin_token_env or a *_env field); model servers never get it ({path}:{line})"]
