@@ -20,7 +20,8 @@ import aiohttp
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.config import Settings
 from proxy.lifecycle.engine_metrics import read_gauges
-from proxy.lifecycle.health import HealthPolicy, ReadyChecks, note_failure, note_success, state_after_check
+from proxy.lifecycle.health import (HealthPolicy, ReadyChecks, note_exit, note_failure, note_success,
+                                    state_after_check)
 from proxy.lifecycle.programs import Programs
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
@@ -85,7 +86,7 @@ class Monitor:
         """A refused connection on the data path (the request never reached the replica): its
         process is gone or restarting, so stop routing to it at once; its health check brings it back."""
         runtime = self.models[replica.model]
-        replica.failures += 1
+        note_exit(replica)
         if replica.state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
             runtime.set_replica_state(replica, ReplicaState.STARTING, error)
             self.wake()
@@ -141,9 +142,11 @@ class Monitor:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "program no longer known to supervisord")
             return
         pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid)
+        if pid_changed or (state in (ReplicaState.READY, ReplicaState.UNHEALTHY) and
+                           info.state in EXITED_STATES + (ProcessState.STARTING,)):
+            note_exit(replica)  # a process that keeps crashing is ejected like one that keeps failing
         if pid_changed:
             replica.restarts += 1
-            replica.failures += 1  # a process that keeps crashing is ejected like one that keeps failing
         if info.pid:
             replica.pid = info.pid
         if info.state == ProcessState.FATAL and state in (ReplicaState.READY, ReplicaState.STARTING,

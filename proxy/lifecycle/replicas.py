@@ -97,6 +97,11 @@ class Replica:
     # back-off), ejections ever, and until when the current one lasts.
     failures: int = 0
     ejections: int = 0
+    # A crash is one failure (health.note_exit): the process the count's latest failures came from
+    # and the count before them, and the process whose exit was counted.
+    failed_pid: int = 0
+    failures_before: int = 0
+    exited_pid: int = 0
     ejected_total: int = 0
     eject_until: float = 0.0
     # For /metrics: requests sent to it, failed health checks (in rotation or ejected) and failed

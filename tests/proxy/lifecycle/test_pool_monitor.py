@@ -131,3 +131,28 @@ async def test_a_request_dropped_after_it_was_sent_does_not_take_the_replica_out
     pool, _, replica, _ = world
     pool.monitor.report_outcome(replica, "dropped the request: ServerDisconnectedError")
     assert replica.state == ReplicaState.READY and replica.failures == 1
+
+
+async def test_a_crash_counts_as_one_failure_however_many_signs_of_it_arrive(world: Any) -> None:
+    pool, _, replica, _ = world
+    # SIGKILL of pid 100: the request it was answering breaks off, the next ones are refused, and
+    # supervisord restarts it under a new pid. All of that is one crash.
+    pool.monitor.report_outcome(replica, "dropped the request: ClientOSError")
+    for _ in range(3):
+        pool.monitor.report_connection_failure(replica, "ClientConnectorError: Connection refused")
+    pool.monitor.report_outcome(replica, "dropped the request: ServerDisconnectedError")
+    assert await observe(world, BACKOFF, 0) == ReplicaState.STARTING
+    assert await observe(world, STARTING, 101) == ReplicaState.STARTING
+    assert replica.restarts == 1 and replica.failures == 1
+
+
+async def test_each_crash_in_a_row_is_one_more_failure(world: Any) -> None:
+    _, runtime, replica, _ = world
+    for crash, pid in enumerate((101, 102, 103), start=1):
+        assert await observe(world, RUNNING, pid) == ReplicaState.STARTING   # restarted between two polls
+        runtime.set_replica_state(replica, ReplicaState.READY)              # its health check passed
+        assert replica.failures == crash
+    # An answer that failed on the live process after its restart counts on its own.
+    pool = world[0]
+    pool.monitor.report_outcome(replica, "HTTP 500")
+    assert replica.failures == 4
