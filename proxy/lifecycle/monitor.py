@@ -138,6 +138,7 @@ class Monitor:
         if state in (ReplicaState.STOPPING,):
             return
         if info is None:
+            replica.alive = False
             if state != ReplicaState.STOPPED:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "program no longer known to supervisord")
             return
@@ -149,6 +150,7 @@ class Monitor:
             replica.restarts += 1
         if info.pid:
             replica.pid = info.pid
+        replica.alive = info.pid != 0
         if info.state == ProcessState.FATAL and state in (ReplicaState.READY, ReplicaState.STARTING,
                                                           ReplicaState.UNHEALTHY):
             tail = await self._log_tail(replica)

@@ -222,7 +222,7 @@ class Pool:
             await runtime.kind.stop(runtime)
         for replica in runtime.replicas:
             runtime.set_replica_state(replica, ReplicaState.STOPPED)
-            replica.pid = 0
+            replica.pid, replica.alive = 0, False
         runtime.replicas = []
 
     async def _load_logged(self, name: str) -> None:

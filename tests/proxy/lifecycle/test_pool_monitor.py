@@ -28,7 +28,8 @@ def world(tmp_path: Path) -> Any:
     runtime = pool.models["m"]
     runtime.state = ModelState.LOADED
     spec = sim.launch(settings.models["m"], 0, 18000, 5, {})
-    replica = Replica(model="m", index=0, spec=spec, fullname="g:r0", pid=100, reach=ProgramReach(spec))
+    replica = Replica(model="m", index=0, spec=spec, fullname="g:r0", pid=100, alive=True,
+                      reach=ProgramReach(spec))
     runtime.replicas = [replica]
     runtime.set_replica_state(replica, ReplicaState.STARTING)
     runtime.set_replica_state(replica, ReplicaState.READY)
@@ -156,3 +157,19 @@ async def test_each_crash_in_a_row_is_one_more_failure(world: Any) -> None:
     pool = world[0]
     pool.monitor.report_outcome(replica, "HTTP 500")
     assert replica.failures == 4
+
+
+async def test_the_admin_row_shows_no_pid_once_the_process_is_gone(world: Any) -> None:
+    _, runtime, replica, _ = world
+    assert replica.describe()["pid"] == 100
+    assert await observe(world, BACKOFF, 0) == ReplicaState.STARTING      # crashed: no process now
+    assert replica.describe()["pid"] is None
+    assert await observe(world, RUNNING, 101) == ReplicaState.STARTING    # restarted
+    assert replica.describe()["pid"] == 101 and replica.restarts == 1
+    runtime.set_replica_state(replica, ReplicaState.READY)
+    assert await observe(world, STOPPED, 0) == ReplicaState.STOPPED       # an admin's supervisorctl stop
+    assert replica.describe()["pid"] is None
+    assert await observe(world, RUNNING, 102) == ReplicaState.STARTING    # and supervisorctl start
+    runtime.set_replica_state(replica, ReplicaState.READY)
+    assert await observe(world, FATAL, 0) == ReplicaState.FAILED
+    assert replica.describe()["pid"] is None
