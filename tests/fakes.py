@@ -115,8 +115,8 @@ class FakeProvider:
 
     CACHED_TOKENS = 3
 
-    def __init__(self, key: str, models: tuple[str, ...] = ()) -> None:
-
+    def __init__(self, key: str, models: tuple[str, ...] = (), port: int = 0) -> None:
+        # `port`: a given one, for a test that sees its callers refused before the provider starts.
         self.key = key
         self.models = list(models)
         self.requests: list[dict[str, object]] = []
@@ -126,7 +126,7 @@ class FakeProvider:
         self._ids = 0
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake provider", daemon=True)
-        self.port = 0
+        self.port = port
 
     # -- control, from the test's thread -----------------------------------------------------------
 
@@ -175,7 +175,7 @@ class FakeProvider:
         # handler_cancellation: a caller that hangs up ends a slow answer at once, as at a real provider.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._ready.set()

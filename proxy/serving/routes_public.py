@@ -54,7 +54,8 @@ async def health(request: web.Request) -> web.Response:
 @routes.get("/ready")
 async def ready(request: web.Request) -> web.Response:
     """Readiness, unlike /health (liveness): 503 until every model loading at startup has loaded
-    or failed; the body gives each one's state, and a failed model's reason."""
+    or failed once; the body gives each one's state, a failed model's reason, and when its load is
+    tried again (a retry pending or running does not make the proxy unready again)."""
     pool = request.app[POOL]
     pending = pool.startup_pending
     models = {}
@@ -63,6 +64,8 @@ async def ready(request: web.Request) -> web.Response:
             entry: dict[str, object] = {"state": rt.state.value}
             if rt.state != ModelState.LOADED and rt.last_error and name not in pending:
                 entry["reason"] = rt.last_error
+            if rt.load_retry is not None:
+                entry["load_retry"] = rt.load_retry.describe()
             models[name] = entry
     if pending:
         return web.json_response({"status": "loading", "waiting_for": sorted(pending), "models": models},

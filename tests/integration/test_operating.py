@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 import pytest
+import yaml
 
 from helpers import REPO, ProxyProcess, free_port, http, pid_alive, wait_for
 
@@ -52,6 +53,25 @@ def test_ready_waits_for_every_enabled_model_and_shows_why_one_failed(start_prox
     body = wait_for(ready, what="/ready to answer 200")
     assert body["status"] == "ready" and body["models"]["fast"] == {"state": "loaded"}
     assert body["models"]["stuck"]["state"] == "failed" and "giving up" in body["models"]["stuck"]["reason"]
+
+
+def test_a_remote_model_on_another_model_of_the_pool_loads_once_that_one_is_up(proxies) -> None:
+    proxy = ProxyProcess({"fast": {"backend": "sim", "enabled": True}},
+                         service={"load_retry_base_s": 0.2, "load_retry_max_s": 1})
+    # The pool is its own provider: at startup "fast" is not up yet (and the proxy not listening).
+    proxy.config["engine"]["models"]["relay"] = {
+        "backend": "openai_remote", "model_path": None, "remote_base_url": proxy.url + "/v1",
+        "remote_model": "fast", "remote_health_check": "models", "enabled": True}
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxies.append(proxy)
+    proxy.start()
+    wait_for(lambda: proxy.admin_model("relay")["state"] == "loaded", what="relay loaded by a retry")
+    log = proxy.log_path.read_text()
+    assert "loading relay failed (try 1)" in log and "trying again in 0.2s" in log
+    assert proxy.admin_model("relay")["load_retry"] is None
+    status, _, answer = http("POST", proxy.url + "/v1/chat/completions",
+                             {"model": "relay", "messages": [{"role": "user", "content": "Hi"}], "allow_remote": True})
+    assert status == 200, answer
 
 
 def test_admin_view_logs_and_gpu_memory_through_ctl(start_proxy, llama_model, proxies) -> None:
