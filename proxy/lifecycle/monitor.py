@@ -137,6 +137,11 @@ class Monitor:
         state = replica.state
         if state in (ReplicaState.STOPPING,):
             return
+        if state in (ReplicaState.STOPPED, ReplicaState.FAILED) and runtime.state != ModelState.LOADED:
+            # Not started yet by the load in progress (or given up): a process under its name is an
+            # old one the load is replacing (a reload after a settings change), not its own, and
+            # taking its pid would make the new process look like a restart, to be stopped.
+            return
         if info is None:
             replica.alive = False
             if state != ReplicaState.STOPPED:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -169,6 +170,28 @@ def test_sigusr1_exits_and_the_next_proxy_adopts_the_models(proxies, llama_model
     proxy.stop()
     proxy.start()
     assert proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"] == pid  # adopted, not reloaded
+
+
+def test_a_reload_after_a_settings_change_restarts_every_replica_of_the_changed_model(proxies, llama_model) -> None:
+    proxy = ProxyProcess({"pair": llama_model(replicas=2, replica_max=2), "other": llama_model()})
+    proxies.append(proxy)
+    proxy.start()
+    before = proxy.wait_replicas_ready("pair", 2)["replicas"]
+    other = proxy.wait_state("other", "loaded")["replicas"][0]["pid"]
+    assert proxy.proc is not None
+    proxy.proc.send_signal(signal.SIGUSR1)     # the README's restart without unloading
+    assert proxy.proc.wait(60) == 0
+    proxy.stop()
+    proxy.config["engine"]["models"]["pair"]["llama_server_n_ctx"] = 2048
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxy.start()
+    after = proxy.wait_replicas_ready("pair", 2)["replicas"]   # fails at once should it go `failed`
+    assert not {r["pid"] for r in after} & {r["pid"] for r in before}     # restarted with the new settings
+    for replica in after:
+        argv = (Path("/proc") / str(replica["pid"]) / "cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"--ctx-size") + 1] == b"4096"           # 2048 per request, 2 slots
+    assert proxy.wait_state("other", "loaded")["replicas"][0]["pid"] == other   # adopted as it was
+    assert "loading pair failed" not in proxy.log_path.read_text()
 
 
 def test_log_polls_resume_at_the_offset_skip_ahead_and_restart_after_rotation(start_proxy) -> None:

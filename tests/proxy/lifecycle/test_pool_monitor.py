@@ -164,7 +164,7 @@ async def test_the_admin_row_shows_no_pid_once_the_process_is_gone(world: Any) -
     assert replica.describe()["pid"] == 100
     assert await observe(world, BACKOFF, 0) == ReplicaState.STARTING      # crashed: no process now
     assert replica.describe()["pid"] is None
-    assert await observe(world, RUNNING, 101) == ReplicaState.STARTING    # restarted
+    assert await observe(world, STARTING, 101) == ReplicaState.STARTING   # restarted
     assert replica.describe()["pid"] == 101 and replica.restarts == 1
     runtime.set_replica_state(replica, ReplicaState.READY)
     assert await observe(world, STOPPED, 0) == ReplicaState.STOPPED       # an admin's supervisorctl stop
@@ -173,3 +173,19 @@ async def test_the_admin_row_shows_no_pid_once_the_process_is_gone(world: Any) -
     runtime.set_replica_state(replica, ReplicaState.READY)
     assert await observe(world, FATAL, 0) == ReplicaState.FAILED
     assert replica.describe()["pid"] is None
+
+
+async def test_a_replica_not_started_yet_does_not_take_the_pid_of_the_old_process_it_replaces(world: Any) -> None:
+    pool, runtime, _, fake = world
+    # A reload after a settings change: the load made a new replica whose program still shows the
+    # old process (pid 100) until the load has stopped it and started the new one.
+    runtime.state = ModelState.LOADING
+    spec = runtime.replicas[0].spec
+    fresh = Replica(model="m", index=0, spec=spec, fullname="g:r0", reach=ProgramReach(spec))
+    runtime.replicas = [fresh]
+    await pool.monitor.observe(runtime, fresh, fake.set("g:r0", RUNNING, 100))
+    assert fresh.pid == 0 and fresh.state == ReplicaState.STOPPED
+    runtime.set_replica_state(fresh, ReplicaState.STARTING)    # the load started the new program
+    await pool.monitor.observe(runtime, fresh, fake.set("g:r0", STARTING, 200))
+    assert fresh.state == ReplicaState.STARTING and fresh.pid == 200 and fresh.restarts == 0
+    assert fake.calls == []
