@@ -42,6 +42,22 @@ class FakeSupervisor:
         self.calls.append(("start", fullname))
 
 
+class FakeManagedSupervisord:
+    """FAKE of proxy.supervisord.managed.ManagedSupervisord: says whether supervisord died, and
+    counts the times it was asked to start it again (the real one stops orphans and spawns one)."""
+
+    def __init__(self, dead: bool = True) -> None:
+        self.is_dead = dead
+        self.started = 0
+
+    def dead(self) -> bool:
+        return self.is_dead
+
+    async def start_again(self) -> None:
+        self.started += 1
+        self.is_dead = False
+
+
 class ScriptedSupervisor(FakeSupervisor):
     """FAKE supervisord driver for unload under faults: stopProcess and removeProcessGroup follow
     supervisord's rules (a stopped, exited or fatal process is NOT_RUNNING; a group with a live

@@ -28,6 +28,7 @@ from proxy.lifecycle.remote import EndpointKind
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.lifecycle.runtime import LoadRetry, ModelRuntime
 from proxy.lifecycle.scaling import scale
+from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.orphans import PidRecord
 from proxy.supervisord.supervisor import ProcessState, SupervisorClient, SupervisorError
 
@@ -37,7 +38,8 @@ T = TypeVar("T")
 
 class Pool:
     def __init__(self, settings: Settings, supervisor: SupervisorClient, http: aiohttp.ClientSession,
-                 environ: Mapping[str, str] | None = None, pid_record: PidRecord | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, pid_record: PidRecord | None = None,
+                 managed: ManagedSupervisord | None = None) -> None:
         self.settings = settings
         self.supervisor = supervisor
         self.http = http
@@ -47,7 +49,7 @@ class Pool:
                                                 for n, c in settings.models.items()}
         self.programs = Programs(settings, supervisor, self.environ, self.models, lambda: self.monitor.wake(),
                                  pid_record)
-        self.monitor = Monitor(settings, supervisor, http, self.models, self.programs)
+        self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, managed)
         kinds = kinds_for({c.backend for c in settings.models.values()}, ProgramKind(self.programs),
                           EndpointKind(http, self.environ))
         for runtime in self.models.values():

@@ -128,7 +128,8 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
                     log.info("started supervisord: supervisorctl -c %s status", managed.conf_path(settings))
             managed_mode = settings.supervisor.mode == "managed"
             pool = Pool(settings, supervisor, http,
-                        pid_record=PidRecord(settings.service.state_dir) if managed_mode else None)
+                        pid_record=PidRecord(settings.service.state_dir) if managed_mode else None,
+                        managed=managed.ManagedSupervisord(settings, supervisor) if managed_mode else None)
             await pool.start()
         except BaseException:
             await supervisor.close()
@@ -153,6 +154,9 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
             await pool.close(stop_models=not keep_models_now)
             if settings.supervisor.mode == "managed" and not keep_models_now:
                 await managed.stop_supervisord(supervisor)
+                # A supervisord that died (and could not be started again) stopped nothing: what it
+                # left running is stopped by its recorded PIDs, so that nothing outlives the proxy.
+                await managed.stop_orphans_if_dead(settings)
         finally:
             await supervisor.close()
             await http.close()

@@ -43,7 +43,8 @@ async def admin_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [admin_row(rt.describe(), rt.config, properties, pool.environ,
                                                                    loadable=rt.kind is not None,
                                                                    model_field=rt.traits.model_field)
-                                                         for rt in pool.models.values()]})
+                                                         for rt in pool.models.values()],
+                              "supervisord": pool.monitor.supervisord_status()})
 
 
 async def _load_request(request: web.Request, name: str) -> dict[str, Any]:

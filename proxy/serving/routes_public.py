@@ -45,7 +45,10 @@ async def list_models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     # A model that could not start is named with its reason; the others serve, so the service is up.
-    return web.json_response({"status": "ok",
+    # Without supervisord answering, what runs serves but nothing can start or stop: degraded.
+    supervisord = pool.monitor.supervisord_status()
+    return web.json_response({"status": "ok" if supervisord["answering"] else "degraded",
+                              "supervisord": supervisord,
                               "models": {name: rt.state.value for name, rt in pool.models.items()},
                               "errors": {name: rt.last_error for name, rt in pool.models.items()
                                          if rt.state == ModelState.FAILED and rt.last_error}})

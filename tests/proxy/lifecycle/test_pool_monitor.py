@@ -6,13 +6,14 @@ from typing import Any
 
 import pytest
 
-from fakes import FakeSupervisor
+from fakes import FakeManagedSupervisord, FakeSupervisor
 from launchers import sim
 from proxy.config import load_settings
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import InvalidTransition, ModelState, Replica, ReplicaState
-from proxy.supervisord.supervisor import ProcessState
+from proxy.lifecycle.monitor import DOWN_LOG_INTERVAL_S
+from proxy.supervisord.supervisor import ProcessState, SupervisorUnavailable
 
 RUNNING, STARTING, BACKOFF = ProcessState.RUNNING, ProcessState.STARTING, ProcessState.BACKOFF
 STOPPED, FATAL, EXITED = ProcessState.STOPPED, ProcessState.FATAL, ProcessState.EXITED
@@ -189,3 +190,42 @@ async def test_a_replica_not_started_yet_does_not_take_the_pid_of_the_old_proces
     await pool.monitor.observe(runtime, fresh, fake.set("g:r0", STARTING, 200))
     assert fresh.state == ReplicaState.STARTING and fresh.pid == 200 and fresh.restarts == 0
     assert fake.calls == []
+
+
+async def test_supervisord_not_answering_is_logged_once_then_at_a_slow_interval(
+        world: Any, caplog: pytest.LogCaptureFixture) -> None:
+    monitor = world[0].monitor
+    for _ in range(5):
+        await monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
+    assert caplog.text.count("supervisord is not answering") == 1
+    assert monitor.supervisord_status()["answering"] is False
+    monitor.down.logged_at -= DOWN_LOG_INTERVAL_S          # a slow interval later
+    await monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
+    await monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
+    assert caplog.text.count("supervisord still not answering") == 1
+    monitor._answering()
+    assert "supervisord answers again" in caplog.text and monitor.supervisord_status()["answering"] is True
+
+
+async def test_a_dead_managed_supervisord_is_started_again_with_the_replicas_that_served(world: Any) -> None:
+    pool, runtime, replica, fake = world
+    spec = sim.launch(pool.settings.models["m"], 1, 18001, 5, {})
+    stopped = Replica(model="m", index=1, spec=spec, fullname="g:r1", reach=ProgramReach(spec))
+    runtime.replicas.append(stopped)     # one an admin stopped with supervisorctl: it stays stopped
+    managed = pool.monitor.managed = FakeManagedSupervisord()
+    await pool.monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
+    assert managed.started == 1 and pool.monitor.supervisord_status()["restarts"] == 1
+    assert replica.state == ReplicaState.STARTING and "supervisord died" in replica.last_error
+    assert replica.describe()["pid"] is None and replica.restarts == 1
+    assert runtime.admission.capacity == 0 and stopped.state == ReplicaState.STOPPED
+    assert fake.calls == [("start", "g:r0")]
+    # Its new process is no crash of the old one, and is judged like any start.
+    assert await observe(world, STARTING, 300) == ReplicaState.STARTING
+    assert replica.restarts == 1 and replica.failures == 0
+
+
+async def test_a_supervisord_that_is_alive_but_slow_is_not_started_again(world: Any) -> None:
+    pool, _, replica, fake = world
+    managed = pool.monitor.managed = FakeManagedSupervisord(dead=False)
+    await pool.monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
+    assert managed.started == 0 and replica.state == ReplicaState.READY and fake.calls == []
