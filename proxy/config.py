@@ -46,7 +46,8 @@ DEFAULT_SERVICE = {"host": "127.0.0.1", "port": 8011, "log_level": "info", "max_
 # legitimate, so the first byte gets minutes; a stream that goes quiet mid-answer does not.
 DEFAULT_RELIABILITY: dict[str, Any] = {"first_byte_timeout_s": 600.0, "stream_idle_timeout_s": 120.0,
                        "max_response_bytes": 64 * 1024 * 1024, "health_interval_s": 5.0, "health_timeout_s": 5.0,
-                       "eject_after_failures": 5, "eject_base_s": 30.0, "eject_max_s": 300.0}
+                       "eject_after_failures": 5, "eject_base_s": 30.0, "eject_max_s": 300.0,
+                       "load_retry_base_s": 5.0, "load_retry_max_s": 300.0}
 DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "port_range": [18100, 18999],
                       "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15, "pass_env": []}
 DEFAULT_MODEL = {"enabled": False, "replicas": 1, "target_inflight": 1, "modalities": ["text"], "gpus": []}
@@ -87,6 +88,9 @@ class ServiceSettings:
     eject_after_failures: int = DEFAULT_RELIABILITY["eject_after_failures"]
     eject_base_s: float = DEFAULT_RELIABILITY["eject_base_s"]
     eject_max_s: float = DEFAULT_RELIABILITY["eject_max_s"]
+    # A failed load at startup that can pass is tried again after this, doubled per try, up to the max.
+    load_retry_base_s: float = DEFAULT_RELIABILITY["load_retry_base_s"]
+    load_retry_max_s: float = DEFAULT_RELIABILITY["load_retry_max_s"]
 
 
 @dataclass(frozen=True)

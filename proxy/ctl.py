@@ -90,14 +90,24 @@ def models_table(data: list[dict[str, Any]]) -> str:
         replicas = m.get("replicas") or []
         ready = sum(1 for r in replicas if r.get("state") == "ready")
         error = m.get("last_error") or next((r.get("last_error") for r in replicas if r.get("last_error")), None)
-        rows.append([m["id"], m.get("backend"), m.get("state"), f"{ready}/{len(replicas)}",
+        rows.append([m["id"], m.get("backend"), _state(m), f"{ready}/{len(replicas)}",
                      m.get("replica_max"), m.get("active"), m.get("waiting"),
                      (error or "").splitlines()[0][:60] if error else None])
     return table(["MODEL", "BACKEND", "STATE", "READY", "MAX", "ACTIVE", "WAITING", "LAST ERROR"], rows)
 
 
+def _state(m: dict[str, Any]) -> str:
+    """The model's state, and where a failed startup load is tried again, when."""
+    retry = m.get("load_retry")
+    if not retry:
+        return str(m.get("state"))
+    left = retry.get("next_retry_in_s")
+    when = "retrying now" if left is None else f"next retry in {left:g}s"
+    return f"{m.get('state')} ({when}, {retry.get('attempts')} failed)"
+
+
 def model_summary(m: dict[str, Any]) -> str:
-    lines = [f"{m['id']}: {m.get('state')}"]
+    lines = [f"{m['id']}: {_state(m)}"]
     for r in m.get("replicas") or []:
         lines.append(f"  replica {r['index']}: {r['state']} pid={r.get('pid') or '-'} port={r.get('port')}")
     if m.get("last_error"):

@@ -42,6 +42,22 @@ class FakeSupervisor:
         self.calls.append(("start", fullname))
 
 
+class FakeManagedSupervisord:
+    """FAKE of proxy.supervisord.managed.ManagedSupervisord: says whether supervisord died, and
+    counts the times it was asked to start it again (the real one stops orphans and spawns one)."""
+
+    def __init__(self, dead: bool = True) -> None:
+        self.is_dead = dead
+        self.started = 0
+
+    def dead(self) -> bool:
+        return self.is_dead
+
+    async def start_again(self) -> None:
+        self.started += 1
+        self.is_dead = False
+
+
 class ScriptedSupervisor(FakeSupervisor):
     """FAKE supervisord driver for unload under faults: stopProcess and removeProcessGroup follow
     supervisord's rules (a stopped, exited or fatal process is NOT_RUNNING; a group with a live
@@ -115,8 +131,8 @@ class FakeProvider:
 
     CACHED_TOKENS = 3
 
-    def __init__(self, key: str, models: tuple[str, ...] = ()) -> None:
-
+    def __init__(self, key: str, models: tuple[str, ...] = (), port: int = 0) -> None:
+        # `port`: a given one, for a test that sees its callers refused before the provider starts.
         self.key = key
         self.models = list(models)
         self.requests: list[dict[str, object]] = []
@@ -126,7 +142,7 @@ class FakeProvider:
         self._ids = 0
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake provider", daemon=True)
-        self.port = 0
+        self.port = port
 
     # -- control, from the test's thread -----------------------------------------------------------
 
@@ -175,7 +191,7 @@ class FakeProvider:
         # handler_cancellation: a caller that hangs up ends a slow answer at once, as at a real provider.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._ready.set()

@@ -1,12 +1,16 @@
 """Replica health while serving: outlier ejection on consecutive failures, with a back-off.
 
-A failure is a 5xx answer, a timeout or a connection failure on the data path, or a restart of the
-replica's process. After `eject_after` in a row a READY replica is ejected (UNHEALTHY) for
-`eject_base_s`, doubled for each ejection in a row up to `eject_max_s`; it comes back only once
-that time is over and its health check passes. A success clears the count and the back-off. The
-last READY replica of a model is never ejected: a model that answers some errors beats one that
-answers none at all. The functions are pure decisions on a replica and its model's runtime;
-`ReadyChecks` runs the periodic health checks of replicas in rotation and of those taken out.
+A failure is a 5xx answer, a timeout or a connection failure on the data path, or a crash of the
+replica's process. A crash is one failure, however many signs of it arrive (the requests it broke
+off, the connections refused after it, the restart under a new pid): the failures a process
+answered with are folded into its exit, and nothing more counts against it once it is known gone.
+After `eject_after` in a row a READY replica is ejected (UNHEALTHY) for `eject_base_s`, doubled for
+each ejection in a row up to `eject_max_s`; it comes back once that time is over and its health
+check passes. A success clears the count and the back-off. The last READY replica of a model is
+never ejected, and an ejected replica whose check passes comes back at once when no other replica
+is READY (a panic threshold, as Envoy has): a model that answers some errors beats one that answers
+none at all. The functions are pure decisions on a replica and its model's runtime; `ReadyChecks`
+runs the periodic health checks of replicas in rotation and of those taken out.
 """
 from __future__ import annotations
 
@@ -48,26 +52,50 @@ class HealthPolicy:
 def note_success(replica: Replica) -> None:
     replica.failures = 0
     replica.ejections = 0
+    replica.failed_pid = 0
 
 
 def note_failure(runtime: ModelRuntime, replica: Replica, reason: str, policy: HealthPolicy,
                  now: float | None = None) -> bool:
     """Count one failure; eject the replica when it is READY and has failed `eject_after` times in a
-    row. True when it was ejected."""
+    row. True when it was ejected. A failure of a process already known to be gone is its crash,
+    counted once by `note_exit`."""
+    if replica.pid and replica.exited_pid == replica.pid:
+        return False
+    if replica.failed_pid != replica.pid:
+        replica.failed_pid = replica.pid
+        replica.failures_before = replica.failures
     replica.failures += 1
     if replica.state != ReplicaState.READY or replica.failures < policy.eject_after:
         return False
     return _eject(runtime, replica, reason, policy, now)
 
 
+def note_exit(replica: Replica) -> None:
+    """The replica's process went down: it exited, came back under a new pid, or refused a
+    connection. One failure for that process, whatever else its end made fail: the requests it
+    broke off before anyone knew are folded into it, and what fails later is not counted again."""
+    if replica.pid and replica.exited_pid == replica.pid:
+        return
+    if replica.pid and replica.failed_pid == replica.pid:
+        replica.failures = replica.failures_before
+    replica.failures += 1
+    replica.exited_pid = replica.pid
+    replica.failed_pid = 0
+
+
 def state_after_check(runtime: ModelRuntime, replica: Replica, policy: HealthPolicy,
                       now: float | None = None) -> ReplicaState:
     """Where a replica whose health check just passed goes: READY, unless it is still serving an
     ejection or has failed too often in a row (a process that keeps crashing), in which case it is
-    ejected now, provided another replica is READY."""
+    ejected now, provided another replica is READY. With none READY (panic), an ejection ends now."""
     now = time.monotonic() if now is None else now
     if now < replica.eject_until:
-        return ReplicaState.UNHEALTHY
+        if runtime.ready():
+            return ReplicaState.UNHEALTHY
+        replica.eject_until = now
+        log.warning("model %s replica %d: back in rotation before its ejection ended: no other replica is ready",
+                    replica.model, replica.index)
     if replica.failures >= policy.eject_after and runtime.ready() and \
             _eject(runtime, replica, f"{replica.failures} failures in a row", policy, now):
         return ReplicaState.UNHEALTHY
@@ -85,6 +113,7 @@ def _eject(runtime: ModelRuntime, replica: Replica, reason: str, policy: HealthP
     backoff = policy.backoff(replica.ejections)
     replica.eject_until = now + backoff
     replica.failures = 0
+    replica.failed_pid = 0
     runtime.set_replica_state(replica, ReplicaState.UNHEALTHY,
                               f"ejected for {backoff:g}s after {failures} failures in a row (last: {reason})")
     return True
@@ -105,14 +134,17 @@ class ReadyChecks:
             replica.probe = asyncio.create_task(self.check(runtime, replica, replica.pid))
 
     def maybe_recheck(self, runtime: ModelRuntime, replica: Replica) -> None:
-        if replica.state == ReplicaState.UNHEALTHY and time.monotonic() >= replica.eject_until and \
-                self._due(replica):
+        # With no READY replica the model serves nothing: check the ones taken out on every pass,
+        # ejected or not, so that the first to pass serves again (state_after_check).
+        panic = not runtime.ready()
+        if replica.state == ReplicaState.UNHEALTHY and (panic or time.monotonic() >= replica.eject_until) and \
+                self._due(replica, 0.0 if panic else self.policy.interval_s):
             replica.probe = asyncio.create_task(self.recheck(runtime, replica, replica.pid))
 
-    def _due(self, replica: Replica) -> bool:
+    def _due(self, replica: Replica, interval_s: float | None = None) -> bool:
         now = time.monotonic()
         busy = replica.probe is not None and not replica.probe.done()
-        if busy or now - replica.checked_at < self.policy.interval_s:
+        if busy or now - replica.checked_at < (self.policy.interval_s if interval_s is None else interval_s):
             return False
         replica.checked_at = now
         return True

@@ -6,6 +6,8 @@ admin's `supervisorctl stop` is respected; probes a starting replica until its h
 warm-up) passes; runs the periodic health checks and outlier ejection of proxy/lifecycle/health.py;
 scrapes the engines' load gauges for routing; and takes the data path's reports of how a request
 to a replica ended. The pool waits on it for a load's or a scale's replicas to become healthy.
+When supervisord stops answering it says so (once, then every DOWN_LOG_INTERVAL_S) and, in managed
+mode, starts a supervisord that died again, with the replicas it ran.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -22,33 +25,53 @@ import aiohttp
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.config import Settings
 from proxy.lifecycle.engine_metrics import read_gauges
-from proxy.lifecycle.health import HealthPolicy, ReadyChecks, note_failure, note_success, state_after_check
+from proxy.lifecycle.health import (HealthPolicy, ReadyChecks, note_exit, note_failure, note_success,
+                                    state_after_check)
 from proxy.lifecycle.programs import Programs
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.lifecycle.warmup import warm_up
+from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.supervisor import ProcessInfo, ProcessState, SupervisorClient, SupervisorError
 
 log = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 0.5
+# supervisord not answering: logged when it starts, then this often while it lasts.
+DOWN_LOG_INTERVAL_S = 60.0
+# A managed supervisord that died is started again at most this often (should starting it fail).
+REVIVE_INTERVAL_S = 5.0
 EXITED_STATES = (ProcessState.BACKOFF, ProcessState.EXITED, ProcessState.FATAL)
 DOWN_STATES = (ProcessState.STOPPED, ProcessState.STOPPING)
 PROBE_TIMEOUT_S = 2.0
+
+
+@dataclass
+class SupervisordDown:
+    """supervisord stopped answering at `since` (monotonic); last logged at `logged_at`."""
+
+    since: float
+    error: str
+    logged_at: float
 
 
 class Monitor:
     """One per pool; the event loop is its only writer, like the pool's."""
 
     def __init__(self, settings: Settings, supervisor: SupervisorClient, http: aiohttp.ClientSession,
-                 models: Mapping[str, ModelRuntime], programs: Programs) -> None:
+                 models: Mapping[str, ModelRuntime], programs: Programs,
+                 managed: ManagedSupervisord | None = None) -> None:
         self.settings = settings
         self.supervisor = supervisor
         self.http = http
         self.models = models
         self.programs = programs
+        self.managed = managed        # managed mode: the supervisord to start again should it die
         self.health = HealthPolicy.from_settings(settings.service)
         self.checks = ReadyChecks(self.health, lambda spec, timeout_s: probe(self.http, spec, timeout_s))
+        self.down: SupervisordDown | None = None
+        self.revivals = 0             # times a dead supervisord was started again
+        self._revive_at = 0.0
         self._woken = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -87,7 +110,7 @@ class Monitor:
         """A refused connection on the data path (the request never reached the replica): its
         process is gone or restarting, so stop routing to it at once; its health check brings it back."""
         runtime = self.models[replica.model]
-        replica.failures += 1
+        note_exit(replica)
         if replica.state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
             runtime.set_replica_state(replica, ReplicaState.STARTING, error)
             self.wake()
@@ -104,27 +127,18 @@ class Monitor:
             if note_failure(runtime, replica, error, self.health):
                 log.warning("model %s replica %d ejected: %s", replica.model, replica.index, replica.last_error)
 
+    def supervisord_status(self) -> dict[str, object]:
+        """For /health and the admin view: whether supervisord answers, and if not for how long and why."""
+        down = self.down
+        return {"answering": down is None,
+                "down_for_s": None if down is None else round(time.monotonic() - down.since, 1),
+                "error": None if down is None else down.error, "restarts": self.revivals}
+
     async def _loop(self) -> None:
         interval = self.settings.supervisor.poll_interval_s
         while True:
             try:
-                taken = time.monotonic()
-                processes = await self.programs.snapshot()
-                for runtime in self.models.values():
-                    if runtime.state in (ModelState.LOADING, ModelState.LOADED):
-                        for replica in runtime.replicas:
-                            if replica.spec is None:
-                                # An endpoint: no program for supervisord to judge, no health path
-                                # to probe. An ejected one comes back once its ejection is over;
-                                # failing again ejects it again, for longer.
-                                self.checks.maybe_recheck(runtime, replica)
-                                continue
-                            # A replica whose state changed while the snapshot was in flight (a load
-                            # just started it) is judged on the next, fresher snapshot.
-                            if replica.state_since <= taken:
-                                await self.observe(runtime, replica, processes.get(replica.fullname))
-                            self._maybe_scrape(replica)
-                            self.checks.maybe_check(runtime, replica)
+                await self._pass()
             except SupervisorError as exc:
                 log.warning("monitor: %s", exc)
             except Exception:
@@ -134,20 +148,117 @@ class Monitor:
                 async with asyncio.timeout(interval):
                     await self._woken.wait()
 
+    async def _pass(self) -> None:
+        taken = time.monotonic()
+        try:
+            processes = await self.programs.snapshot()
+        except SupervisorError as exc:
+            await self._not_answering(exc)
+            # No process table: what runs keeps serving, and its health checks go on.
+            for runtime in self.models.values():
+                if runtime.state == ModelState.LOADED:
+                    for replica in runtime.replicas:
+                        self.checks.maybe_check(runtime, replica)
+                        self.checks.maybe_recheck(runtime, replica)
+            return
+        self._answering()
+        for runtime in self.models.values():
+            if runtime.state in (ModelState.LOADING, ModelState.LOADED):
+                for replica in runtime.replicas:
+                    if replica.spec is None:
+                        # An endpoint: no program for supervisord to judge, no health path
+                        # to probe. An ejected one comes back once its ejection is over;
+                        # failing again ejects it again, for longer.
+                        self.checks.maybe_recheck(runtime, replica)
+                        continue
+                    # A replica whose state changed while the snapshot was in flight (a load
+                    # just started it) is judged on the next, fresher snapshot.
+                    if replica.state_since <= taken:
+                        await self.observe(runtime, replica, processes.get(replica.fullname))
+                    self._maybe_scrape(replica)
+                    self.checks.maybe_check(runtime, replica)
+
+    async def _not_answering(self, exc: SupervisorError) -> None:
+        """Log once, then every DOWN_LOG_INTERVAL_S; in managed mode, start a dead supervisord again."""
+        now = time.monotonic()
+        if self.down is None:
+            self.down = SupervisordDown(since=now, error=str(exc), logged_at=now)
+            log.warning("supervisord is not answering: %s; what runs keeps serving%s", exc,
+                        ", and it is started again if it died" if self.managed is not None else "")
+        else:
+            self.down.error = str(exc)
+            if now - self.down.logged_at >= DOWN_LOG_INTERVAL_S:
+                self.down.logged_at = now
+                log.warning("supervisord still not answering after %.0fs: %s", now - self.down.since, exc)
+        if self.managed is not None and now >= self._revive_at and self.managed.dead():
+            self._revive_at = now + REVIVE_INTERVAL_S
+            await self._start_supervisord_again()
+
+    def _answering(self) -> None:
+        if self.down is not None:
+            log.warning("supervisord answers again after %.1fs", time.monotonic() - self.down.since)
+            self.down = None
+
+    async def _start_supervisord_again(self) -> None:
+        """supervisord died: its programs run on, unknown to any supervisord. They are stopped by
+        their recorded PIDs and a new supervisord is started (managed.ensure_supervisord), then
+        every replica that was serving or starting is started again: out of rotation meanwhile, its
+        model degraded, READY again once its health check passes. A replica an admin had stopped
+        stays stopped."""
+        assert self.managed is not None
+        again: list[tuple[ModelRuntime, Replica]] = []
+        for runtime in self.models.values():
+            if runtime.state not in (ModelState.LOADING, ModelState.LOADED):
+                continue
+            for replica in runtime.replicas:
+                if replica.spec is None or replica.state not in (ReplicaState.READY, ReplicaState.UNHEALTHY,
+                                                                 ReplicaState.STARTING):
+                    continue
+                replica.cancel_tasks()
+                if replica.alive:
+                    replica.restarts += 1
+                replica.pid, replica.alive = 0, False   # its process is an orphan, stopped below
+                runtime.set_replica_state(replica, ReplicaState.STARTING, "supervisord died; starting it again")
+                again.append((runtime, replica))
+        log.warning("supervisord died: stopping what it left running, starting it again and %d replica(s)",
+                    len(again))
+        try:
+            await self.managed.start_again()
+        except SupervisorError as exc:
+            log.error("could not start supervisord again (next try in %.0fs): %s", REVIVE_INTERVAL_S, exc)
+            return
+        self.revivals += 1
+        for runtime, replica in again:
+            try:
+                await self.supervisor.start_process(replica.fullname)
+            except SupervisorError as exc:
+                runtime.set_replica_state(replica, ReplicaState.FAILED, f"not started again after supervisord "
+                                                                        f"died: {exc}")
+        self.wake()
+
     async def observe(self, runtime: ModelRuntime, replica: Replica, info: ProcessInfo | None) -> None:
         state = replica.state
         if state in (ReplicaState.STOPPING,):
             return
+        if state in (ReplicaState.STOPPED, ReplicaState.FAILED) and runtime.state != ModelState.LOADED:
+            # Not started yet by the load in progress (or given up): a process under its name is an
+            # old one the load is replacing (a reload after a settings change), not its own, and
+            # taking its pid would make the new process look like a restart, to be stopped.
+            return
         if info is None:
+            replica.alive = False
             if state != ReplicaState.STOPPED:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "program no longer known to supervisord")
             return
         pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid)
+        if pid_changed or (state in (ReplicaState.READY, ReplicaState.UNHEALTHY) and
+                           info.state in EXITED_STATES + (ProcessState.STARTING,)):
+            note_exit(replica)  # a process that keeps crashing is ejected like one that keeps failing
         if pid_changed:
             replica.restarts += 1
-            replica.failures += 1  # a process that keeps crashing is ejected like one that keeps failing
         if info.pid:
             replica.pid = info.pid
+        replica.alive = info.pid != 0
         if info.state == ProcessState.FATAL and state in (ReplicaState.READY, ReplicaState.STARTING,
                                                           ReplicaState.UNHEALTHY):
             tail = await self._log_tail(replica)

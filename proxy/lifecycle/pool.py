@@ -19,15 +19,16 @@ import aiohttp
 from launchers.spec import replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from proxy.config import Settings
-from proxy.errors import BackendError, Conflict, NotFound, Unavailable
+from proxy.errors import BackendError, Conflict, NotFound, PoolError, Unavailable
 from proxy.fairness import FairnessPolicy
 from proxy.lifecycle.kinds import kinds_for, traits_for
 from proxy.lifecycle.monitor import Monitor
 from proxy.lifecycle.programs import ProgramKind, Programs
 from proxy.lifecycle.remote import EndpointKind
 from proxy.lifecycle.replicas import ModelState, ReplicaState
-from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.runtime import LoadRetry, ModelRuntime
 from proxy.lifecycle.scaling import scale
+from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.orphans import PidRecord
 from proxy.supervisord.supervisor import ProcessState, SupervisorClient, SupervisorError
 
@@ -37,7 +38,8 @@ T = TypeVar("T")
 
 class Pool:
     def __init__(self, settings: Settings, supervisor: SupervisorClient, http: aiohttp.ClientSession,
-                 environ: Mapping[str, str] | None = None, pid_record: PidRecord | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, pid_record: PidRecord | None = None,
+                 managed: ManagedSupervisord | None = None) -> None:
         self.settings = settings
         self.supervisor = supervisor
         self.http = http
@@ -47,15 +49,17 @@ class Pool:
                                                 for n, c in settings.models.items()}
         self.programs = Programs(settings, supervisor, self.environ, self.models, lambda: self.monitor.wake(),
                                  pid_record)
-        self.monitor = Monitor(settings, supervisor, http, self.models, self.programs)
+        self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, managed)
         kinds = kinds_for({c.backend for c in settings.models.values()}, ProgramKind(self.programs),
                           EndpointKind(http, self.environ))
         for runtime in self.models.values():
             runtime.kind = kinds.get(runtime.config.backend)
             runtime.traits = traits_for(runtime.config.backend)
         self._background: set[asyncio.Task[Any]] = set()
-        # Models whose load at startup has not finished (loaded or failed): /ready waits for them.
+        # Models whose first load at startup has not finished (loaded or failed): /ready waits for them.
         self.startup_pending: set[str] = set()
+        # Startup loads that failed and are tried again, until they load or an admin steps in.
+        self._retries: dict[str, LoadRetry] = {}
 
     # -- lifecycle of the pool itself ------------------------------------------------------------
 
@@ -72,7 +76,7 @@ class Pool:
         for runtime in self.models.values():
             if runtime.config.enabled or any(replica_index(runtime.name, g) is not None for g in running):
                 self.startup_pending.add(runtime.name)
-                self._spawn(self._load_logged(runtime.name))
+                self._spawn(self._load_at_startup(runtime.name))
         self._spawn(self._remove_orphans())
 
     async def _remove_orphans(self) -> None:
@@ -108,7 +112,13 @@ class Pool:
     # -- load ------------------------------------------------------------------------------------
 
     async def load(self, name: str, overrides: Mapping[str, Any] | None = None) -> ModelRuntime:
-        """Load a configured model (or adopt its running replicas); returns once it is ready or failed."""
+        """Load a configured model (or adopt its running replicas); returns once it is ready or failed.
+        An admin's load: it ends the retries of a failed startup load, and is not retried itself."""
+        self.get(name)
+        self._stop_retry(name)
+        return await self._load(name, overrides)
+
+    async def _load(self, name: str, overrides: Mapping[str, Any] | None = None) -> ModelRuntime:
         runtime = self.get(name)
         config = runtime.config.with_overrides(overrides or {})
         async with runtime.lock:
@@ -176,6 +186,7 @@ class Pool:
         It always ends: UNLOADED with the processes stopped, or FAILED with the reason (supervisord
         gone, a process that would not stop), from which another unload starts over."""
         runtime = self.get(name)
+        self._stop_retry(name)   # an admin's unload: the model stays unloaded
         if runtime.state in (ModelState.UNLOADED, ModelState.UNLOADING):
             raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
         async with runtime.lock:
@@ -222,18 +233,60 @@ class Pool:
             await runtime.kind.stop(runtime)
         for replica in runtime.replicas:
             runtime.set_replica_state(replica, ReplicaState.STOPPED)
-            replica.pid = 0
+            replica.pid, replica.alive = 0, False
         runtime.replicas = []
 
-    async def _load_logged(self, name: str) -> None:
+    # -- startup loads, tried again ------------------------------------------------------------
+
+    def retry_delay(self, attempt: int) -> float:
+        """The wait after failed try number `attempt` (1, 2, ...): doubled per try, bounded."""
+        service = self.settings.service
+        return min(service.load_retry_max_s, service.load_retry_base_s * 2.0 ** (attempt - 1))
+
+    def retrying(self) -> list[str]:
+        """The models whose failed startup load is being tried again."""
+        return sorted(self._retries)
+
+    def _stop_retry(self, name: str) -> None:
+        retry = self._retries.pop(name, None)
+        if retry is not None:
+            retry.stopped.set()
+            self.models[name].load_retry = None
+            log.info("model %s: no more load retries, an admin loads or unloads it", name)
+
+    async def _load_at_startup(self, name: str) -> None:
+        """Load a model at startup; a failure that can pass without an edit (worth_retrying) is tried
+        again after retry_delay, for as long as it fails, until an admin loads or unloads the model."""
+        runtime = self.models[name]
+        retry = self._retries[name] = LoadRetry()
         try:
-            await self.load(name)
-        except Exception as exc:
-            log.error("loading %s failed: %s", name, exc)
-            # A load refused before it began (e.g. not loadable) left no error on the model: /ready shows it.
-            self.models[name].last_error = self.models[name].last_error or str(exc)
+            while True:
+                try:
+                    await self._load(name)
+                    return
+                except Exception as exc:
+                    # A load refused before it began (e.g. not loadable) left no error on the model: /ready shows it.
+                    runtime.last_error = runtime.last_error or str(exc)
+                    if retry.stopped.is_set() or not worth_retrying(exc):
+                        log.error("loading %s failed: %s", name, exc)
+                        return
+                    retry.attempts += 1
+                    delay = self.retry_delay(retry.attempts)
+                    log.error("loading %s failed (try %d): %s; trying again in %gs", name, retry.attempts, exc, delay)
+                finally:
+                    self.startup_pending.discard(name)
+                retry.next_at = time.monotonic() + delay
+                runtime.load_retry = retry
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await retry.stopped.wait()
+                if retry.stopped.is_set():
+                    return
+                retry.next_at = None
         finally:
-            self.startup_pending.discard(name)
+            if self._retries.get(name) is retry:
+                del self._retries[name]
+                runtime.load_retry = None
 
     def _spawn(self, coro: Any) -> "asyncio.Task[Any]":
         task = asyncio.create_task(coro)
@@ -248,3 +301,12 @@ class Pool:
         # Retrieved even when no one awaits it any more, so its failure is not reported as lost.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)
+
+
+def worth_retrying(exc: BaseException) -> bool:
+    """Whether a failed load can pass without an edit: a provider or supervisord not answering yet,
+    replicas that did not become healthy, no free port (5xx), and not a problem of the settings
+    (a 4xx: a backend this version cannot run, a missing file or key variable)."""
+    if isinstance(exc, PoolError):
+        return exc.status >= 500
+    return isinstance(exc, (SupervisorError, OSError))

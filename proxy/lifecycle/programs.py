@@ -113,7 +113,7 @@ class Programs:
             info = self.running(spec.program)
             if adopt and info is not None and path.exists() and path.read_text() == text:
                 log.info("model %s: adopting running replica %d (pid %d)", config.name, replica.index, info.pid)
-                replica.pid = info.pid
+                replica.pid, replica.alive = info.pid, True
                 runtime.set_replica_state(replica, ReplicaState.STARTING)
                 continue
             await self.remove_group(spec.program)

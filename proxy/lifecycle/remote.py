@@ -12,6 +12,7 @@ import asyncio
 import email.utils
 import json
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -181,7 +182,7 @@ class RemoteReach:
                                    f"({self.timeout_s:g}s)", code="remote_timeout", status=504) from exc
             except aiohttp.ClientError as exc:
                 failure: PoolError = BackendError(f"remote provider of {self.model!r} at {self.base_url} could "
-                                                  f"not be reached: {type(exc).__name__}")
+                                                  f"not be reached: {why_unreachable(exc)}")
             else:
                 if 200 <= resp.status < 300:
                     return resp
@@ -196,6 +197,17 @@ class RemoteReach:
                      self.max_retries, wait)
             await asyncio.sleep(wait)
         raise AssertionError("unreachable")
+
+
+def why_unreachable(exc: aiohttp.ClientError) -> str:
+    """A connection failure in words ("connection refused (ClientConnectorError)"): aiohttp's own
+    text says "Connect call failed" whatever the reason, and the class name says less."""
+    os_error = getattr(exc, "os_error", None)
+    if isinstance(os_error, OSError):
+        words = os.strerror(os_error.errno) if os_error.errno and os_error.errno > 0 else os_error.strerror
+        if words:
+            return f"{words[0].lower()}{words[1:]} ({type(exc).__name__})"
+    return type(exc).__name__
 
 
 async def _read_and_close(resp: aiohttp.ClientResponse) -> bytes:
@@ -246,8 +258,10 @@ class EndpointKind:
                 if resp.status != 200:
                     return reach.error(resp.status, raw, resp.headers, f"GET {url}").message
             ids = {m.get("id") for m in json.loads(raw).get("data", []) if isinstance(m, dict)}
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return f"GET {url} failed: {type(exc).__name__}"
+        except asyncio.TimeoutError:
+            return f"GET {url} got no answer within remote_timeout_s ({reach.timeout_s:g}s)"
+        except aiohttp.ClientError as exc:
+            return f"GET {url} failed: {why_unreachable(exc)}"
         except (ValueError, AttributeError):
             return f"GET {url} did not answer with an OpenAI model list"
         if reach.served_model not in ids:

@@ -82,7 +82,8 @@ class Replica:
     fullname: str = ""                # group:program, as supervisord names it; "" without a program
     reach: Reach = field(kw_only=True)  # how requests get to it (its kind made it)
     state: ReplicaState = ReplicaState.STOPPED
-    pid: int = 0
+    pid: int = 0                      # its process, kept after an exit to tell a restart by its new pid
+    alive: bool = False               # whether `pid` runs, as the last look at supervisord said
     restarts: int = 0
     last_error: str | None = None
     inflight: int = 0
@@ -97,6 +98,11 @@ class Replica:
     # back-off), ejections ever, and until when the current one lasts.
     failures: int = 0
     ejections: int = 0
+    # A crash is one failure (health.note_exit): the process the count's latest failures came from
+    # and the count before them, and the process whose exit was counted.
+    failed_pid: int = 0
+    failures_before: int = 0
+    exited_pid: int = 0
     ejected_total: int = 0
     eject_until: float = 0.0
     # For /metrics: requests sent to it, failed health checks (in rotation or ejected) and failed
@@ -134,7 +140,7 @@ class Replica:
         return True
 
     def describe(self) -> dict[str, object]:
-        return {"index": self.index, "state": self.state.value, "pid": self.pid or None,
+        return {"index": self.index, "state": self.state.value, "pid": self.pid if self.alive and self.pid else None,
                 # The name `supervisorctl status` shows (each replica is a group of one).
                 "port": self.spec.port if self.spec else None, "program": self.spec.program if self.spec else None,
                 "restarts": self.restarts, "inflight": self.inflight, "reported": dict(self.reported),

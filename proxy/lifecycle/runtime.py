@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,19 @@ from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState, model_tr
 
 if TYPE_CHECKING:
     from proxy.lifecycle.kinds import Kind
+
+
+@dataclass(eq=False)
+class LoadRetry:
+    """A failed load at startup that the pool tries again (Pool._load_at_startup)."""
+
+    attempts: int = 0                 # tries that failed so far
+    next_at: float | None = None      # when the next try starts (monotonic); None while one runs
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)   # an admin loaded or unloaded it
+
+    def describe(self) -> dict[str, object]:
+        left = None if self.next_at is None else round(max(0.0, self.next_at - time.monotonic()), 1)
+        return {"attempts": self.attempts, "next_retry_in_s": left}
 
 
 @dataclass(eq=False)
@@ -29,6 +43,7 @@ class ModelRuntime:
     traits: Traits = field(default_factory=Traits)  # what its backend can do
     load_s: float | None = None             # how long its last load and unload took (for /metrics)
     unload_s: float | None = None
+    load_retry: LoadRetry | None = None     # its failed startup load, while it is tried again
     _turn: int = 0
     # Serialises admin operations on this model; request routing never takes it.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -120,5 +135,6 @@ class ModelRuntime:
             "gpus": list(cfg.gpus),
             "overrides": changed(self.config.options, cfg.options),
             "last_error": self.last_error,
+            "load_retry": self.load_retry.describe() if self.load_retry is not None else None,
             **(self.kind.describe(cfg) if self.kind is not None else {}),
         }

@@ -93,4 +93,4 @@ async def _remove(runtime: ModelRuntime, leaving: list[Replica]) -> None:
     runtime.replicas = [r for r in runtime.replicas if r not in leaving]
     for replica in leaving:
         runtime.set_replica_state(replica, ReplicaState.STOPPED)
-        replica.pid = 0
+        replica.pid, replica.alive = 0, False

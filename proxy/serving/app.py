@@ -113,7 +113,8 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
                     log.info("started supervisord: supervisorctl -c %s status", managed.conf_path(settings))
             managed_mode = settings.supervisor.mode == "managed"
             pool = Pool(settings, supervisor, http,
-                        pid_record=PidRecord(settings.service.state_dir) if managed_mode else None)
+                        pid_record=PidRecord(settings.service.state_dir) if managed_mode else None,
+                        managed=managed.ManagedSupervisord(settings, supervisor) if managed_mode else None)
             await pool.start()
         except BaseException:
             await supervisor.close()
@@ -146,6 +147,9 @@ async def release_pool(app: web.Application) -> None:
     await pool.close(stop_models=not keep)
     if app[SETTINGS].supervisor.mode == "managed" and not keep:
         await managed.stop_supervisord(pool.supervisor)
+        # A supervisord that died (and could not be started again) stopped nothing: what it left
+        # running is stopped by its recorded PIDs, so that nothing outlives the proxy.
+        await managed.stop_orphans_if_dead(app[SETTINGS])
 
 
 async def serve(app: web.Application, socks: Sequence[socket.socket], on_listening: Callable[[], None]) -> None:

@@ -43,7 +43,8 @@ async def admin_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [admin_row(rt.describe(), rt.config, properties, pool.environ,
                                                                    loadable=rt.kind is not None,
                                                                    model_field=rt.traits.model_field)
-                                                         for rt in pool.models.values()]})
+                                                         for rt in pool.models.values()],
+                              "supervisord": pool.monitor.supervisord_status()})
 
 
 async def _load_request(request: web.Request, name: str) -> dict[str, Any]:
@@ -142,6 +143,10 @@ async def admin_logs(request: web.Request) -> web.Response:
     length = _int_param(request, "bytes", 16384, 1, MAX_LOG_BYTES)
     offset = _int_param(request, "offset", 0, 0, 2 ** 62)
     replica = runtime.replicas[index]
+    if replica.spec is None:
+        raise Conflict(f"replica {index} of model {runtime.name!r} is a remote endpoint, not a process of this "
+                       "machine: it has no process log (the proxy's own log records its requests)",
+                       code="no_process_log")
     supervisor = request.app[POOL].supervisor
     overflow = False
     try:
@@ -165,5 +170,5 @@ async def admin_logs(request: web.Request) -> web.Response:
 def _snapshot(pool: Pool) -> list[ModelSnapshot]:
     """What the GPU report needs of each model, taken on the event loop (the report runs in a thread)."""
     return [ModelSnapshot(config=rt.config, state=rt.state.value,
-                          replica_pids=tuple((r.index, r.pid) for r in rt.replicas if r.pid))
+                          replica_pids=tuple((r.index, r.pid) for r in rt.replicas if r.pid and r.alive))
             for rt in pool.models.values()]

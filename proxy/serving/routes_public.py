@@ -47,8 +47,12 @@ async def list_models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     # A model that could not start is named with its reason; the others serve, so the service is up.
+    # Without supervisord answering, what runs serves but nothing can start or stop: degraded.
     # Stopping is still alive (200): an orchestrator that killed it then would cut the drain short.
-    return web.json_response({"status": "shutting_down" if request.app[SHUTDOWN].started else "ok",
+    supervisord = pool.monitor.supervisord_status()
+    status = "shutting_down" if request.app[SHUTDOWN].started else "ok" if supervisord["answering"] else "degraded"
+    return web.json_response({"status": status,
+                              "supervisord": supervisord,
                               "models": {name: rt.state.value for name, rt in pool.models.items()},
                               "errors": {name: rt.last_error for name, rt in pool.models.items()
                                          if rt.state == ModelState.FAILED and rt.last_error}})
@@ -57,8 +61,9 @@ async def health(request: web.Request) -> web.Response:
 @routes.get("/ready")
 async def ready(request: web.Request) -> web.Response:
     """Readiness, unlike /health (liveness): 503 until every model loading at startup has loaded
-    or failed, and again once the proxy is stopping; the body gives each one's state, and a failed
-    model's reason."""
+    or failed once, and again once the proxy is stopping; the body gives each one's state, a failed
+    model's reason, and when its load is tried again (a retry pending or running does not make the
+    proxy unready again)."""
     pool = request.app[POOL]
     pending = pool.startup_pending
     models = {}
@@ -67,6 +72,8 @@ async def ready(request: web.Request) -> web.Response:
             entry: dict[str, object] = {"state": rt.state.value}
             if rt.state != ModelState.LOADED and rt.last_error and name not in pending:
                 entry["reason"] = rt.last_error
+            if rt.load_retry is not None:
+                entry["load_retry"] = rt.load_retry.describe()
             models[name] = entry
     if request.app[SHUTDOWN].started:
         # A load balancer takes it out of rotation; the requests it still sends get 503 shutting_down.

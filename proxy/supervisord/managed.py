@@ -119,18 +119,45 @@ async def ensure_supervisord(settings: Settings, client: SupervisorClient) -> bo
     return True
 
 
-async def _stop_orphans_of_a_dead_supervisord(settings: Settings) -> None:
-    # Only when the supervisord of the pidfile is really gone: one that is alive but not answering
-    # still owns its programs: they are not orphans.
+def supervisord_dead(settings: Settings) -> bool:
+    """Whether the supervisord of the pidfile is gone, not merely slow to answer: one that is alive
+    still owns its programs."""
     pidfile = settings.service.state_dir / "supervisord.pid"
     try:
         pid = int(pidfile.read_text().strip())
     except (OSError, ValueError):
         pid = 0
     who = identity(pid) if pid else None
-    if who is not None and any("supervisord" in a for a in who.cmdline):
-        return
-    await stop_orphans(settings.service.state_dir)
+    return who is None or not any("supervisord" in a for a in who.cmdline)
+
+
+async def _stop_orphans_of_a_dead_supervisord(settings: Settings) -> None:
+    # Only when the supervisord of the pidfile is really gone: the programs of one that is alive
+    # but not answering are not orphans.
+    if supervisord_dead(settings):
+        await stop_orphans(settings.service.state_dir)
+
+
+class ManagedSupervisord:
+    """The proxy's own supervisord, which the pool's monitor starts again should it die (kill -9,
+    the OOM killer): what the dead one left running is stopped by its recorded PIDs (orphans.py)
+    and a new one is started; the monitor then starts the replicas again."""
+
+    def __init__(self, settings: Settings, client: SupervisorClient) -> None:
+        self.settings = settings
+        self.client = client
+
+    def dead(self) -> bool:
+        return supervisord_dead(self.settings)
+
+    async def start_again(self) -> None:
+        await ensure_supervisord(self.settings, self.client)
+
+
+async def stop_orphans_if_dead(settings: Settings) -> list[int]:
+    """At shutdown: should supervisord be dead (and not started again), stop the model servers it
+    left running, so that Ctrl-C leaves nothing behind."""
+    return await stop_orphans(settings.service.state_dir) if supervisord_dead(settings) else []
 
 
 async def stop_supervisord(client: SupervisorClient, timeout_s: float = 60.0) -> None:

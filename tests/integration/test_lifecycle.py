@@ -149,17 +149,85 @@ def test_a_serve_stops_the_replicas_a_killed_supervisord_left_running(proxies) -
     proxy = start(proxies, {"sim": sim_model()})
     before = proxy.wait_state("sim", "loaded")["replicas"][0]
     supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
+    # Both killed (an OOM kill of the whole service, say): no proxy is left to start supervisord
+    # again (a running one does: the test below).
+    assert proxy.proc is not None
+    proxy.proc.kill()
+    proxy.proc.wait()
     os.kill(supervisord, signal.SIGKILL)
     wait_for(lambda: not pid_alive(supervisord), what="supervisord to die")
     assert pid_alive(before["pid"])            # its model server lives on, holding its port
     proxy.stop()
-    assert pid_alive(before["pid"])
     proxy.start()                              # same state folder, same settings
     assert not pid_alive(before["pid"])        # stopped before the new supervisord started
     after = proxy.wait_state("sim", "loaded")["replicas"][0]
     assert after["pid"] != before["pid"] and after["port"] == before["port"]   # its port came back
     assert chat(proxy)[0] == 200
 
+
+
+def _program_pids(proxy: ProxyProcess, *models: str) -> dict[str, int]:
+    return {f"{m}/{r['index']}": r["pid"] for m in models for r in proxy.admin_model(m)["replicas"]}
+
+
+def test_a_supervisord_killed_under_a_running_proxy_is_started_again_with_its_replicas(proxies) -> None:
+    proxy = start(proxies, {"sim": sim_model(), "pair": sim_model(replicas=2, replica_max=2)})
+    proxy.wait_state("sim", "loaded")
+    proxy.wait_replicas_ready("pair", 2)
+    before = _program_pids(proxy, "sim", "pair")
+    supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
+    os.kill(supervisord, signal.SIGKILL)
+
+    def started_again() -> dict[str, int] | None:
+        models = [proxy.admin_model(m) for m in ("sim", "pair")]
+        ready = all(r["state"] == "ready" for m in models for r in m["replicas"])
+        after = _program_pids(proxy, "sim", "pair")
+        return after if ready and len(after) == 3 and not set(after.values()) & set(before.values()) else None
+
+    after = wait_for(started_again, what="the replicas running again under a new supervisord")
+    assert int((proxy.state_dir / "supervisord.pid").read_text()) != supervisord
+    assert not [pid for pid in before.values() if pid_alive(pid)]    # what the dead one left was stopped
+    status = proxy.supervisorctl("status").stdout
+    assert status.count("RUNNING") == 3, status
+    assert all(str(pid) in status for pid in after.values())
+    assert chat(proxy, "pair")[0] == 200 and chat(proxy, "sim")[0] == 200
+    _, _, health = http("GET", proxy.url + "/health")
+    assert health["status"] == "ok" and health["supervisord"]["answering"] is True
+    assert health["supervisord"]["restarts"] == 1
+    log = proxy.log_path.read_text()
+    assert log.count("supervisord is not answering") == 1 and "supervisord died" in log
+    assert proxy.admin_model("pair")["replicas"][0]["restarts"] == 1
+    proxy.stop()                               # Ctrl-C: nothing is left running (checked by `proxies`)
+    assert not [pid for pid in after.values() if pid_alive(pid)]
+
+
+def test_a_supervisord_that_stops_answering_is_reported_and_logged_once(proxies) -> None:
+    proxy = ProxyProcess({"sim": sim_model()})
+    proxy.config["supervisor"]["rpc_timeout_s"] = 0.3
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxies.append(proxy)
+    proxy.start()
+    pid = proxy.wait_state("sim", "loaded")["replicas"][0]["pid"]
+    supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
+    os.kill(supervisord, signal.SIGSTOP)       # alive, not answering: it still owns its programs
+    try:
+        def down_a_while() -> dict[str, Any] | None:
+            body = http("GET", proxy.url + "/health")[2]
+            state = body["supervisord"]
+            return body if not state["answering"] and state["down_for_s"] >= 2 else None
+
+        health = wait_for(down_a_while, what="/health to report supervisord down")
+        assert health["status"] == "degraded" and "did not answer" in health["supervisord"]["error"]
+        _, _, admin = http("GET", proxy.url + "/v1/admin/models")
+        assert admin["supervisord"]["answering"] is False
+        assert chat(proxy)[0] == 200           # what runs keeps serving
+        assert proxy.log_path.read_text().count("supervisord is not answering") == 1   # not every poll
+        assert pid_alive(supervisord) and proxy.admin_model("sim")["replicas"][0]["pid"] == pid
+    finally:
+        os.kill(supervisord, signal.SIGCONT)
+    wait_for(lambda: http("GET", proxy.url + "/health")[2]["supervisord"]["answering"], what="supervisord back")
+    assert "supervisord answers again" in proxy.log_path.read_text()
+    assert proxy.admin_model("sim")["replicas"][0]["pid"] == pid   # nothing was restarted
 
 
 def test_a_second_sigterm_during_shutdown_is_ignored_and_the_models_are_still_stopped(proxies) -> None:

@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from helpers import REPO, ProxyProcess, free_port, http, pid_alive, wait_for
 
@@ -52,6 +54,25 @@ def test_ready_waits_for_every_enabled_model_and_shows_why_one_failed(start_prox
     body = wait_for(ready, what="/ready to answer 200")
     assert body["status"] == "ready" and body["models"]["fast"] == {"state": "loaded"}
     assert body["models"]["stuck"]["state"] == "failed" and "giving up" in body["models"]["stuck"]["reason"]
+
+
+def test_a_remote_model_on_another_model_of_the_pool_loads_once_that_one_is_up(proxies) -> None:
+    proxy = ProxyProcess({"fast": {"backend": "sim", "enabled": True}},
+                         service={"load_retry_base_s": 0.2, "load_retry_max_s": 1})
+    # The pool is its own provider: at startup "fast" is not up yet (and the proxy not listening).
+    proxy.config["engine"]["models"]["relay"] = {
+        "backend": "openai_remote", "model_path": None, "remote_base_url": proxy.url + "/v1",
+        "remote_model": "fast", "remote_health_check": "models", "enabled": True}
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxies.append(proxy)
+    proxy.start()
+    wait_for(lambda: proxy.admin_model("relay")["state"] == "loaded", what="relay loaded by a retry")
+    log = proxy.log_path.read_text()
+    assert "loading relay failed (try 1)" in log and "trying again in 0.2s" in log
+    assert proxy.admin_model("relay")["load_retry"] is None
+    status, _, answer = http("POST", proxy.url + "/v1/chat/completions",
+                             {"model": "relay", "messages": [{"role": "user", "content": "Hi"}], "allow_remote": True})
+    assert status == 200, answer
 
 
 def test_admin_view_logs_and_gpu_memory_through_ctl(start_proxy, llama_model, proxies) -> None:
@@ -149,6 +170,28 @@ def test_sigusr1_exits_and_the_next_proxy_adopts_the_models(proxies, llama_model
     proxy.stop()
     proxy.start()
     assert proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"] == pid  # adopted, not reloaded
+
+
+def test_a_reload_after_a_settings_change_restarts_every_replica_of_the_changed_model(proxies, llama_model) -> None:
+    proxy = ProxyProcess({"pair": llama_model(replicas=2, replica_max=2), "other": llama_model()})
+    proxies.append(proxy)
+    proxy.start()
+    before = proxy.wait_replicas_ready("pair", 2)["replicas"]
+    other = proxy.wait_state("other", "loaded")["replicas"][0]["pid"]
+    assert proxy.proc is not None
+    proxy.proc.send_signal(signal.SIGUSR1)     # the README's restart without unloading
+    assert proxy.proc.wait(60) == 0
+    proxy.stop()
+    proxy.config["engine"]["models"]["pair"]["llama_server_n_ctx"] = 2048
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxy.start()
+    after = proxy.wait_replicas_ready("pair", 2)["replicas"]   # fails at once should it go `failed`
+    assert not {r["pid"] for r in after} & {r["pid"] for r in before}     # restarted with the new settings
+    for replica in after:
+        argv = (Path("/proc") / str(replica["pid"]) / "cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"--ctx-size") + 1] == b"4096"           # 2048 per request, 2 slots
+    assert proxy.wait_state("other", "loaded")["replicas"][0]["pid"] == other   # adopted as it was
+    assert "loading pair failed" not in proxy.log_path.read_text()
 
 
 def test_log_polls_resume_at_the_offset_skip_ahead_and_restart_after_rotation(start_proxy) -> None:

@@ -196,6 +196,13 @@ def test_a_remote_model_is_no_supervisord_program(proxy: ProxyProcess) -> None:
     assert programs == []
 
 
+
+def test_a_remote_model_has_no_process_log_and_says_so(proxy: ProxyProcess) -> None:
+    status, _, answer = http("GET", proxy.url + "/v1/admin/models/no-retry/logs")
+    assert status == 409, answer
+    assert answer["error"]["code"] == "no_process_log"
+    assert "remote endpoint" in answer["error"]["message"] and "no process log" in answer["error"]["message"]
+
 # -- mapping ---------------------------------------------------------------------------------------
 
 def test_responses_maps_model_decoding_and_thinking(proxy: ProxyProcess, fake: FakeProvider) -> None:

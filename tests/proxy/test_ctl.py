@@ -86,6 +86,18 @@ async def test_models_table_and_json(upstream: Upstream) -> None:
     assert code == 0 and out.startswith("{") and '"qwen"' in out
 
 
+async def test_a_failed_startup_load_tried_again_says_when(upstream: Upstream) -> None:
+    failed = {**MODEL, "state": "failed", "replicas": [], "last_error": "GET /v1/models failed: connection refused",
+              "load_retry": {"attempts": 2, "next_retry_in_s": 9.6}}
+    upstream.answers["/v1/admin/models"] = lambda r: web.json_response({"object": "list", "data": [failed]})
+    code, out = await run_ctl(upstream, "models")
+    assert code == 0 and "failed (next retry in 9.6s, 2 failed)" in out
+    running = {**failed, "state": "loading", "load_retry": {"attempts": 2, "next_retry_in_s": None}}
+    upstream.answers["/v1/admin/models/qwen/load"] = lambda r: web.json_response(running)
+    code, out = await run_ctl(upstream, "load", "qwen")
+    assert "qwen: loading (retrying now, 2 failed)" in out
+
+
 async def test_logs_follow_polls_from_the_last_offset(upstream: Upstream) -> None:
     chunks = iter([("started\n", 8), ("line 2\n", 15), ("", 15)])
 

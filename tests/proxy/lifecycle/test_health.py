@@ -1,11 +1,13 @@
 """Outlier ejection (proxy/health.py) and the per-replica cap, on a model runtime without processes."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from launchers import sim
 from proxy.config import ModelConfig
-from proxy.lifecycle.health import HealthPolicy, note_failure, note_success, state_after_check
+from proxy.lifecycle.health import HealthPolicy, ReadyChecks, note_failure, note_success, state_after_check
 from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import InvalidTransition, Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
@@ -102,3 +104,44 @@ def test_a_replica_never_gets_more_than_target_inflight_whatever_the_gauges_say(
     assert rt.pick_replica() is None    # both full: the request waits for a place
     rt.release(idle)
     assert rt.pick_replica() is idle
+
+
+async def test_an_ejected_replica_comes_back_at_once_when_no_other_replica_is_ready() -> None:
+    rt = runtime()
+    ejected, other = rt.replicas
+    now = time.monotonic()
+    for _ in range(3):
+        note_failure(rt, ejected, "HTTP 500", POLICY, now=now)
+    assert ejected.state == ReplicaState.UNHEALTHY and ejected.eject_until > now
+    passing = ReadyChecks(POLICY, _passing_probe)
+    passing.maybe_recheck(rt, ejected)
+    assert ejected.probe is None              # another replica serves: the ejection runs its course
+    rt.set_replica_state(other, ReplicaState.STARTING, "process exited; restarting")
+    # Panic threshold: nothing else can serve, so its passing health check brings it back now.
+    assert state_after_check(rt, ejected, POLICY, now=now) == ReplicaState.READY
+    passing.maybe_recheck(rt, ejected)
+    assert ejected.probe is not None
+    await ejected.probe
+    assert ejected.state == ReplicaState.READY and rt.admission.capacity == 2
+    assert ejected.ejected_total == 1 and ejected.eject_until <= time.monotonic()
+
+
+async def test_in_panic_a_failing_ejected_replica_stays_out() -> None:
+    rt = runtime()
+    ejected, other = rt.replicas
+    for _ in range(3):
+        note_failure(rt, ejected, "HTTP 500", POLICY, now=time.monotonic())
+    rt.set_replica_state(other, ReplicaState.STARTING)
+
+    async def failing(*_: object) -> tuple[bool, str | None]:
+        return False, "HTTP 500"
+
+    checks = ReadyChecks(POLICY, failing)
+    checks.maybe_recheck(rt, ejected)
+    assert ejected.probe is not None
+    await ejected.probe
+    assert ejected.state == ReplicaState.UNHEALTHY and ejected.probe_failures == 1
+
+
+async def _passing_probe(*_: object) -> tuple[bool, str | None]:
+    return True, None

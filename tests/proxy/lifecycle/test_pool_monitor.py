@@ -6,13 +6,14 @@ from typing import Any
 
 import pytest
 
-from fakes import FakeSupervisor
+from fakes import FakeManagedSupervisord, FakeSupervisor
 from launchers import sim
 from proxy.config import load_settings
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import InvalidTransition, ModelState, Replica, ReplicaState
-from proxy.supervisord.supervisor import ProcessState
+from proxy.lifecycle.monitor import DOWN_LOG_INTERVAL_S
+from proxy.supervisord.supervisor import ProcessState, SupervisorUnavailable
 
 RUNNING, STARTING, BACKOFF = ProcessState.RUNNING, ProcessState.STARTING, ProcessState.BACKOFF
 STOPPED, FATAL, EXITED = ProcessState.STOPPED, ProcessState.FATAL, ProcessState.EXITED
@@ -28,7 +29,8 @@ def world(tmp_path: Path) -> Any:
     runtime = pool.models["m"]
     runtime.state = ModelState.LOADED
     spec = sim.launch(settings.models["m"], 0, 18000, 5, {})
-    replica = Replica(model="m", index=0, spec=spec, fullname="g:r0", pid=100, reach=ProgramReach(spec))
+    replica = Replica(model="m", index=0, spec=spec, fullname="g:r0", pid=100, alive=True,
+                      reach=ProgramReach(spec))
     runtime.replicas = [replica]
     runtime.set_replica_state(replica, ReplicaState.STARTING)
     runtime.set_replica_state(replica, ReplicaState.READY)
@@ -131,3 +133,99 @@ async def test_a_request_dropped_after_it_was_sent_does_not_take_the_replica_out
     pool, _, replica, _ = world
     pool.monitor.report_outcome(replica, "dropped the request: ServerDisconnectedError")
     assert replica.state == ReplicaState.READY and replica.failures == 1
+
+
+async def test_a_crash_counts_as_one_failure_however_many_signs_of_it_arrive(world: Any) -> None:
+    pool, _, replica, _ = world
+    # SIGKILL of pid 100: the request it was answering breaks off, the next ones are refused, and
+    # supervisord restarts it under a new pid. All of that is one crash.
+    pool.monitor.report_outcome(replica, "dropped the request: ClientOSError")
+    for _ in range(3):
+        pool.monitor.report_connection_failure(replica, "ClientConnectorError: Connection refused")
+    pool.monitor.report_outcome(replica, "dropped the request: ServerDisconnectedError")
+    assert await observe(world, BACKOFF, 0) == ReplicaState.STARTING
+    assert await observe(world, STARTING, 101) == ReplicaState.STARTING
+    assert replica.restarts == 1 and replica.failures == 1
+
+
+async def test_each_crash_in_a_row_is_one_more_failure(world: Any) -> None:
+    _, runtime, replica, _ = world
+    for crash, pid in enumerate((101, 102, 103), start=1):
+        assert await observe(world, RUNNING, pid) == ReplicaState.STARTING   # restarted between two polls
+        runtime.set_replica_state(replica, ReplicaState.READY)              # its health check passed
+        assert replica.failures == crash
+    # An answer that failed on the live process after its restart counts on its own.
+    pool = world[0]
+    pool.monitor.report_outcome(replica, "HTTP 500")
+    assert replica.failures == 4
+
+
+async def test_the_admin_row_shows_no_pid_once_the_process_is_gone(world: Any) -> None:
+    _, runtime, replica, _ = world
+    assert replica.describe()["pid"] == 100
+    assert await observe(world, BACKOFF, 0) == ReplicaState.STARTING      # crashed: no process now
+    assert replica.describe()["pid"] is None
+    assert await observe(world, STARTING, 101) == ReplicaState.STARTING   # restarted
+    assert replica.describe()["pid"] == 101 and replica.restarts == 1
+    runtime.set_replica_state(replica, ReplicaState.READY)
+    assert await observe(world, STOPPED, 0) == ReplicaState.STOPPED       # an admin's supervisorctl stop
+    assert replica.describe()["pid"] is None
+    assert await observe(world, RUNNING, 102) == ReplicaState.STARTING    # and supervisorctl start
+    runtime.set_replica_state(replica, ReplicaState.READY)
+    assert await observe(world, FATAL, 0) == ReplicaState.FAILED
+    assert replica.describe()["pid"] is None
+
+
+async def test_a_replica_not_started_yet_does_not_take_the_pid_of_the_old_process_it_replaces(world: Any) -> None:
+    pool, runtime, _, fake = world
+    # A reload after a settings change: the load made a new replica whose program still shows the
+    # old process (pid 100) until the load has stopped it and started the new one.
+    runtime.state = ModelState.LOADING
+    spec = runtime.replicas[0].spec
+    fresh = Replica(model="m", index=0, spec=spec, fullname="g:r0", reach=ProgramReach(spec))
+    runtime.replicas = [fresh]
+    await pool.monitor.observe(runtime, fresh, fake.set("g:r0", RUNNING, 100))
+    assert fresh.pid == 0 and fresh.state == ReplicaState.STOPPED
+    runtime.set_replica_state(fresh, ReplicaState.STARTING)    # the load started the new program
+    await pool.monitor.observe(runtime, fresh, fake.set("g:r0", STARTING, 200))
+    assert fresh.state == ReplicaState.STARTING and fresh.pid == 200 and fresh.restarts == 0
+    assert fake.calls == []
+
+
+async def test_supervisord_not_answering_is_logged_once_then_at_a_slow_interval(
+        world: Any, caplog: pytest.LogCaptureFixture) -> None:
+    monitor = world[0].monitor
+    for _ in range(5):
+        await monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
+    assert caplog.text.count("supervisord is not answering") == 1
+    assert monitor.supervisord_status()["answering"] is False
+    monitor.down.logged_at -= DOWN_LOG_INTERVAL_S          # a slow interval later
+    await monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
+    await monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
+    assert caplog.text.count("supervisord still not answering") == 1
+    monitor._answering()
+    assert "supervisord answers again" in caplog.text and monitor.supervisord_status()["answering"] is True
+
+
+async def test_a_dead_managed_supervisord_is_started_again_with_the_replicas_that_served(world: Any) -> None:
+    pool, runtime, replica, fake = world
+    spec = sim.launch(pool.settings.models["m"], 1, 18001, 5, {})
+    stopped = Replica(model="m", index=1, spec=spec, fullname="g:r1", reach=ProgramReach(spec))
+    runtime.replicas.append(stopped)     # one an admin stopped with supervisorctl: it stays stopped
+    managed = pool.monitor.managed = FakeManagedSupervisord()
+    await pool.monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
+    assert managed.started == 1 and pool.monitor.supervisord_status()["restarts"] == 1
+    assert replica.state == ReplicaState.STARTING and "supervisord died" in replica.last_error
+    assert replica.describe()["pid"] is None and replica.restarts == 1
+    assert runtime.admission.capacity == 0 and stopped.state == ReplicaState.STOPPED
+    assert fake.calls == [("start", "g:r0")]
+    # Its new process is no crash of the old one, and is judged like any start.
+    assert await observe(world, STARTING, 300) == ReplicaState.STARTING
+    assert replica.restarts == 1 and replica.failures == 0
+
+
+async def test_a_supervisord_that_is_alive_but_slow_is_not_started_again(world: Any) -> None:
+    pool, _, replica, fake = world
+    managed = pool.monitor.managed = FakeManagedSupervisord(dead=False)
+    await pool.monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
+    assert managed.started == 0 and replica.state == ReplicaState.READY and fake.calls == []
