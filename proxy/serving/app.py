@@ -9,7 +9,6 @@ import signal
 import time
 from typing import Any, AsyncIterator
 
-import aiohttp
 from aiohttp import web
 
 from proxy.supervisord import managed
@@ -18,6 +17,7 @@ from proxy.serving import routes_public
 from proxy.serving import routes_responses
 from proxy.config import Settings
 from proxy.errors import ERROR_CODE, NotFound, error_middleware
+from proxy.serving.forward import upstream_session
 from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, MODEL, POOL, SETTINGS, STARTED, STREAM_ERROR, VRAM
 from proxy.serving.metrics import ProxyMetrics
 from proxy.supervisord.orphans import PidRecord
@@ -116,9 +116,7 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
                 asyncio.get_running_loop().add_signal_handler(sig, already_stopping, sig)
 
     async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
-        # One pooled session for every upstream call; no per-connection limit, since admission
-        # already bounds how many requests a replica gets.
-        http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0))
+        http = upstream_session()
         supervisor = SupervisorClient(settings.supervisor_url, timeout=settings.supervisor.rpc_timeout_s)
         try:
             if settings.supervisor.mode == "managed":
