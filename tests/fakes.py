@@ -577,3 +577,117 @@ class FakeNvml:
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle: dict[str, Any]) -> list[SimpleNamespace]:
         return []
+
+
+class FakeLlamaServerHTTP:
+    """FAKE llama-server, for its connection handling only (no engine): raw HTTP/1.1 on a loopback
+    port 0, in the test's event loop, so that what happens to each TCP connection is scripted
+    exactly. It answers POST /v1/chat/completions and /v1/completions, JSON or SSE (`stream`).
+
+    Like the pinned llama-server (measured, DESIGN.md "Process model"): every answer says
+    `Keep-Alive: timeout=5, max=100`; a connection stays open after a JSON answer and is closed
+    after a streamed one; a request with `Connection: close` is answered with `Connection: close`
+    and its connection closed. The close after a stream is made to land at its worst moment, and
+    always there, so that no test depends on a race: the fake keeps the connection until the
+    client writes its next request on it, reads that request and closes without answering. `dies`
+    is how that close shows: "fin" (the client reads the end, ServerDisconnectedError) or "reset"
+    (an RST, ClientOSError). `idle_close` does the same to kept-alive JSON connections (a
+    keep-alive timeout that expires as the client reuses the connection); `drop_fresh` drops that
+    many requests that arrive first on a new connection, after reading them (a server that dies
+    with the request).
+
+    `requests` records (connection number, path, body, request headers) for every request read,
+    answered or not; `connections` counts the connections accepted.
+    """
+
+    def __init__(self, dies: str = "fin", idle_close: bool = False, drop_fresh: int = 0) -> None:
+        assert dies in ("fin", "reset")
+        self.dies = dies
+        self.idle_close = idle_close
+        self.drop_fresh = drop_fresh
+        self.requests: list[tuple[int, str, dict[str, Any], dict[str, str]]] = []
+        self.connections = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._open: set[asyncio.StreamWriter] = set()
+
+    async def __aenter__(self) -> "FakeLlamaServerHTTP":
+        self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def stop_listening(self) -> None:
+        """Refuse new connections from now on, as a server that died would; the open ones stay
+        open until their next request (as if their close were still on its way)."""
+        assert self._server is not None
+        self._server.close()
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._open):
+            writer.transport.abort()
+        await self._server.wait_closed()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        self._open.add(writer)
+        doomed = False     # answered in a way after which llama-server closes this connection
+        first = True
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return   # the client closed it
+                request_line, *lines = head.decode("latin-1").split("\r\n")
+                headers = {k.strip().lower(): v.strip() for k, v in
+                           (line.split(":", 1) for line in lines if ":" in line)}
+                raw = await reader.readexactly(int(headers.get("content-length", "0")))
+                body = json.loads(raw) if raw else {}
+                self.requests.append((number, request_line.split()[1], body, headers))
+                fresh, first = first, False
+                if doomed or (fresh and self.drop_fresh > 0):
+                    if not doomed:
+                        self.drop_fresh -= 1
+                    if self.dies == "reset":
+                        writer.transport.abort()
+                    return
+                close = headers.get("connection", "").lower() == "close"
+                if body.get("stream"):
+                    await self._stream(writer, body, close)
+                else:
+                    await self._json(writer, body, close)
+                if close:
+                    return
+                doomed = bool(body.get("stream")) or self.idle_close
+        finally:
+            self._open.discard(writer)
+            writer.close()
+
+    @staticmethod
+    def _head(content_type: str, close: bool, length: int | None = None) -> bytes:
+        lines = ["HTTP/1.1 200 OK", "Server: llama.cpp", f"Content-Type: {content_type}",
+                 f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked",
+                 "Connection: close" if close else "Keep-Alive: timeout=5, max=100"]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+    async def _json(self, writer: asyncio.StreamWriter, body: dict[str, Any], close: bool) -> None:
+        answer = json.dumps({"id": "chatcmpl-fake", "object": "chat.completion", "model": body.get("model"),
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": "fake answer"},
+                                          "finish_reason": "stop"}],
+                             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}).encode()
+        writer.write(self._head("application/json; charset=utf-8", close, len(answer)) + answer)
+        await writer.drain()
+
+    async def _stream(self, writer: asyncio.StreamWriter, body: dict[str, Any], close: bool) -> None:
+        writer.write(self._head("text/event-stream", close))
+        events = [{"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": body.get("model"),
+                   "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
+                  for word in ("fake", " stream")]
+        for data in [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]:
+            writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()

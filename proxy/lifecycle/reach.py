@@ -55,8 +55,16 @@ class ProgramReach:
         if self.read_timeout_s is not None:
             timeout = aiohttp.ClientTimeout(total=timeout.total, sock_connect=timeout.sock_connect,
                                             sock_read=self.read_timeout_s)
-        return await http.post(self.url(path), data=body, timeout=timeout,
-                               headers={**self.headers, "Content-Type": "application/json", "X-Request-Id": request_id})
+        headers = {**self.headers, "Content-Type": "application/json", "X-Request-Id": request_id}
+        if payload.get("stream"):
+            # The pinned llama-server closes the connection after every streamed answer although
+            # it answers Keep-Alive (measured), and a pool that reuses it fails the next request.
+            # Asking for the close makes both ends agree (llama-server, uvicorn and aiohttp answer
+            # Connection: close), so a stream's connection never goes back to the pool. A new
+            # loopback connection per stream costs next to nothing, and frees llama-server's HTTP
+            # thread as the stream ends.
+            headers["Connection"] = "close"
+        return await http.post(self.url(path), data=body, timeout=timeout, headers=headers)
 
     def describe(self) -> dict[str, object]:
         return {}

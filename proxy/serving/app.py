@@ -9,7 +9,6 @@ import socket
 import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
-import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
@@ -20,6 +19,7 @@ from proxy.serving import routes_responses
 from proxy.config import Settings
 from proxy.errors import NotFound
 from proxy.serving.errors_http import ERROR_CODE, error_middleware
+from proxy.serving.forward import upstream_session
 from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, MODEL, POOL, SETTINGS, STARTED, STREAM_ERROR, VRAM
 from proxy.serving.metrics import ProxyMetrics
 from proxy.serving.shutdown import SHUTDOWN, STOP_SIGNALS, Shutdown, shutdown_middleware
@@ -103,9 +103,7 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
     app.add_routes(routes_responses.routes)
 
     async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
-        # One pooled session for every upstream call; no per-connection limit, since admission
-        # already bounds how many requests a replica gets.
-        http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0))
+        http = upstream_session()
         supervisor = SupervisorClient(settings.supervisor_url, timeout=settings.supervisor.rpc_timeout_s)
         try:
             if settings.supervisor.mode == "managed":

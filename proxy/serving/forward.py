@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 import uuid
@@ -23,6 +24,49 @@ log = logging.getLogger(__name__)
 
 # Only connecting is bounded here; waiting for the answer is bounded by the model's Timeouts.
 UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)
+# How a send fails on a pooled connection that the server had already closed, before any byte of
+# an answer: the read meets the close, or the write or read is reset (aiohttp >= 3.10 raises its
+# ClientConnectionResetError, a ConnectionResetError, for a write to a closing transport). A
+# refused connection, ClientConnectorError, is a ClientOSError too but is not one of these.
+CLOSED_UNDER_US = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionResetError)
+
+
+class _Send:
+    """One request's way to a replica: whether aiohttp put it on a pooled (reused) connection, and
+    the session of its second send, if it needed one."""
+
+    def __init__(self) -> None:
+        self.reused = False
+        self.second: aiohttp.ClientSession | None = None
+
+
+# The request being sent in this task. A context variable, because a replica's Reach builds the
+# request itself: aiohttp runs trace callbacks in the sending task, so what they note is its own.
+_SEND: contextvars.ContextVar[_Send] = contextvars.ContextVar("upstream_send")
+
+
+async def _request_starts(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+    send = _SEND.get(None)
+    if send is not None:
+        send.reused = False   # what counts is the request that failed (a Reach may send several)
+
+
+async def _connection_reused(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+    send = _SEND.get(None)
+    if send is not None:
+        send.reused = True
+
+
+def upstream_session() -> aiohttp.ClientSession:
+    """The app's one pooled session for every upstream call. No per-connection limit, since
+    admission already bounds how many requests a replica gets. It notes which sends went out on a
+    reused connection: the one failure upstream() sends again."""
+    tracing = aiohttp.TraceConfig()
+    tracing.on_request_start.append(_request_starts)
+    tracing.on_connection_reuseconn.append(_connection_reused)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0), trace_configs=[tracing])
+
+
 
 
 @contextlib.asynccontextmanager
@@ -55,11 +99,15 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
 
     Sent to another replica only when the first did not take the request: the connection was
     refused, the replica's process died before any answer, or a server of ours answered 503 (it
-    is restarting) while another replica is READY; the last two once at most. A request dropped
-    by a live replica after it was sent is not replayed (it may be what brings replicas down) and
-    does not take its replica out of rotation by itself: it counts toward ejection, and the health
-    check decides. Leaving the block closes the response, which ends the
-    backend's work on it if it is still generating.
+    is restarting) while another replica is READY; the last two once at most. Sent once more to
+    the same replica, on a new connection, when it failed on a reused one before any answer came
+    back (`_post`): that never reached a live server either, and counts for nothing. (A server
+    that reads a request and then drops a kept-alive connection looks the same from here, and
+    gets it twice.) Any other request dropped by a live replica after it was sent, that second
+    send's failure included, is not replayed (it may be what brings replicas down) and does not
+    take its replica out of rotation by itself: it counts toward ejection, and the health check
+    decides. Leaving the block closes the response, which ends the backend's work on it if it is
+    still generating.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeouts.first_byte_s
@@ -75,13 +123,23 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
             break
         replica.inflight += 1
         replica.sent += 1
+        send = _Send()
         try:
             try:
-                resp = await within(replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT),
+                resp = await within(_post(send, http, replica, path, payload, request_id),
                                     max(0.0, deadline - loop.time()))
             except aiohttp.ClientConnectorError as exc:
                 monitor.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
-                continue
+                if send.second is None:
+                    continue
+                # Refused on a new connection just after a reused one was dropped: the replica went
+                # away with this request on the wire, perhaps because of it. Only a process that is
+                # gone gives it to another replica, once, as below; a live one that stopped
+                # listening does not, so that a request that kills replicas cannot take them all down.
+                if not failed_over and process_gone(replica):
+                    failed_over = True
+                    continue
+                raise BackendError(f"{label(replica)} dropped the request: {type(exc).__name__}") from exc
             except asyncio.TimeoutError:
                 monitor.report_outcome(replica, "no answer within first_byte_timeout_s")
                 raise BackendTimeout(f"{label(replica)} sent no answer within {timeouts.first_byte_s:g}s "
@@ -109,8 +167,34 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
             return
         finally:
             runtime.release(replica)
+            if send.second is not None:
+                await send.second.close()
     raise Unavailable(f"model {runtime.name!r} has no healthy replica right now", code="model_unavailable",
                       retry_after=2)
+
+
+async def _post(send: _Send, http: aiohttp.ClientSession, replica: Replica, path: str, payload: dict[str, Any],
+                request_id: str) -> aiohttp.ClientResponse:
+    """Send to the replica; if that failed on a reused connection before any answer, once more on a
+    new one. A server closes a kept-alive connection at its keep-alive timeout and (the pinned
+    llama-server, measured) after every streamed answer; a pool can hand out such a connection
+    before its close arrives, and a request written to it never reached the server. The second send
+    gets a session of its own (`send.second`, closed by the caller), whose connector never pools:
+    only that is sure to open a new connection, and it is needed this rarely. A failure there is
+    what it is (upstream() decides)."""
+    assert replica.reach is not None
+    token = _SEND.set(send)
+    try:
+        return await replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT)
+    except CLOSED_UNDER_US as exc:
+        if isinstance(exc, aiohttp.ClientConnectorError) or not send.reused:
+            raise
+        log.info("%s: a reused connection was closed under the request (%s); sending it again on a new one",
+                 label(replica), type(exc).__name__)
+    finally:
+        _SEND.reset(token)
+    send.second = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+    return await replica.reach.post(send.second, path, payload, request_id, UPSTREAM_TIMEOUT)
 
 
 async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: dict[str, Any]) -> web.StreamResponse:

@@ -102,9 +102,11 @@ def stream(proxy: ProxyProcess, path: str, body: dict[str, Any]) -> tuple[int, s
         return resp.status, resp.read().decode()
 
 
-def sim_counter(proxy: ProxyProcess, model: str, name: str) -> float:
+def sim_counter(proxy: ProxyProcess, model: str, name: str, index: int | None = None) -> float:
+    """A counter of the model's replicas, summed, or of replica `index` alone."""
+    replicas = proxy.admin_model(model)["replicas"]
     total = 0.0
-    for replica in proxy.admin_model(model)["replicas"]:
+    for replica in replicas if index is None else [replicas[index]]:
         with urllib.request.urlopen(f"http://127.0.0.1:{replica['port']}/metrics", timeout=10) as resp:
             for line in resp.read().decode().splitlines():
                 if line.startswith(name):
@@ -187,14 +189,19 @@ def test_an_answer_over_max_response_bytes_is_a_502(proxy: ProxyProcess) -> None
         assert status == 502 and answer["error"]["code"] == "backend_response_too_large", answer
 
 
-# 4. A request dropped after it was sent is not replayed.
+# 4. A request dropped after it was sent is not replayed (but for the one resend of a request
+# dropped on a reused connection, which is how a connection the server had closed fails).
 
 def test_a_dropped_request_is_not_replayed_and_keeps_its_replica_in_rotation(proxy: ProxyProcess) -> None:
-    before = sim_counter(proxy, "drop", "llm_pool_sim_requests_received_total")
+    def received() -> list[float]:
+        return [sim_counter(proxy, "drop", "llm_pool_sim_requests_received_total", index=i) for i in (0, 1)]
+    before = received()
     status, _, answer = http("POST", proxy.url + "/v1/chat/completions", chat("drop"))
     assert status == 502 and answer["error"]["code"] == "backend_error", answer
     assert "dropped the request" in answer["error"]["message"]
-    assert sim_counter(proxy, "drop", "llm_pool_sim_requests_received_total") == before + 1
+    # One replica got it: once, or (when the proxy's connection to it was a kept-alive one, from
+    # its health checks) once more on a new connection, which the sim dropped as well.
+    assert sorted(after - was for after, was in zip(received(), before)) in ([0, 1], [0, 2])
     assert [r["state"] for r in proxy.admin_model("drop")["replicas"]] == ["ready", "ready"]
 
 
