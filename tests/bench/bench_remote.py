@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this tree's proxy/, not tests/proxy
 
 from bench_proxy_overhead import cpu_seconds, pct  # noqa: E402
 from helpers import REPO, ProxyProcess  # noqa: E402

@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this tree's proxy/, not tests/proxy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_proxy_overhead import cpu_seconds, pct, run_round  # noqa: E402
