@@ -6,6 +6,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.errors import BadRequest
 from proxy.lifecycle.replicas import ModelState
+from proxy.lifecycle.runtime import ModelRuntime
 from proxy.serving.body import check_required, fairness_key, read_json, requested_model, servable
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
@@ -23,12 +24,17 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
     check_required(request.path, body)
     if request.path == "/v1/embeddings" and not runtime.capabilities().embeddings:
         # Without this the backend's own 501 would reach the client, after taking a slot.
-        field = runtime.traits.embeddings_field
-        how = f"set {field}: true to serve them" if field else f"backend {runtime.model.backend!r} serves none"
-        raise BadRequest(f"model {runtime.name!r} does not serve embeddings (capabilities.embeddings is false; "
-                         f"{how})", code="embeddings_unsupported", param="model")
+        raise embeddings_unsupported(runtime)
     await check_image_urls(body, runtime.model)
     return await forward(request, runtime, fairness_key(request, body), body)
+
+
+def embeddings_unsupported(runtime: ModelRuntime) -> BadRequest:
+    """The refusal of /v1/embeddings, saying what applies to the model's backend (its traits)."""
+    field = runtime.traits.embeddings_field
+    how = f"set {field}: true to serve them" if field else f"backend {runtime.model.backend!r} serves none"
+    return BadRequest(f"model {runtime.name!r} does not serve embeddings (capabilities.embeddings is false; "
+                      f"{how})", code="embeddings_unsupported", param="model")
 
 
 for _path in PASS_THROUGH:
