@@ -19,9 +19,10 @@ import aiohttp
 from launchers.spec import replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from proxy.config import Settings
-from proxy.errors import BackendError, Conflict, NotFound, PoolError, Unavailable
+from proxy.errors import BackendError, Conflict, NotFound, Unavailable
 from proxy.fairness import FairnessPolicy
 from proxy.lifecycle.kinds import kinds_for, traits_for
+from proxy.lifecycle.load_retry import retry_delay, worth_retrying
 from proxy.lifecycle.monitor import Monitor
 from proxy.lifecycle.programs import ProgramKind, Programs
 from proxy.lifecycle.remote import EndpointKind
@@ -173,8 +174,7 @@ class Pool:
     def _cannot_start(runtime: ModelRuntime, error: Conflict) -> Conflict:
         """A model that cannot even be started is FAILED with the reason, for the admin view and
         /health; every other model is unaffected."""
-        runtime.move(ModelState.FAILED)
-        runtime.last_error = error.message
+        runtime.move(ModelState.FAILED, error.message)
         return error
 
     # -- unload ----------------------------------------------------------------------------------
@@ -199,9 +199,8 @@ class Pool:
                 await self._teardown(runtime, drain=drain)
             except BaseException as exc:
                 # Never leave UNLOADING behind: it refuses requests and a second unload alike.
-                runtime.move(ModelState.FAILED)
                 reason = "interrupted (the proxy is stopping)" if isinstance(exc, asyncio.CancelledError) else str(exc)
-                runtime.last_error = f"unload did not finish: {reason}"
+                runtime.move(ModelState.FAILED, f"unload did not finish: {reason}")
                 log.error("model %s: %s", name, runtime.last_error)
                 if isinstance(exc, SupervisorError):
                     raise Unavailable(f"model {name!r} could not be unloaded: {exc}; it is marked failed, "
@@ -238,11 +237,6 @@ class Pool:
 
     # -- startup loads, tried again ------------------------------------------------------------
 
-    def retry_delay(self, attempt: int) -> float:
-        """The wait after failed try number `attempt` (1, 2, ...): doubled per try, bounded."""
-        service = self.settings.service
-        return min(service.load_retry_max_s, service.load_retry_base_s * 2.0 ** (attempt - 1))
-
     def retrying(self) -> list[str]:
         """The models whose failed startup load is being tried again."""
         return sorted(self._retries)
@@ -271,7 +265,7 @@ class Pool:
                         log.error("loading %s failed: %s", name, exc)
                         return
                     retry.attempts += 1
-                    delay = self.retry_delay(retry.attempts)
+                    delay = retry_delay(self.settings.service, retry.attempts)
                     log.error("loading %s failed (try %d): %s; trying again in %gs", name, retry.attempts, exc, delay)
                 finally:
                     self.startup_pending.discard(name)
@@ -301,12 +295,3 @@ class Pool:
         # Retrieved even when no one awaits it any more, so its failure is not reported as lost.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)
-
-
-def worth_retrying(exc: BaseException) -> bool:
-    """Whether a failed load can pass without an edit: a provider or supervisord not answering yet,
-    replicas that did not become healthy, no free port (5xx), and not a problem of the settings
-    (a 4xx: a backend this version cannot run, a missing file or key variable)."""
-    if isinstance(exc, PoolError):
-        return exc.status >= 500
-    return isinstance(exc, (SupervisorError, OSError))

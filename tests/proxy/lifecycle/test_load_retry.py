@@ -15,6 +15,7 @@ import pytest
 from fakes import FakeProvider, FakeSupervisor
 from helpers import free_port
 from proxy.config import load_settings
+from proxy.lifecycle.load_retry import retry_delay
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.replicas import ModelState
 
@@ -70,7 +71,7 @@ async def test_a_startup_load_refused_by_a_provider_not_up_yet_is_retried_until_
 
 async def test_the_back_off_doubles_up_to_its_bound(pool: tuple[Pool, int]) -> None:
     pool_, _ = pool
-    delays = [pool_.retry_delay(attempt) for attempt in range(1, 6)]
+    delays = [retry_delay(pool_.settings.service, attempt) for attempt in range(1, 6)]
     assert delays == [0.05, 0.1, 0.2, 0.2, 0.2]
 
 
