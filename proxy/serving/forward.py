@@ -67,8 +67,6 @@ def upstream_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0), trace_configs=[tracing])
 
 
-
-
 @contextlib.asynccontextmanager
 async def slot(runtime: ModelRuntime, queued: tuple[Hashable, "asyncio.Future[None]"]) -> AsyncIterator[None]:
     """Hold one of the model's slots for the block, waiting for it under the fairness rules;
