@@ -128,3 +128,8 @@ def shim_spec(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, en
         stopwaitsecs=stopwaitsecs,
         metrics=metrics,
     )
+
+
+def none_known(model: ModelConfig) -> list[str]:
+    """A Launcher's option_problems or warnings where a backend has none of that kind to report."""
+    return []

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Mapping
 
-from launchers.common import SHIM_HOST, shim_spec
+from launchers.common import SHIM_HOST, none_known, shim_spec
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.capabilities import Traits
 from proxy.config import ModelConfig
@@ -40,11 +40,5 @@ def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, envir
                      DEFAULT_START_TIMEOUT_S, METRICS)
 
 
-def option_problems(model: ModelConfig) -> list[str]:
-    """Values this backend's server would refuse at start (none beyond the schema's rules)."""
-    return []
-
-
-def warnings(model: ModelConfig) -> list[str]:
-    """Settings that load but work against the pool (none known for this backend)."""
-    return []
+# No values its server refuses beyond the schema's rules, no settings known to work against the pool.
+option_problems = warnings = none_known
