@@ -36,6 +36,7 @@ API_KEY = "sk-test-vllm-replica-key"
 CHAT = [{"role": "user", "content": "Hello there, tiny model."}]
 START_S = 900.0   # a vLLM start on a busy 2-core machine: imports, weights, profiling
 LONG = 3000       # tokens: far more than a request makes between its first line and a pause
+TOKENS_BEFORE_PAUSE = 3   # streamed tokens read before the pause: engine steps that set the gauges
 
 
 def vllm_command() -> str:
@@ -184,7 +185,15 @@ def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> 
                                  headers={"Content-Type": "application/json"})
     resp = urllib.request.urlopen(req, timeout=300)
     try:
-        assert resp.readline().startswith(b"data: ")
+        # A few tokens first: vLLM sends its first (role) chunk before its engine has run a step, and
+        # its gauges are set after each step, so a pause right then would freeze running at 0.
+        tokens = 0
+        while tokens < TOKENS_BEFORE_PAUSE:
+            line = resp.readline()
+            assert line, "the stream ended before the pause"
+            if line.startswith(b"data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                tokens += bool(delta.get("content"))
         # vLLM generates whether or not its client reads, so left alone the request ends within
         # seconds, maybe before one of the proxy's scrapes (every 0.5 s) sees it. Paused, it stays
         # running for as long as the checks take, with the few tokens it made before the pause.
