@@ -1,8 +1,9 @@
 """llama.cpp's llama-server: every `llama_server_*` field mapped to the flag of the pinned build.
 
 Flag names were checked against `llama-server --help` of the llama.cpp tree vendored in
-llama-cpp-python 0.3.36 (see proxy/llama_build.py); tests/launchers checks every flag and every
-enumerated value against the built binary. At config time, the values of enumerated fields are
+llama-cpp-python 0.3.36 (LLAMA_CPP_PYTHON_VERSION in proxy/config.py, built by
+proxy/setup/llama_build.py); tests/launchers checks every flag and every enumerated value against
+the built binary. At config time, the values of enumerated fields are
 checked against the binary that will run them (launchers/llama_help.py), and so are the options of
 `llama_server_extra_args`: a value or an option it refuses is a config error listing what it
 accepts, not a failed load.

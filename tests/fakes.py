@@ -541,7 +541,7 @@ class FakeNvmlError(Exception):
 
 class FakeNvml:
     """FAKE pynvml (nvidia-ml-py) module: NVML needs an NVIDIA driver and GPU, which these tests do
-    not have. It answers the calls proxy/gpu.py makes from a table of GPUs, each with its memory and
+    not have. It answers the calls proxy/gpu/report.py makes from a table of GPUs, each with its memory and
     the processes NVML would list (pid, used bytes; None when NVML cannot tell)."""
 
     NVMLError = FakeNvmlError

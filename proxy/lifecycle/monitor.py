@@ -117,7 +117,7 @@ class Monitor:
 
     def report_outcome(self, replica: Replica, error: str | None = None) -> None:
         """How a request sent to `replica` ended: None when it answered, else why it failed (a 5xx,
-        a timeout, a broken connection). Failures in a row eject it (proxy/health.py); a single
+        a timeout, a broken connection). Failures in a row eject it (proxy/lifecycle/health.py); a single
         failure never takes it out of rotation by itself."""
         if error is None:
             note_success(replica)

@@ -214,7 +214,7 @@ class Pool:
             return runtime
 
     async def scale(self, name: str, replicas: int) -> ModelRuntime:
-        """Start or stop replicas of a loaded model, leaving the others running (proxy/scaling.py)."""
+        """Start or stop replicas of a loaded model, leaving the others running (proxy/lifecycle/scaling.py)."""
         return await scale(self.get(name), replicas, self.monitor, self.settings.service.drain_timeout_s)
 
     async def _teardown(self, runtime: ModelRuntime, drain: bool) -> None:

@@ -45,7 +45,7 @@ class Programs:
         self.environ = environ
         self.runtimes = runtimes      # every model's, for the ports their replicas hold
         self.wake = wake              # the pool's monitor: look again now, a program was started
-        self.pid_record = pid_record  # managed mode: what to stop should supervisord die (proxy/orphans.py)
+        self.pid_record = pid_record  # managed mode: what to stop should supervisord die (proxy/supervisord/orphans.py)
         self.processes: dict[str, ProcessInfo] = {}
         self.stop_grace_s = STOP_GRACE_S
 

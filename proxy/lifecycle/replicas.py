@@ -94,7 +94,7 @@ class Replica:
     scrape: asyncio.Task[None] | None = None
     scraped_at: float = 0.0
     checked_at: float = 0.0           # when its last health check while READY began
-    # Outlier ejection (proxy/health.py): failed requests in a row, ejections in a row (for the
+    # Outlier ejection (proxy/lifecycle/health.py): failed requests in a row, ejections in a row (for the
     # back-off), ejections ever, and until when the current one lasts.
     failures: int = 0
     ejections: int = 0

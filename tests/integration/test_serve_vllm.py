@@ -1,6 +1,6 @@
 """End to end with a real vLLM: `llm-pool serve`, real supervisord, `vllm serve` of the tiny HF Llama.
 
-The vLLM is the CPU build `llm-pool setup --all-engines` caches (proxy/vllm_env.py); tests/gpu/
+The vLLM is the CPU build `llm-pool setup --all-engines` caches (proxy/setup/vllm_env.py); tests/gpu/
 runs this module against a CUDA build by setting LLM_POOL_TEST_VLLM to its `vllm` command. One
 proxy serves the whole module, because every `vllm serve` start costs tens of seconds on a CPU.
 """

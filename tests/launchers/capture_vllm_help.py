@@ -2,7 +2,7 @@
 
     python -m tests.launchers.capture_vllm_help [VLLM]
 
-VLLM is a `vllm` command (default: the cached CPU build of proxy/vllm_env.py). Writes
+VLLM is a `vllm` command (default: the cached CPU build of proxy/setup/vllm_env.py). Writes
 - vllm_serve_help.txt: `vllm serve --help=all`, every flag and its choices;
 - vllm_serve_enums.json: the values vLLM's speculative config accepts for `method`, `moe_backend`
   and `attention_backend`, read from that vLLM's own types (they are JSON keys, not flags, so the

@@ -1,4 +1,4 @@
-"""Outlier ejection (proxy/health.py) and the per-replica cap, on a model runtime without processes."""
+"""Outlier ejection (proxy/lifecycle/health.py) and the per-replica cap, on a model runtime without processes."""
 from __future__ import annotations
 
 import time
