@@ -227,3 +227,21 @@ async def wait_metric(session: Any, url: str, name: str, want: Callable[[float],
             return text
         assert time.monotonic() < deadline, f"{name} never met the condition: {text}"
         await asyncio.sleep(0.01)
+
+
+def ready_runtime(config: Any, count: int) -> Any:
+    """A model runtime with `count` READY sim replicas and no processes behind them (ports 18000 +
+    index, never contacted), for the decisions that only read replica states."""
+    from launchers import sim
+    from proxy.lifecycle.reach import ProgramReach
+    from proxy.lifecycle.replicas import Replica, ReplicaState
+    from proxy.lifecycle.runtime import ModelRuntime
+
+    runtime = ModelRuntime(config=config)
+    for i in range(count):
+        spec = sim.launch(config, i, 18000 + i, 5, {})
+        replica = Replica(model=config.name, index=i, spec=spec, fullname=f"g:r{i}", reach=ProgramReach(spec))
+        runtime.replicas.append(replica)
+        runtime.set_replica_state(replica, ReplicaState.STARTING)
+        runtime.set_replica_state(replica, ReplicaState.READY)
+    return runtime

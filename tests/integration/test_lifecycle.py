@@ -230,19 +230,28 @@ def test_a_supervisord_that_stops_answering_is_reported_and_logged_once(proxies)
     assert proxy.admin_model("sim")["replicas"][0]["pid"] == pid   # nothing was restarted
 
 
-def test_a_second_sigterm_during_shutdown_is_ignored_and_the_models_are_still_stopped(proxies) -> None:
-    # The sim goes silent after two tokens, so the stream holds the shutdown open for as long as
-    # the test needs: the second signal surely lands while the proxy is stopping.
-    proxy = start(proxies, {"sim": sim_model(sim={"max_seqs": 2, "decode_tokens_per_s": 200, "ttft_ms": 1,
-                                                  "stall_after_tokens": 2})})
-    replica = proxy.wait_state("sim", "loaded")["replicas"][0]
-    supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
-    conn = http_client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+STALLING_SIM = {"max_seqs": 2, "decode_tokens_per_s": 200, "ttft_ms": 1, "stall_after_tokens": 2}
+
+
+def _held_stream(conn: http_client.HTTPConnection) -> http_client.HTTPResponse:
+    """A stream on the stalling sim, its first line read: it holds the shutdown open until `conn`
+    closes (the sim goes silent after two tokens)."""
     conn.request("POST", "/v1/chat/completions", json.dumps(
         {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}),
         {"Content-Type": "application/json"})
     stream = conn.getresponse()
     assert stream.status == 200 and stream.readline().startswith(b"data: ")
+    return stream
+
+
+def test_a_second_sigterm_during_shutdown_is_ignored_and_the_models_are_still_stopped(proxies) -> None:
+    # The sim goes silent after two tokens, so the stream holds the shutdown open for as long as
+    # the test needs: the second signal surely lands while the proxy is stopping.
+    proxy = start(proxies, {"sim": sim_model(sim=STALLING_SIM)})
+    replica = proxy.wait_state("sim", "loaded")["replicas"][0]
+    supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
+    conn = http_client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+    _held_stream(conn)
     assert proxy.proc is not None
     proxy.proc.send_signal(signal.SIGTERM)
     wait_for(lambda: "shutting down" in proxy.log_path.read_text(), what="the shutdown to begin")
@@ -258,17 +267,12 @@ def test_a_second_sigterm_during_shutdown_is_ignored_and_the_models_are_still_st
 def test_during_the_shutdown_new_requests_get_503_shutting_down_and_the_port_stays_open(proxies) -> None:
     # A stalled stream holds the drain open: what the test sends meanwhile surely meets a proxy
     # that is stopping, not one that has already closed its port.
-    proxy = start(proxies, {"sim": sim_model(sim={"max_seqs": 2, "decode_tokens_per_s": 200, "ttft_ms": 1,
-                                                  "stall_after_tokens": 2})})
+    proxy = start(proxies, {"sim": sim_model(sim=STALLING_SIM)})
     replica = proxy.wait_state("sim", "loaded")["replicas"][0]
     supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
     conn = http_client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", json.dumps(
-        {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}),
-        {"Content-Type": "application/json"})
     try:
-        stream = conn.getresponse()
-        assert stream.status == 200 and stream.readline().startswith(b"data: ")
+        _held_stream(conn)
         assert proxy.proc is not None
         proxy.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: "shutting down" in proxy.log_path.read_text(), what="the shutdown to begin")
@@ -296,16 +300,11 @@ def _answers_while_stopping(proxy: ProxyProcess, replica_pid: int) -> None:
 def test_a_request_that_outlives_the_drain_timeout_does_not_hold_the_exit(proxies) -> None:
     # The stalled stream never ends by itself: after service.drain_timeout_s the models are unloaded
     # anyway, and its client is told so by an error event, not left hanging.
-    proxy = start(proxies, {"sim": sim_model(sim={"max_seqs": 2, "decode_tokens_per_s": 200, "ttft_ms": 1,
-                                                  "stall_after_tokens": 2})}, drain_timeout_s=1)
+    proxy = start(proxies, {"sim": sim_model(sim=STALLING_SIM)}, drain_timeout_s=1)
     replica = proxy.wait_state("sim", "loaded")["replicas"][0]
     conn = http_client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(
-            {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}),
-            {"Content-Type": "application/json"})
-        stream = conn.getresponse()
-        assert stream.status == 200 and stream.readline().startswith(b"data: ")
+        stream = _held_stream(conn)
         assert proxy.proc is not None
         proxy.proc.send_signal(signal.SIGTERM)
         assert proxy.proc.wait(60) == 0

@@ -5,11 +5,10 @@ import time
 
 import pytest
 
-from launchers import sim
+from helpers import ready_runtime
 from proxy.config import ModelConfig
 from proxy.lifecycle.health import HealthPolicy, ReadyChecks, note_failure, note_success, state_after_check
-from proxy.lifecycle.reach import ProgramReach
-from proxy.lifecycle.replicas import InvalidTransition, Replica, ReplicaState
+from proxy.lifecycle.replicas import InvalidTransition, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 
 CONFIG = ModelConfig(name="m", backend="sim", enabled=True, replicas=2, replica_max=2, target_inflight=2,
@@ -18,13 +17,7 @@ POLICY = HealthPolicy(eject_after=3, eject_base_s=10, eject_max_s=25)
 
 
 def runtime(n: int = 2) -> ModelRuntime:
-    rt = ModelRuntime(config=CONFIG)
-    for i in range(n):
-        spec = sim.launch(CONFIG, i, 18000 + i, 5, {})
-        replica = Replica(model="m", index=i, spec=spec, fullname=f"g:r{i}", reach=ProgramReach(spec))
-        rt.replicas.append(replica)
-        rt.set_replica_state(replica, ReplicaState.STARTING)
-        rt.set_replica_state(replica, ReplicaState.READY)
+    rt: ModelRuntime = ready_runtime(CONFIG, n)
     return rt
 
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 
 from launchers import llama_server, sim
+from helpers import ready_runtime
 from proxy.config import ModelConfig
 from proxy.lifecycle.engine_metrics import read_gauges
-from proxy.lifecycle.reach import ProgramReach
-from proxy.lifecycle.replicas import Replica, ReplicaState
+from proxy.lifecycle.replicas import ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 
 CONFIG = ModelConfig(name="m", backend="sim", enabled=True, replicas=3, replica_max=3, target_inflight=4,
@@ -14,13 +14,7 @@ CONFIG = ModelConfig(name="m", backend="sim", enabled=True, replicas=3, replica_
 
 
 def runtime(n: int = 3) -> ModelRuntime:
-    rt = ModelRuntime(config=CONFIG)
-    for i in range(n):
-        spec = sim.launch(CONFIG, i, 18000 + i, 5, {})
-        replica = Replica(model="m", index=i, spec=spec, fullname=f"g:r{i}", reach=ProgramReach(spec))
-        rt.replicas.append(replica)
-        rt.set_replica_state(replica, ReplicaState.STARTING)
-        rt.set_replica_state(replica, ReplicaState.READY)
+    rt: ModelRuntime = ready_runtime(CONFIG, n)
     return rt
 
 
