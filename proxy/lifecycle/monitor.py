@@ -299,7 +299,7 @@ class Monitor:
             return
         if ok:
             after = state_after_check(runtime, replica, self.health)
-            if after == ReplicaState.READY and (runtime.active or runtime.config).get("warmup"):
+            if after == ReplicaState.READY and runtime.model.get("warmup"):
                 # READY only once one generation went through; a failure is retried like a failed check.
                 seconds, error = await warm_up(self.http, replica, spec.start_timeout_s)
                 if replica.state != ReplicaState.STARTING or replica.pid != pid:

@@ -55,7 +55,7 @@ class ModelRuntime:
 
     @property
     def target_inflight(self) -> int:
-        return (self.active or self.config).target_inflight
+        return self.model.target_inflight
 
     @property
     def model(self) -> ModelConfig:
@@ -68,7 +68,7 @@ class ModelRuntime:
     def with_replicas(self, count: int) -> ModelConfig:
         """The active settings with `count` replicas (a live scale): shown as an override unless it
         is the configured count, so that a load asking for the same count finds the same settings."""
-        active = self.active or self.config
+        active = self.model
         options = {k: v for k, v in active.options.items() if k != "replicas"}
         if count != self.config.replicas:
             options["replicas"] = count
@@ -116,7 +116,7 @@ class ModelRuntime:
         return min(ready, key=lambda r: (*r.load(), (r.index - self._turn) % len(self.replicas)))
 
     def describe(self) -> dict[str, object]:
-        cfg = self.active or self.config
+        cfg = self.model
         return {
             "id": self.name,
             "backend": cfg.backend,
@@ -131,7 +131,7 @@ class ModelRuntime:
             "waiting": self.admission.waiting,
             "keys": self.admission.describe_keys(),
             "key_counts": self.admission.key_counts(),
-            "capabilities": capabilities(cfg, self.traits).as_dict(),
+            "capabilities": self.capabilities().as_dict(),
             "gpus": list(cfg.gpus),
             "overrides": changed(self.config.options, cfg.options),
             "last_error": self.last_error,

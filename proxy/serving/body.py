@@ -85,7 +85,7 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) 
     runtime = pool.get(name)
     request[MODEL] = name
     if runtime.kind is not None:
-        runtime.kind.gate(runtime.active or runtime.config, request.headers, body)  # e.g. allow_remote
+        runtime.kind.gate(runtime.model, request.headers, body)  # e.g. allow_remote
     if runtime.state == ModelState.LOADING:
         raise Unavailable(f"model {name!r} is loading", code="model_loading", retry_after=5)
     if runtime.state == ModelState.UNLOADING:
