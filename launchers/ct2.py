@@ -36,6 +36,12 @@ def model_folder_problem(path: Path) -> str | None:
             f"{TOKENIZER_FILE}){instead}")
 
 
+def device(model: ModelConfig) -> tuple[str, str]:
+    """Where a replica's memory is (placement: cpu or gpu), and the field that says so."""
+    value = str(model.get("device", "cpu"))
+    return ("gpu" if value.startswith("cuda") else "cpu"), f"device: {value}"
+
+
 def check(model: ModelConfig) -> list[str]:
     return shim_problems(model, "ctranslate2", PYTHON_FIELD, "ct2", model_folder_problem)
 

@@ -41,6 +41,11 @@ def model_folder_problem(path: Path) -> str | None:
             f"{instead}")
 
 
+def device(model: ModelConfig) -> tuple[str, str]:
+    """Where a replica's memory is (placement): ExLlamaV3 runs on CUDA only."""
+    return "gpu", "backend exllamav3 runs on a GPU"
+
+
 def check(model: ModelConfig) -> list[str]:
     return shim_problems(model, "exllamav3", PYTHON_FIELD, "exllamav3", model_folder_problem)
 

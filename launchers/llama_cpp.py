@@ -33,6 +33,14 @@ METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_r
                         kv_cache="vllm:kv_cache_usage_perc")
 
 
+def device(model: ModelConfig) -> tuple[str, str]:
+    """Where a replica's memory is (placement: cpu or gpu), and the field that says so."""
+    layers = model.options.get("gguf_n_gpu_layers")
+    if not layers:
+        return "cpu", "gguf_n_gpu_layers: 0 or unset (llama-cpp-python keeps every layer on the CPU)"
+    return "gpu", f"gguf_n_gpu_layers: {layers}"
+
+
 def check(model: ModelConfig) -> list[str]:
     def judge(path: Path) -> str | None:
         return gguf_problem(path, model.backend)

@@ -71,6 +71,15 @@ def binary(model: ModelConfig) -> str:
     return shutil.which("llama-server") or str(cached_llama_server())
 
 
+def device(model: ModelConfig) -> tuple[str, str]:
+    """Where a replica's memory is (placement: cpu or gpu), and the field that says so."""
+    layers = model.options.get("llama_server_n_gpu_layers")
+    if layers is not None and int(layers) == 0:
+        return "cpu", "llama_server_n_gpu_layers: 0"
+    return "gpu", ("llama_server_n_gpu_layers: " + str(layers)) if layers is not None else \
+        "llama_server_n_gpu_layers unset: llama-server offloads the layers to a GPU"
+
+
 def check(model: ModelConfig) -> list[str]:
     """Problems that would stop this model from starting, each naming the field and the path."""
     where = f"engine.models.{model.name}"

@@ -19,6 +19,11 @@ METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_r
                         kv_cache="vllm:kv_cache_usage_perc")
 
 
+def device(model: ModelConfig) -> tuple[str, str]:
+    """Where a replica's memory is (placement): the simulated engine is a small CPU process."""
+    return "cpu", "backend sim is a CPU process"
+
+
 def check(model: ModelConfig) -> list[str]:
     return []
 

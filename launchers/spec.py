@@ -77,6 +77,11 @@ class Launcher(Protocol):
         """Problems that stop the model from loading (missing files, refused values), by field."""
         ...
 
+    def device(self, model: ModelConfig) -> tuple[str, str]:
+        """Where a replica's memory is, "gpu" or "cpu", and the setting that puts it there (for the
+        admin view): memory-aware loading counts it against that device's budget."""
+        ...
+
     def option_problems(self, model: ModelConfig) -> list[str]:
         """Values the backend's server would refuse, checked before a load with overrides starts."""
         ...

@@ -115,6 +115,11 @@ def option_problems(model: ModelConfig) -> list[str]:
     return problems
 
 
+def device(model: ModelConfig) -> tuple[str, str]:
+    """Where a replica's memory is (placement): vLLM's GPU build (its CPU build runs where no GPU is visible)."""
+    return "gpu", f"backend {model.backend} runs on a GPU"
+
+
 def check(model: ModelConfig) -> list[str]:
     """Problems that would stop this model from starting, each naming the field and the path."""
     where = f"engine.models.{model.name}"

@@ -5,7 +5,12 @@ over READY replicas and changes as replicas come and go. Waiters are futures: a 
 away while waiting leaves its queue, one that goes away while running frees its slot (its running
 time still counts to its key), and a waiter cancelled just after it was handed a slot gives the
 slot back to the scheduler instead of stranding it. A waiter that has waited `max_wait_s` gives up
-its place the same way and fails with 503 `queue_timeout`.
+its place the same way and fails with 503 `queue_timeout` (or with `stall`, the pool's reason why
+a model that is not loaded cannot load yet: 503 `insufficient_memory`).
+
+The queue outlives loads: requests for a model that is not loaded wait in it while the pool loads
+the model (load on demand), and `hold` stops granting slots without failing the waiters while the
+pool unloads a model to make room, so that they wait for its next load instead.
 """
 from __future__ import annotations
 
@@ -30,7 +35,17 @@ class Admission:
         self._granted: dict[Hashable, asyncio.Future[None]] = {}
         self._ids = itertools.count()
         self._closed: PoolError | None = None
+        self._held = False
+        self._capacity = 0
         self._timer: asyncio.TimerHandle | None = None
+        # Wall-clock time of the last request's arrival or end (or an admin load): idle unload
+        # counts from it, and it is kept across restarts.
+        self.last_used = 0.0
+        # Why a waiter's wait can run out before the model loads (set by the pool's placement).
+        self.stall: PoolError | None = None
+        # The pool's hooks: a request had to wait (the model may need loading); the queue went idle.
+        self.on_queued: Callable[[], None] | None = None
+        self.on_idle: Callable[[], None] | None = None
 
     @property
     def capacity(self) -> int:
@@ -45,13 +60,39 @@ class Admission:
         return self.scheduler.waiting
 
     def set_capacity(self, capacity: int) -> None:
-        self._start(self.scheduler.set_capacity(capacity))
+        self._capacity = capacity
+        if not self._held:
+            self._start(self.scheduler.set_capacity(capacity))
+
+    def hold(self) -> None:
+        """Grant no more slots, and keep the waiters: they wait for the model's next load."""
+        self._held = True
+        self.scheduler.set_capacity(0)
+
+    def reopen(self) -> None:
+        """Take requests again after `close` or `hold` (the model loads again)."""
+        self._closed = None
+        if self._held:
+            self._held = False
+            self._start(self.scheduler.set_capacity(self._capacity))
+
+    @property
+    def closed(self) -> PoolError | None:
+        return self._closed
+
+    def oldest_wait_s(self) -> float:
+        """How long the longest-waiting request has waited; 0 when none waits."""
+        if not self.scheduler.waiting:
+            return 0.0
+        now = time.monotonic()
+        return max((now - t[2] for t, fut in self._granted.items()
+                    if not fut.done() and isinstance(t, tuple) and len(t) == 3), default=0.0)
 
     def enqueue(self, key: str = ANONYMOUS) -> tuple[Hashable, "asyncio.Future[None]"]:
         """Join the queue now: raises at once (429) if it may not wait. Then `wait` for the slot."""
         if self._closed is not None:
             raise self._closed
-        ticket = (key, next(self._ids))
+        ticket = (key, next(self._ids), time.monotonic())
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._granted[ticket] = fut
         try:
@@ -59,6 +100,9 @@ class Admission:
         except QueueFull as full:
             del self._granted[ticket]
             raise TooManyRequests(str(full), code=full.code, retry_after=full.retry_after) from None
+        self.last_used = time.time()
+        if not fut.done() and self.on_queued is not None:
+            self.on_queued()
         return ticket, fut
 
     async def wait(self, queued: tuple[Hashable, "asyncio.Future[None]"]) -> Hashable:
@@ -72,6 +116,8 @@ class Admission:
                 await asyncio.shield(fut)
         except TimeoutError:
             self.abandon(queued)
+            if self.stall is not None:
+                raise self.stall from None
             raise Unavailable(f"no slot freed within {self.max_wait_s:g}s (engine.fairness.max_queue_wait_s)",
                               code="queue_timeout",
                               retry_after=self.scheduler.retry_after(self.scheduler.waiting)) from None
@@ -87,6 +133,7 @@ class Admission:
         ticket, _fut = queued
         self._granted.pop(ticket, None)
         self._start(self.scheduler.cancel(ticket))
+        self._maybe_idle()
 
     async def acquire(self, key: str = ANONYMOUS) -> Hashable:
         """Wait for a slot; returns the ticket to hand back to `release`."""
@@ -97,6 +144,12 @@ class Admission:
         self._granted.pop(ticket, None)
         events = self.scheduler.done(ticket) if completed else self.scheduler.cancel(ticket)
         self._start(events)
+        self.last_used = time.time()
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if self.on_idle is not None and not self.scheduler.running and not self.scheduler.waiting:
+            self.on_idle()
 
     def close(self, error: PoolError) -> None:
         """Refuse new requests and fail every waiter with `error`; running ones finish."""

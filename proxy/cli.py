@@ -15,6 +15,7 @@ from launchers import launcher_for
 from proxy import ctl
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.lifecycle.kinds import kinds_for
+from proxy.lifecycle.memory import memory_warnings
 from proxy.lifecycle.programs import ProgramKind
 from proxy.lifecycle.remote import EndpointKind
 from proxy.supervisord.managed import StateDirBusy, claim_state_dir
@@ -89,7 +90,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     settings = _load_or_exit(args.config, strict=args.strict)
     for warning in settings.warnings:
         print(f"llm-pool: warning: {warning}", file=sys.stderr)
-    for warning in startup_warnings(settings):
+    for warning in startup_warnings(settings) + memory_warnings(settings):
         print(f"llm-pool: warning: {warning}", file=sys.stderr)
     problems = startup_problems(settings)
     if problems:

@@ -50,6 +50,15 @@ DEFAULT_RELIABILITY: dict[str, Any] = {"first_byte_timeout_s": 600.0, "stream_id
                        "load_retry_base_s": 5.0, "load_retry_max_s": 300.0}
 DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "port_range": [18100, 18999],
                       "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15, "pass_env": []}
+# engine.lifecycle (README: More models than memory). Every default keeps the behaviour from before
+# it existed: models load only when enabled or an admin loads them, stay until unloaded, and no load
+# is refused for memory.
+DEFAULT_LIFECYCLE: dict[str, Any] = {"load_on_demand": False, "idle_unload_s": None, "pinned": False,
+                                     "max_loaded_models": None, "swap_max_wait_s": 10.0}
+DEFAULT_MEMORY: dict[str, Any] = {"gpu_headroom_mib": None, "cpu_budget_mib": None, "footprint_margin": 0.1,
+                                  "footprint_percentile": 90}
+# The per-model keys that default to the same key under engine.lifecycle.
+MODEL_LIFECYCLE_FIELDS = ("load_on_demand", "idle_unload_s", "pinned")
 DEFAULT_MODEL = {"enabled": False, "replicas": 1, "target_inflight": 1, "modalities": ["text"], "gpus": []}
 
 # Fields that name files: relative values resolve against the base settings file's folder, so a
@@ -106,6 +115,18 @@ class SupervisorSettings:
 
 
 @dataclass(frozen=True)
+class LifecycleSettings:
+    """engine.lifecycle: the pool-wide limits of what may be loaded at once."""
+
+    max_loaded_models: int | None = None
+    swap_max_wait_s: float = DEFAULT_LIFECYCLE["swap_max_wait_s"]
+    gpu_headroom_mib: float | None = None    # None: GPU memory does not limit loads
+    cpu_budget_mib: float | None = None      # None: CPU memory does not limit loads
+    footprint_margin: float = DEFAULT_MEMORY["footprint_margin"]
+    footprint_percentile: float = DEFAULT_MEMORY["footprint_percentile"]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One model as configured, with backend-specific fields kept in `options` for its launcher."""
 
@@ -118,6 +139,9 @@ class ModelConfig:
     modalities: tuple[str, ...]
     gpus: tuple[int, ...]
     options: Mapping[str, Any] = field(default_factory=dict)
+    load_on_demand: bool = False        # a request while it is not loaded loads it
+    idle_unload_s: float | None = None  # unloaded after this long without a request; None: never
+    pinned: bool = False                # never unloaded by the pool (idle or to make room)
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.options.get(key)
@@ -226,6 +250,7 @@ class Settings:
     fairness: Mapping[str, Any]
     models: Mapping[str, ModelConfig]
     sources: tuple[Path, ...]
+    lifecycle: LifecycleSettings = field(default_factory=LifecycleSettings)
     warnings: tuple[str, ...] = ()         # unknown keys, each with the closest known name
     origins: Origins = field(default_factory=Origins, compare=False)
 
@@ -387,8 +412,11 @@ def _resolve(value: str, base_dir: Path) -> str:
     return str(path if path.is_absolute() else (base_dir / path).resolve())
 
 
-def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_dir: Path) -> ModelConfig:
+def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_dir: Path,
+           lifecycle: Mapping[str, Any]) -> ModelConfig:
     data = {**DEFAULT_MODEL, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULT_MODEL}}
+    # null is a value of idle_unload_s (never): only a key that is absent takes engine.lifecycle's.
+    life = {k: raw[k] if k in raw else lifecycle[k] for k in MODEL_LIFECYCLE_FIELDS}
     options = dict(data)
     for key in PATH_FIELDS:
         if isinstance(options.get(key), str):
@@ -407,6 +435,9 @@ def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_d
         modalities=tuple(data["modalities"]),
         gpus=tuple(data["gpus"]),
         options=options,
+        load_on_demand=bool(life["load_on_demand"]),
+        idle_unload_s=None if life["idle_unload_s"] is None else float(life["idle_unload_s"]),
+        pinned=bool(life["pinned"]),
     )
 
 
@@ -461,6 +492,8 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
     service = {**DEFAULT_SERVICE, **doc.get("service", {})}
     supervisor = {**DEFAULT_SUPERVISOR, **doc.get("supervisor", {})}
     engine = doc.get("engine", {})
+    lifecycle = {**DEFAULT_LIFECYCLE, **(engine.get("lifecycle") or {})}
+    memory = {**DEFAULT_MEMORY, **(lifecycle.pop("memory", None) or {})}
     state_dir = Path(_resolve(service.get("state_dir") or
                               os.path.join(os.environ.get("XDG_STATE_HOME") or "~/.local/state", "llm-pool"),
                               base_dir))
@@ -482,9 +515,15 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                       pass_env=tuple(supervisor["pass_env"] or ())),
         decoding=dict(engine.get("decoding") or {}),
         fairness=dict(engine.get("fairness") or {}),
-        models={name: _model(name, raw, engine.get("backend"), base_dir)
+        models={name: _model(name, raw, engine.get("backend"), base_dir, lifecycle)
                 for name, raw in (engine.get("models") or {}).items()},
         sources=sources,
+        lifecycle=LifecycleSettings(max_loaded_models=lifecycle["max_loaded_models"],
+                                    swap_max_wait_s=float(lifecycle["swap_max_wait_s"]),
+                                    gpu_headroom_mib=memory["gpu_headroom_mib"],
+                                    cpu_budget_mib=memory["cpu_budget_mib"],
+                                    footprint_margin=float(memory["footprint_margin"]),
+                                    footprint_percentile=float(memory["footprint_percentile"])),
         warnings=tuple(warnings),
         origins=origins,
     )

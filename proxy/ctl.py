@@ -91,14 +91,29 @@ def models_table(data: list[dict[str, Any]]) -> str:
         ready = sum(1 for r in replicas if r.get("state") == "ready")
         error = m.get("last_error") or next((r.get("last_error") for r in replicas if r.get("last_error")), None)
         rows.append([m["id"], m.get("backend"), _state(m), f"{ready}/{len(replicas)}",
-                     m.get("replica_max"), m.get("active"), m.get("waiting"),
+                     m.get("replica_max"), m.get("active"), m.get("waiting"), _idle(m),
+                     "yes" if m.get("pinned") else None,
                      (error or "").splitlines()[0][:60] if error else None])
-    return table(["MODEL", "BACKEND", "STATE", "READY", "MAX", "ACTIVE", "WAITING", "LAST ERROR"], rows)
+    return table(["MODEL", "BACKEND", "STATE", "READY", "MAX", "ACTIVE", "WAITING", "IDLE", "PINNED", "LAST ERROR"],
+                 rows)
+
+
+def _idle(m: dict[str, Any]) -> str | None:
+    """How long the model has had no request, as `12m` or `3s`; with its idle unload time."""
+    idle = m.get("idle_for_s")
+    if idle is None:
+        return None
+    shown = f"{idle / 3600:.1f}h" if idle >= 3600 else f"{idle / 60:.0f}m" if idle >= 60 else f"{idle:.0f}s"
+    limit = m.get("idle_unload_s")
+    return f"{shown}/{limit:g}s" if limit is not None else shown
 
 
 def _state(m: dict[str, Any]) -> str:
     """The model's state, and where a failed startup load is tried again, when."""
     retry = m.get("load_retry")
+    backoff = m.get("backoff")
+    if backoff:
+        return f"{m.get('state')} (backing off, next load in {backoff.get('next_attempt_in_s'):g}s)"
     if not retry:
         return str(m.get("state"))
     left = retry.get("next_retry_in_s")

@@ -3,27 +3,36 @@
 The decisions are the same for every model; how a replica starts and stops differs per kind
 (proxy/lifecycle/kinds.py): a supervisord program (programs.py) or a remote endpoint (remote.py).
 Load starts the replicas and waits until each passes its health check; a restarted proxy adopts
-running ones. Keeping replica states true meanwhile is the monitor's job (monitor.py).
+running ones. Keeping replica states true meanwhile is the monitor's job (monitor.py). Which models
+may be loaded together, and when one loads on demand, unloads when idle or is evicted to make room,
+is placement's (placement.py decides, placer.py carries it out); every load passes its admission.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
-from typing import Any, Awaitable, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 import aiohttp
 
 from launchers.spec import replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
-from proxy.config import Settings
-from proxy.errors import BackendError, Conflict, NotFound, Unavailable
+from proxy.config import ModelConfig, Settings
+from proxy.errors import BackendError, Conflict, NotFound, PoolError, Unavailable
 from proxy.fairness import FairnessPolicy
+from proxy.gpu.footprint import gpu_totals
+from proxy.gpu.report import load_nvml
+from proxy.gpu.vram_estimate import Estimator
+from proxy.lifecycle.footprints import Footprints
 from proxy.lifecycle.kinds import kinds_for, traits_for
 from proxy.lifecycle.load_retry import retry_delay, worth_retrying
+from proxy.lifecycle.memory import Memory
 from proxy.lifecycle.monitor import Monitor
+from proxy.lifecycle.placer import Placer
 from proxy.lifecycle.programs import ProgramKind, Programs
 from proxy.lifecycle.remote import EndpointKind
 from proxy.lifecycle.replicas import ModelState, ReplicaState
@@ -40,14 +49,17 @@ T = TypeVar("T")
 class Pool:
     def __init__(self, settings: Settings, supervisor: SupervisorClient, http: aiohttp.ClientSession,
                  environ: Mapping[str, str] | None = None, pid_record: PidRecord | None = None,
-                 managed: ManagedSupervisord | None = None) -> None:
+                 managed: ManagedSupervisord | None = None, nvml_loader: Callable[[], Any] = load_nvml) -> None:
         self.settings = settings
         self.supervisor = supervisor
         self.http = http
         self.environ = dict(os.environ if environ is None else environ)
         policy = FairnessPolicy.from_settings(settings.fairness)
-        self.models: dict[str, ModelRuntime] = {n: ModelRuntime(config=c, policy=policy)
-                                                for n, c in settings.models.items()}
+        max_wait_s = settings.fairness.get("max_queue_wait_s", DEFAULT_MAX_QUEUE_WAIT_S)
+        # One queue per model for its whole life: requests wait in it while it loads on demand.
+        self.models: dict[str, ModelRuntime] = {
+            n: ModelRuntime(config=c, policy=policy, admission=Admission(policy, max_wait_s=max_wait_s))
+            for n, c in settings.models.items()}
         self.programs = Programs(settings, supervisor, self.environ, self.models, lambda: self.monitor.wake(),
                                  pid_record)
         self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, managed)
@@ -56,6 +68,12 @@ class Pool:
         for runtime in self.models.values():
             runtime.kind = kinds.get(runtime.config.backend)
             runtime.traits = traits_for(runtime.config.backend)
+        life = settings.lifecycle
+        footprints = Footprints(settings.service.state_dir / "footprints.json", life.footprint_percentile,
+                                life.footprint_margin)
+        self.nvml_loader = nvml_loader
+        self.memory = Memory(life, footprints, Estimator(), gpu_totals(lambda: _no_nvml_yet()))
+        self.placer = Placer(settings, self.models, self.memory, nvml_loader)
         self._background: set[asyncio.Task[Any]] = set()
         # Models whose first load at startup has not finished (loaded or failed): /ready waits for them.
         self.startup_pending: set[str] = set()
@@ -66,8 +84,12 @@ class Pool:
 
     async def start(self) -> None:
         self.settings.supervisor.programs_dir.mkdir(parents=True, exist_ok=True)
+        self.memory.gpus = await asyncio.to_thread(gpu_totals, self.nvml_loader)
         await self.programs.snapshot()
         self.monitor.start()
+        task = self.placer.start(self)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def load_in_background(self) -> None:
         """Load the enabled models, and adopt any other configured model whose replicas are still
@@ -96,13 +118,18 @@ class Pool:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        self.placer.save_usage()
         if stop_models:
-            await asyncio.gather(*(self.unload(n, drain=False) for n, rt in self.models.items()
+            await asyncio.gather(*(self._unload(n, drain=False, reason="shutdown") for n, rt in self.models.items()
                                    if rt.state not in (ModelState.UNLOADED,)), return_exceptions=True)
         await self.monitor.close()
         for runtime in self.models.values():
             for replica in runtime.replicas:
                 replica.cancel_tasks()
+
+    def describe(self, runtime: ModelRuntime) -> dict[str, object]:
+        """A model's admin row: its runtime's state with its lifecycle (placement) fields."""
+        return {**runtime.describe(), **self.placer.describe_model(runtime)}
 
     def get(self, name: str) -> ModelRuntime:
         try:
@@ -115,60 +142,91 @@ class Pool:
     async def load(self, name: str, overrides: Mapping[str, Any] | None = None) -> ModelRuntime:
         """Load a configured model (or adopt its running replicas); returns once it is ready or failed.
         An admin's load: it ends the retries of a failed startup load, and is not retried itself."""
-        self.get(name)
+        runtime = self.get(name)
         self._stop_retry(name)
-        return await self._load(name, overrides)
+        runtime.admission.last_used = time.time()   # an admin load counts as a use
+        return await self._load(name, overrides, reason="admin")
 
-    async def _load(self, name: str, overrides: Mapping[str, Any] | None = None) -> ModelRuntime:
+    async def load_placed(self, name: str, evict: tuple[str, ...]) -> ModelRuntime:
+        """A load on demand that placement admitted: evict `evict`, then load with the configured settings."""
+        return await self._load(name, None, reason="on_demand", evict=evict)
+
+    async def _load(self, name: str, overrides: Mapping[str, Any] | None = None, reason: str = "startup",
+                    evict: tuple[str, ...] | None = None) -> ModelRuntime:
+        """Load (`reason`: startup, admin, on_demand). `evict`: what placement already decided to
+        evict for it; None passes the admission here (placer.admit), which may refuse it."""
         runtime = self.get(name)
         config = runtime.config.with_overrides(overrides or {})
-        async with runtime.lock:
-            if runtime.state == ModelState.LOADED:
-                if runtime.active == config:
-                    return runtime
-                raise Conflict(f"model {name!r} is loaded with other settings; unload it first",
-                               code="model_already_loaded")
-            kind = runtime.kind
-            if kind is None:
-                raise self._cannot_start(runtime, Conflict(
-                    f"model {name!r}: backend {config.backend!r} cannot be run by this version of llm-pool",
-                    code="backend_not_supported"))
-            problems = kind.check(config)
-            if problems:
-                raise self._cannot_start(runtime, Conflict(f"model {name!r} cannot be loaded: " + "; ".join(problems),
-                                                           code="model_not_loadable"))
-            if config.replicas < 1:
-                raise Conflict(f"model {name!r}: replicas must be at least 1 to load", code="model_not_loadable")
-            runtime.move(ModelState.LOADING)
-            started = time.monotonic()
-            runtime.active = config
-            runtime.last_error = None
-            runtime.admission = Admission(runtime.policy, max_wait_s=self.settings.fairness.get(
-                "max_queue_wait_s", DEFAULT_MAX_QUEUE_WAIT_S))
-            try:
-                await kind.start(runtime, config)
-                await self.monitor.await_replicas(runtime)
-            except asyncio.CancelledError:
-                raise  # the proxy is stopping: what runs is left for the next one to adopt or stop
-            except Exception as exc:
-                runtime.last_error = str(exc)
-                with contextlib.suppress(Exception):
-                    await self._teardown(runtime, drain=False)
-                runtime.move(ModelState.FAILED)
-                if isinstance(exc, SupervisorError):
-                    raise Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=5) from exc
-                raise
-            errors = "; ".join(f"replica {r.index}: {r.last_error}" for r in runtime.replicas
-                               if r.state != ReplicaState.READY)
-            runtime.last_error = errors or None
-            if not runtime.ready():
-                await self._teardown(runtime, drain=False)
-                runtime.move(ModelState.FAILED)
-                raise BackendError(f"model {name!r} failed to load: {errors}", code="model_load_failed")
-            runtime.move(ModelState.LOADED)
-            runtime.load_s = time.monotonic() - started
-            log.info("model %s loaded: %d of %d replicas ready", name, len(runtime.ready()), len(runtime.replicas))
-            return runtime
+        try:
+            async with runtime.lock:
+                return await self._load_locked(runtime, config, reason, evict)
+        except Exception as exc:
+            # Requests that queued for it meanwhile (it loads on demand) learn why; an on-demand
+            # load's waiters get the error with its back-off from the placer instead.
+            if reason != "on_demand":
+                runtime.admission.close(exc if isinstance(exc, PoolError) else
+                                        BackendError(f"model {name!r} failed to load: {exc}", code="model_load_failed"))
+            raise
+        finally:
+            self.placer.settled(name)
+
+    async def _load_locked(self, runtime: ModelRuntime, config: ModelConfig, reason: str,
+                           evict: tuple[str, ...] | None) -> ModelRuntime:
+        name = runtime.name
+        if runtime.state == ModelState.LOADED:
+            if runtime.active == config:
+                return runtime
+            raise Conflict(f"model {name!r} is loaded with other settings; unload it first",
+                           code="model_already_loaded")
+        kind = runtime.kind
+        if kind is None:
+            raise self._cannot_start(runtime, Conflict(
+                f"model {name!r}: backend {config.backend!r} cannot be run by this version of llm-pool",
+                code="backend_not_supported"))
+        problems = kind.check(config)
+        if problems:
+            raise self._cannot_start(runtime, Conflict(f"model {name!r} cannot be loaded: " + "; ".join(problems),
+                                                       code="model_not_loadable"))
+        if config.replicas < 1:
+            raise Conflict(f"model {name!r}: replicas must be at least 1 to load", code="model_not_loadable")
+        if evict is None:
+            evict = self.placer.admit(runtime, config, may_evict=reason != "startup")
+        else:
+            self.placer.reserve(name, config)
+        if evict:
+            await self.placer.make_room(self, evict)
+        runtime.move(ModelState.LOADING)
+        started = time.monotonic()
+        runtime.active = config
+        runtime.last_error = None
+        runtime.admission.reopen()
+        try:
+            await kind.start(runtime, config)
+            await self.monitor.await_replicas(runtime)
+        except asyncio.CancelledError:
+            raise  # the proxy is stopping: what runs is left for the next one to adopt or stop
+        except Exception as exc:
+            runtime.last_error = str(exc)
+            with contextlib.suppress(Exception):
+                await self._teardown(runtime, drain=False, keep_waiters=True)
+            runtime.move(ModelState.FAILED)
+            if isinstance(exc, SupervisorError):
+                raise Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=5) from exc
+            raise
+        errors = "; ".join(f"replica {r.index}: {r.last_error}" for r in runtime.replicas
+                           if r.state != ReplicaState.READY)
+        runtime.last_error = errors or None
+        if not runtime.ready():
+            await self._teardown(runtime, drain=False, keep_waiters=True)
+            runtime.move(ModelState.FAILED)
+            raise BackendError(f"model {name!r} failed to load: {errors}", code="model_load_failed")
+        runtime.move(ModelState.LOADED)
+        runtime.load_s = time.monotonic() - started
+        runtime.loads[reason] = runtime.loads.get(reason, 0) + 1
+        log.info("model %s loaded (%s): %d of %d replicas ready", name, reason, len(runtime.ready()),
+                 len(runtime.replicas))
+        self._spawn(self.placer.measure(runtime))
+        return runtime
 
     @staticmethod
     def _cannot_start(runtime: ModelRuntime, error: Conflict) -> Conflict:
@@ -185,18 +243,35 @@ class Pool:
 
         It always ends: UNLOADED with the processes stopped, or FAILED with the reason (supervisord
         gone, a process that would not stop), from which another unload starts over."""
-        runtime = self.get(name)
+        self.get(name)
         self._stop_retry(name)   # an admin's unload: the model stays unloaded
+        return await self._unload(name, drain, reason="admin")
+
+    async def unload_by_pool(self, name: str, reason: str) -> ModelRuntime:
+        """An unload placement decided (`reason`: idle, evicted): drained, its waiters kept queued."""
+        return await self._unload(name, drain=True, reason=reason)
+
+    async def _unload(self, name: str, drain: bool, reason: str) -> ModelRuntime:
+        runtime = self.get(name)
         if runtime.state in (ModelState.UNLOADED, ModelState.UNLOADING):
             raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
         async with runtime.lock:
             # It may have changed while this waited for the lock (a load that failed, a racing unload).
             if runtime.state == ModelState.UNLOADED:  # type: ignore[comparison-overlap]
                 raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
+            if reason in ("idle", "evicted") and (runtime.state != ModelState.LOADED or runtime.config.pinned):
+                raise Conflict(f"model {name!r} is {runtime.state.value}: not unloaded ({reason})",
+                               code="model_not_loaded")
+            if reason == "idle" and (runtime.admission.active or runtime.admission.waiting):
+                return runtime   # a request came since placement found it idle: it stays
             runtime.move(ModelState.UNLOADING)
+            runtime.unload_reason = reason
             started = time.monotonic()
+            if reason != "shutdown":
+                await self.placer.measure(runtime)   # after serving: its footprint as it grew with use
+            keep_waiters = reason in ("idle", "evicted")
             try:
-                await self._teardown(runtime, drain=drain)
+                await self._teardown(runtime, drain=drain, keep_waiters=keep_waiters)
             except BaseException as exc:
                 # Never leave UNLOADING behind: it refuses requests and a second unload alike.
                 reason = "interrupted (the proxy is stopping)" if isinstance(exc, asyncio.CancelledError) else str(exc)
@@ -208,19 +283,26 @@ class Pool:
                 raise
             runtime.move(ModelState.UNLOADED)
             runtime.unload_s = time.monotonic() - started
+            runtime.unloads[reason] = runtime.unloads.get(reason, 0) + 1
+            runtime.unload_reason = None
             runtime.active = None
             runtime.last_error = None
-            log.info("model %s unloaded", name)
+            log.info("model %s unloaded (%s)", name, reason)
             return runtime
 
     async def scale(self, name: str, replicas: int) -> ModelRuntime:
         """Start or stop replicas of a loaded model, leaving the others running (proxy/lifecycle/scaling.py)."""
         return await scale(self.get(name), replicas, self.monitor, self.settings.service.drain_timeout_s)
 
-    async def _teardown(self, runtime: ModelRuntime, drain: bool) -> None:
-        runtime.admission.close(Unavailable(f"model {runtime.name!r} is being unloaded", code="model_unloading"))
+    async def _teardown(self, runtime: ModelRuntime, drain: bool, keep_waiters: bool = False) -> None:
+        if keep_waiters:
+            runtime.admission.hold()   # they wait for its next load
+        else:
+            runtime.admission.close(Unavailable(f"model {runtime.name!r} is being unloaded", code="model_unloading"))
         if drain:
-            deadline = time.monotonic() + self.settings.service.drain_timeout_s
+            # The pool's own unloads (idle, evicted) never cut a request short: what runs ends by
+            # itself, bounded by its timeouts. An admin's waits service.drain_timeout_s at most.
+            deadline = time.monotonic() + (math.inf if keep_waiters else self.settings.service.drain_timeout_s)
             while runtime.admission.active > 0 and time.monotonic() < deadline:
                 await runtime.wait_changed(0.05)
         for replica in runtime.replicas:
@@ -282,6 +364,10 @@ class Pool:
                 del self._retries[name]
                 runtime.load_retry = None
 
+    def spawn(self, coro: Any) -> "asyncio.Task[Any]":
+        """Run `coro` in the background until it ends or the pool closes."""
+        return self._spawn(coro)
+
     def _spawn(self, coro: Any) -> "asyncio.Task[Any]":
         task = asyncio.create_task(coro)
         self._background.add(task)
@@ -295,3 +381,8 @@ class Pool:
         # Retrieved even when no one awaits it any more, so its failure is not reported as lost.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)
+
+
+def _no_nvml_yet() -> Any:
+    # Pool.start reads the GPUs (in a thread); until then no budget is known.
+    raise RuntimeError("not read yet")

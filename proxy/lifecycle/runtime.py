@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from proxy.admission import Admission
 from proxy.capabilities import Capabilities, Traits, capabilities
 from proxy.config import ModelConfig, changed
+from proxy.errors import PoolError
 from proxy.fairness import FairnessPolicy
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState, model_transition
 
@@ -31,6 +32,23 @@ class LoadRetry:
 
 
 @dataclass(eq=False)
+class Backoff:
+    """A failed on-demand load: requests are refused with its error until `until` (wall clock),
+    then the next request tries again; each failure doubles the wait (no load storm)."""
+
+    attempts: int
+    until: float
+    error: PoolError
+
+    def left_s(self, now: float) -> float:
+        return max(0.0, self.until - now)
+
+    def describe(self, now: float) -> dict[str, object]:
+        return {"attempts": self.attempts, "until": round(self.until, 3),
+                "next_attempt_in_s": round(self.left_s(now), 1), "reason": self.error.message}
+
+
+@dataclass(eq=False)
 class ModelRuntime:
     config: ModelConfig                     # as configured
     policy: FairnessPolicy = field(default_factory=FairnessPolicy)
@@ -44,6 +62,10 @@ class ModelRuntime:
     load_s: float | None = None             # how long its last load and unload took (for /metrics)
     unload_s: float | None = None
     load_retry: LoadRetry | None = None     # its failed startup load, while it is tried again
+    backoff: Backoff | None = None          # its failed on-demand load, until it may be tried again
+    unload_reason: str | None = None        # why it is unloading: admin, idle, evicted, shutdown
+    loads: dict[str, int] = field(default_factory=dict)     # finished loads by reason
+    unloads: dict[str, int] = field(default_factory=dict)   # finished unloads by reason
     _turn: int = 0
     # Serialises admin operations on this model; request routing never takes it.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -61,6 +83,11 @@ class ModelRuntime:
     def model(self) -> ModelConfig:
         """The settings requests are served with: as loaded, else as configured."""
         return self.active or self.config
+
+    @property
+    def last_used(self) -> float:
+        """Wall-clock time of its last request's arrival or end, or of an admin load."""
+        return self.admission.last_used
 
     def capabilities(self) -> Capabilities:
         return capabilities(self.model, self.traits)

@@ -81,22 +81,30 @@ def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
 
 
 def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) -> ModelRuntime:
-    """The model's runtime if this request may be sent to it now; otherwise the right error."""
+    """The model's runtime if this request may be sent to it, or queue for it, now; otherwise the
+    right error. A model that loads on demand takes requests while it is not loaded: they wait in
+    its queue and placement loads it (proxy/lifecycle/placer.py)."""
     runtime = pool.get(name)
     request[MODEL] = name
     if runtime.kind is not None:
         runtime.kind.gate(runtime.model, request.headers, body)  # e.g. allow_remote
-    if runtime.state == ModelState.LOADING:
+    state = runtime.state
+    if state == ModelState.LOADED:
+        if not runtime.ready():
+            raise Unavailable(f"model {name!r} has no healthy replica right now", code="model_unavailable",
+                              retry_after=2)
+        return runtime
+    # An admin's unload is meant: its model is not brought back while it unloads.
+    if runtime.config.load_on_demand and runtime.kind is not None and not (
+            state == ModelState.UNLOADING and runtime.unload_reason == "admin"):
+        pool.placer.demand(runtime)
+        return runtime
+    if state == ModelState.LOADING:
         raise Unavailable(f"model {name!r} is loading", code="model_loading", retry_after=5)
-    if runtime.state == ModelState.UNLOADING:
+    if state == ModelState.UNLOADING:
         raise Unavailable(f"model {name!r} is being unloaded", code="model_unloading", retry_after=5)
-    if runtime.state != ModelState.LOADED:
-        raise Conflict(f"model {name!r} is configured but not loaded; load it with "
-                       f"POST /v1/admin/models/{name}/load", code="model_not_loaded", param="model")
-    if not runtime.ready():
-        raise Unavailable(f"model {name!r} has no healthy replica right now", code="model_unavailable",
-                          retry_after=2)
-    return runtime
+    raise Conflict(f"model {name!r} is configured but not loaded; load it with "
+                   f"POST /v1/admin/models/{name}/load", code="model_not_loaded", param="model")
 
 
 def check_required(path: str, body: dict[str, Any]) -> None:

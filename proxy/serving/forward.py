@@ -14,7 +14,7 @@ from aiohttp import web
 
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable, sse_error_event
 from proxy.lifecycle.monitor import Monitor, process_gone
-from proxy.lifecycle.replicas import Replica
+from proxy.lifecycle.replicas import ModelState, Replica
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, SETTINGS, STARTED, STREAM_ERROR
 from proxy.serving.metrics import usage_in
@@ -200,10 +200,11 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
     `key` is the request's fairness key; the proxy-only fields are dropped by the replica's reach."""
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
     monitor = request.app[POOL].monitor
+    cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
     queued = runtime.admission.enqueue(key)
     enqueued = time.perf_counter()
     async with slot(runtime, queued):
-        request.app[METRICS].queue_wait.labels(runtime.name).observe(time.perf_counter() - enqueued)
+        request.app[METRICS].observe_wait(runtime.name, time.perf_counter() - enqueued, cold)
         timeouts = Timeouts.of(request.app[SETTINGS].service, runtime.model)
         async with upstream(monitor, request.app[HTTP], runtime, request.path, body, request_id,
                             timeouts) as (replica, resp):

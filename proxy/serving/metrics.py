@@ -62,7 +62,16 @@ class PoolCollector(Collector):
                                    "Requests waiting, as the backend reports on its own /metrics", labels=mr)
         kv_cache = GaugeMetricFamily("llm_pool_backend_kv_cache_usage",
                                      "KV-cache use 0..1, as the backend reports on its own /metrics", labels=mr)
+        loads = CounterMetricFamily("llm_pool_model_loads", "Finished loads by reason (startup, admin, on_demand)",
+                                    labels=["model", "reason"])
+        unloads = CounterMetricFamily("llm_pool_model_unloads",
+                                      "Finished unloads by reason (admin, idle, evicted, shutdown)",
+                                      labels=["model", "reason"])
         for name, runtime in self.pool.models.items():
+            for reason, count in runtime.loads.items():
+                loads.add_metric([name, reason], count)
+            for reason, count in runtime.unloads.items():
+                unloads.add_metric([name, reason], count)
             ready.add_metric([name], len(runtime.ready()))
             capacity.add_metric([name], runtime.admission.capacity)
             active.add_metric([name], runtime.admission.active)
@@ -88,7 +97,22 @@ class PoolCollector(Collector):
                     if value is not None:
                         family.add_metric(labels, value)
         yield from (ready, capacity, active, waiting, model_state, load_s, unload_s, state, in_rotation, inflight,
-                    sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache)
+                    sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache, loads, unloads)
+        yield from self._memory()
+
+    def _memory(self) -> Iterator[Metric]:
+        d = ["device"]
+        budget = GaugeMetricFamily("llm_pool_memory_budget_bytes", "Memory budget per device (engine.lifecycle.memory)",
+                                   labels=d)
+        used = GaugeMetricFamily("llm_pool_memory_used_bytes", "Memory admitted to loaded models per device", labels=d)
+        reserved = GaugeMetricFamily("llm_pool_memory_reserved_bytes", "Memory reserved by loads in flight per device",
+                                     labels=d)
+        for row in self.pool.placer.describe()["devices"]:
+            if row["budget_bytes"] is not None:
+                budget.add_metric([row["device"]], row["budget_bytes"])
+            used.add_metric([row["device"]], row["used_bytes"])
+            reserved.add_metric([row["device"]], row["reserved_bytes"])
+        yield from (budget, used, reserved)
 
 
 class ProxyMetrics:
@@ -107,6 +131,9 @@ class ProxyMetrics:
                               ["model", "endpoint"], registry=r, buckets=LATENCY_BUCKETS)
         self.queue_wait = Histogram("llm_pool_queue_wait_seconds", "Time waiting for a slot (fairness queue)",
                                     ["model"], registry=r, buckets=QUEUE_BUCKETS)
+        self.load_wait = Histogram("llm_pool_model_load_wait_seconds",
+                                   "Time a request waited for its model to load (it arrived while not loaded)",
+                                   ["model"], registry=r, buckets=LATENCY_BUCKETS)
         self.prompt_tokens = Counter("llm_pool_prompt_tokens", "Prompt tokens, as the backend's usage reports",
                                      ["model", "key"], registry=r)
         self.cached_tokens = Counter("llm_pool_cached_prompt_tokens",
@@ -119,6 +146,12 @@ class ProxyMetrics:
     def watch(self, pool: Pool) -> None:
         self.named_keys = frozenset(str(k) for k in (pool.settings.fairness.get("weights") or {}))
         self.registry.register(PoolCollector(pool))
+
+    def observe_wait(self, model: str, waited_s: float, cold: bool) -> None:
+        """A request's wait for its slot; `cold`: it arrived while its model was not loaded."""
+        self.queue_wait.labels(model).observe(waited_s)
+        if cold:
+            self.load_wait.labels(model).observe(waited_s)
 
     def key_label(self, key: str | None) -> str:
         return key if key is not None and key in self.named_keys else OTHER_KEY

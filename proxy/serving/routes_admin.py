@@ -40,10 +40,9 @@ async def admin_models(request: web.Request) -> web.Response:
     _authorize(request)
     pool = request.app[POOL]
     properties = model_schema()
-    return web.json_response({"object": "list", "data": [admin_row(rt.describe(), rt.config, properties, pool.environ,
-                                                                   loadable=rt.kind is not None,
-                                                                   model_field=rt.traits.model_field)
-                                                         for rt in pool.models.values()],
+    rows = [admin_row(pool.describe(rt), rt.config, properties, pool.environ, loadable=rt.kind is not None,
+                      model_field=rt.traits.model_field) for rt in pool.models.values()]
+    return web.json_response({"object": "list", "data": rows,
                               "supervisord": pool.monitor.supervisord_status()})
 
 
@@ -82,7 +81,7 @@ async def admin_load(request: web.Request) -> web.Response:
     pool.get(name)
     overrides = await _load_request(request, name)
     runtime = await pool.detached(pool.load(name, overrides))
-    return web.json_response(runtime.describe())
+    return web.json_response(request.app[POOL].describe(runtime))
 
 
 @routes.post("/v1/admin/models/{name}/unload")
@@ -90,7 +89,7 @@ async def admin_unload(request: web.Request) -> web.Response:
     _authorize(request)
     pool = request.app[POOL]
     runtime = await pool.detached(pool.unload(request.match_info["name"]))
-    return web.json_response(runtime.describe())
+    return web.json_response(request.app[POOL].describe(runtime))
 
 
 @routes.post("/v1/admin/models/{name}/scale")
@@ -103,7 +102,7 @@ async def admin_scale(request: web.Request) -> web.Response:
     if set(body) != {"replicas"}:
         raise BadRequest("a scale request is {\"replicas\": N}", code="invalid_scale_request", param="replicas")
     runtime = await pool.detached(pool.scale(name, body["replicas"]))
-    return web.json_response(runtime.describe())
+    return web.json_response(request.app[POOL].describe(runtime))
 
 
 @routes.get("/v1/admin/gpu-memory")
@@ -112,6 +111,14 @@ async def admin_gpu_memory(request: web.Request) -> web.Response:
     # NVML, /proc and model file headers are blocking reads: off the event loop.
     report = await asyncio.to_thread(gpu_report, _snapshot(request.app[POOL]), request.app[VRAM])
     return web.json_response(report)
+
+
+@routes.get("/v1/admin/memory")
+async def admin_memory(request: web.Request) -> web.Response:
+    """What placement works with: each device's budget, what loaded models hold and loads in flight
+    reserve, the count cap, and the loads in flight and waiting for room, in order."""
+    _authorize(request)
+    return web.json_response(request.app[POOL].placer.describe())
 
 
 MAX_LOG_BYTES = 1024 * 1024

@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import BackendError, PoolError, sse_error_event
+from proxy.lifecycle.replicas import ModelState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.serving import response_metrics
 from proxy.serving.body import fairness_key, read_json, servable
@@ -92,16 +93,17 @@ async def responses(request: web.Request) -> web.StreamResponse:
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
     headers = {"X-Request-Id": request_id, **({IGNORED_HEADER: ", ".join(req.ignored)} if req.ignored else {})}
     response_id = f"resp_{uuid.uuid4().hex}"
+    cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
     queued = runtime.admission.enqueue(fairness_key(request, body))  # a full queue is a plain 429
     timer.mark("enqueued")
-    relay = _relay(request, runtime, queued, payload, request_id, timer)
+    relay = _relay(request, runtime, queued, payload, request_id, timer, cold)
     if req.stream:
         return await _as_events(request, relay, timer, queued, runtime, response_id, req.model, headers)
     return await _as_json(request, relay, timer, runtime, response_id, req.model, headers)
 
 
 async def _relay(request: web.Request, runtime: ModelRuntime, queued: Any, payload: dict[str, Any],
-                 request_id: str, timer: response_metrics.Timer) -> AsyncGenerator[_Piece, None]:
+                 request_id: str, timer: response_metrics.Timer, cold: bool) -> AsyncGenerator[_Piece, None]:
     """The one path of a /v1/responses request through the pool: wait for a slot, send to a
     replica, and yield the answer's text as it comes (a JSON answer as one piece, a stream chunk
     by chunk). A backend failure is raised; the caller's output decides how the client hears it."""
@@ -110,6 +112,8 @@ async def _relay(request: web.Request, runtime: ModelRuntime, queued: Any, paylo
     async with slot(runtime, queued):
         timer.mark("admitted")
         timer.mark("sent")
+        if cold and timer.enqueued is not None and timer.admitted is not None:
+            request.app[METRICS].load_wait.labels(runtime.name).observe(timer.admitted - timer.enqueued)
         timeouts = Timeouts.of(settings.service, runtime.model)
         async with upstream(monitor, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
                             timeouts) as (replica, resp):

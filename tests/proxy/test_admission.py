@@ -164,3 +164,61 @@ async def test_a_waiter_past_max_wait_gets_queue_timeout_and_leaves_the_queue() 
     adm.release(held)
     await nxt
     assert adm.active == 1
+
+
+async def test_hold_keeps_the_waiters_and_reopen_serves_them() -> None:
+    adm = Admission()
+    adm.set_capacity(1)
+    running = await adm.acquire("a")
+    waiter = asyncio.ensure_future(adm.acquire("b"))
+    await asyncio.sleep(0)
+    adm.hold()                      # the pool unloads the model to make room: b waits for its next load
+    adm.release(running)
+    await asyncio.sleep(0)
+    assert not waiter.done() and adm.waiting == 1 and adm.active == 0
+    adm.set_capacity(1)             # capacity from replicas is remembered, not applied while held
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    adm.reopen()
+    await asyncio.wait_for(waiter, 1)
+    assert adm.active == 1
+
+
+async def test_a_closed_queue_refuses_until_reopened() -> None:
+    adm = Admission()
+    adm.close(Unavailable("gone", code="model_unloading"))
+    with pytest.raises(Unavailable):
+        adm.enqueue("a")
+    adm.reopen()
+    adm.set_capacity(1)
+    await adm.acquire("a")
+
+
+async def test_a_wait_that_runs_out_while_the_model_cannot_load_says_why() -> None:
+    adm = Admission(max_wait_s=0.01)
+    adm.stall = Unavailable("no room", code="insufficient_memory", retry_after=5)
+    with pytest.raises(Unavailable) as caught:
+        await adm.acquire("a")
+    assert caught.value.code == "insufficient_memory"
+    adm.stall = None
+    with pytest.raises(Unavailable) as caught:
+        await adm.acquire("a")
+    assert caught.value.code == "queue_timeout"
+
+
+async def test_hooks_tell_the_pool_a_request_waits_and_the_queue_is_idle() -> None:
+    adm = Admission()
+    events: list[str] = []
+    adm.on_queued = lambda: events.append("queued")
+    adm.on_idle = lambda: events.append("idle")
+    adm.set_capacity(1)
+    first = await adm.acquire("a")       # started at once: nothing to tell
+    assert events == [] and adm.last_used > 0
+    waiter = asyncio.ensure_future(adm.acquire("a"))
+    await asyncio.sleep(0)
+    assert events == ["queued"] and adm.oldest_wait_s() >= 0
+    adm.release(first)
+    second = await waiter
+    assert events == ["queued"]          # the waiter took the slot: not idle
+    adm.release(second)
+    assert events == ["queued", "idle"] and adm.oldest_wait_s() == 0

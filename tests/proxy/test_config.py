@@ -214,3 +214,32 @@ def test_a_load_override_of_a_nested_field_keeps_the_models_other_settings() -> 
     # Before: the whole `sim` object was replaced, dropping decode_tokens_per_s and max_seqs.
     assert loaded.options["sim"] == {"ttft_ms": 5, "decode_tokens_per_s": 50.0, "max_seqs": 4}
     assert loaded.replicas == 2 and config.options["sim"] == sim
+
+
+def test_lifecycle_keys_default_per_model_to_engine_lifecycle_and_keep_todays_behaviour(tmp_path: Path) -> None:
+    sim = {"backend": "sim"}
+    plain = load_settings(write(tmp_path / "plain.yaml", {"engine": {"models": {"a": sim}}}))
+    a = plain.models["a"]
+    assert (a.load_on_demand, a.idle_unload_s, a.pinned) == (False, None, False)
+    assert plain.lifecycle.max_loaded_models is None and plain.lifecycle.cpu_budget_mib is None
+    assert plain.lifecycle.gpu_headroom_mib is None
+    doc = {"engine": {"lifecycle": {"load_on_demand": True, "idle_unload_s": 600, "max_loaded_models": 3,
+                                    "memory": {"cpu_budget_mib": 2048, "gpu_headroom_mib": 512}},
+                      "models": {"a": sim, "b": {**sim, "idle_unload_s": None, "pinned": True},
+                                 "c": {**sim, "load_on_demand": False, "idle_unload_s": 5}}}}
+    settings = load_settings(write(tmp_path / "pool.yaml", doc))
+    got = {n: (m.load_on_demand, m.idle_unload_s, m.pinned) for n, m in settings.models.items()}
+    assert got == {"a": (True, 600.0, False), "b": (True, None, True), "c": (False, 5.0, False)}
+    assert (settings.lifecycle.max_loaded_models, settings.lifecycle.cpu_budget_mib,
+            settings.lifecycle.gpu_headroom_mib) == (3, 2048, 512)
+
+
+@pytest.mark.parametrize("lifecycle, expected", [
+    ({"max_loaded_models": 0}, "engine.lifecycle.max_loaded_models: 0 is less than the minimum of 1"),
+    ({"memory": {"cpu_budget_mib": -1}}, "engine.lifecycle.memory.cpu_budget_mib: -1 is less than or equal"),
+    ({"idle_unload_s": "soon"}, "engine.lifecycle.idle_unload_s: 'soon' is not of type 'number', 'null'"),
+    ({"pinned": "yes"}, "engine.lifecycle.pinned: 'yes' is not of type 'boolean'"),
+])
+def test_lifecycle_errors_name_the_path_and_rule(tmp_path: Path, lifecycle: dict, expected: str) -> None:
+    path = write(tmp_path / "pool.yaml", {"engine": {"lifecycle": lifecycle, "models": {"a": {"backend": "sim"}}}})
+    assert any(p.startswith(expected) for p in problems_of(path)), problems_of(path)

@@ -1,0 +1,141 @@
+"""What each model needs on which device, and each device's budget: the numbers placement decides by.
+
+A model counts against a GPU when its settings put it there (its launcher's `device`: `gpus`,
+`llama_server_n_gpu_layers` not 0, vLLM, ExLlamaV3, CT2 `device: cuda`) and a GPU is visible;
+otherwise against the CPU budget, since that is where it then runs. A remote endpoint holds no
+local memory. Its need is the measured footprint where one exists for its settings
+(footprints.py), else the estimate from its files (proxy/gpu/vram_estimate.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from launchers import launcher_for
+from proxy.config import LifecycleSettings, ModelConfig, Settings
+from proxy.gpu.footprint import GpuTotals, gpu_device, gpu_totals
+from proxy.gpu.report import load_nvml
+from proxy.gpu.vram_estimate import MIB, Estimator
+from proxy.lifecycle.footprints import Footprints
+from proxy.lifecycle.placement import Limits, ModelView, room_for
+
+CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class Placement:
+    devices: tuple[str, ...]      # () for a remote endpoint
+    why: str
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a model's replicas need, all together, per device; and where the figure comes from."""
+
+    per_device: dict[str, int]
+    per_replica: dict[str, int]
+    source: str                   # "measured", "estimated" or "none"
+    detail: dict[str, Any]
+
+
+class Memory:
+    def __init__(self, lifecycle: LifecycleSettings, footprints: Footprints, estimator: Estimator,
+                 gpus: GpuTotals) -> None:
+        self.lifecycle = lifecycle
+        self.footprints = footprints
+        self.estimator = estimator
+        self.gpus = gpus
+
+    def placement(self, config: ModelConfig) -> Placement:
+        launcher = launcher_for(config.backend)
+        if launcher is None:
+            return Placement((), "a remote endpoint holds no local memory")
+        kind, why = launcher.device(config)
+        if kind == CPU:
+            return Placement((CPU,), why)
+        if not self.gpus.totals:
+            return Placement((CPU,), f"{why}, but no GPU is visible here ({self.gpus.reason}): it runs on the CPU")
+        indices = config.gpus or (0,)
+        devices = tuple(gpu_device(i) for i in indices)
+        return Placement(devices, f"{why}; gpus: {list(config.gpus)}" if config.gpus else f"{why}; GPU 0")
+
+    def budgets(self) -> dict[str, int]:
+        """Bytes per limited device; a device left out does not limit loads."""
+        budgets = {}
+        if self.lifecycle.cpu_budget_mib is not None:
+            budgets[CPU] = int(self.lifecycle.cpu_budget_mib * MIB)
+        if self.lifecycle.gpu_headroom_mib is not None:
+            headroom = int(self.lifecycle.gpu_headroom_mib * MIB)
+            budgets.update({d: max(0, total - headroom) for d, total in self.gpus.totals.items()})
+        return budgets
+
+    def need(self, config: ModelConfig) -> Need:
+        devices = self.placement(config).devices
+        if not devices:
+            return Need({}, {}, "none", {})
+        measured = self.footprints.measured(config, devices)
+        if measured is not None:
+            per_replica = dict(measured.per_replica)
+            detail: dict[str, Any] = {"samples": measured.samples, "percentile": self.footprints.percentile,
+                                      "margin": self.footprints.margin}
+            source = "measured"
+        else:
+            estimate = self.estimator.estimate(config)
+            # A model given several GPUs is assumed to spread evenly over them.
+            per_replica = {d: estimate.total_bytes // len(devices) for d in devices}
+            detail = {"counted": estimate.counted, "not_counted": estimate.not_counted}
+            source = "estimated"
+        return Need({d: b * config.replicas for d, b in per_replica.items()}, per_replica, source, detail)
+
+    def describe(self, config: ModelConfig) -> dict[str, Any]:
+        """The model's footprint as the admin view shows it: both figures, with their sources."""
+        placement = self.placement(config)
+        need = self.need(config)
+        estimate = self.estimator.estimate(config) if placement.devices else None
+        measured = self.footprints.measured(config, placement.devices) if placement.devices else None
+        return {
+            "devices": list(placement.devices),
+            "why": placement.why,
+            "admitted_by": need.source,
+            "needed_mib": {d: _mib(b) for d, b in need.per_device.items()},
+            "measured_mib_per_replica": None if measured is None else {d: _mib(b) for d, b in measured.raw.items()},
+            "measured_samples": 0 if measured is None else measured.samples,
+            "estimated_mib_per_replica": None if estimate is None else _mib(estimate.total_bytes),
+        }
+
+
+def _mib(n: int) -> float:
+    return round(n / MIB, 1)
+
+
+def memory_warnings(settings: Settings, nvml_loader: Callable[[], Any] = load_nvml) -> list[str]:
+    """What `check-config` says of the memory limits: a model that could never fit (beside the
+    pinned models loaded at start), and enabled models that do not all fit at start. Blocking."""
+    life = settings.lifecycle
+    if life.cpu_budget_mib is None and life.gpu_headroom_mib is None and life.max_loaded_models is None:
+        return []
+    footprints = Footprints(settings.service.state_dir / "footprints.json", life.footprint_percentile,
+                            life.footprint_margin)
+    memory = Memory(life, footprints, Estimator(), gpu_totals(nvml_loader))
+    limits = Limits(budgets=memory.budgets(), max_loaded=life.max_loaded_models)
+    needs = {name: memory.need(m).per_device for name, m in settings.models.items()}
+    counted = {name: bool(memory.placement(m).devices) for name, m in settings.models.items()}
+    pinned = [ModelView(n, "loaded", needs[n], pinned=True, counted=counted[n])
+              for n, m in settings.models.items() if m.pinned and m.enabled]
+    found = []
+    for name, model in settings.models.items():
+        if model.enabled and model.pinned:
+            others = [p for p in pinned if p.name != name]
+        else:
+            others = pinned
+        target = ModelView(name, "cold", needs[name], counted=counted[name])
+        room = room_for(name, [*others, target], limits, now=0.0)
+        if room.too_large is not None:
+            found.append(f"engine.models.{name}: model_too_large: it can never be loaded here: "
+                         f"{room.too_large.describe()} (beside the pinned models enabled at start)")
+    for device, budget in limits.budgets.items():
+        total = sum(needs[n].get(device, 0) for n, m in settings.models.items() if m.enabled)
+        if total > budget:
+            found.append(f"engine.lifecycle.memory: the enabled models need {total / MIB:.1f} MiB on {device}, more "
+                         f"than its budget of {budget / MIB:.1f} MiB: not all of them load at start")
+    return [settings.where(w) for w in found]

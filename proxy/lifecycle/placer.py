@@ -1,0 +1,343 @@
+"""The pool's hand for placement: it turns the models' state into placement's picture, and carries
+out what placement decides (proxy/lifecycle/placement.py, where the rules are).
+
+- Load on demand: a request for a cold model with `load_on_demand` waits in the model's own
+  fairness queue (admission.py), and placement plans one load for all of its waiters, with what it
+  must evict first. A failed load fails every waiter with its error and backs the model off
+  (doubling, as startup retries do): until then requests get that error at once, after it the next
+  request tries again.
+- Admin and startup loads pass the same admission at once: they make room by evicting idle models,
+  or are refused (409 `model_too_large`, 503 `insufficient_memory`); they never wait.
+- Idle unloads and evictions drain the model (what runs finishes) and keep its waiters queued.
+- After each load the replicas' footprints are measured and recorded (footprints.py).
+- Usage times (each model's last use) are kept in the state directory, so that a restarted proxy
+  that adopts a model does not count its idle time from zero.
+
+Placement is planned again whenever something it depends on changes: a request waits for a model
+that is not loaded, a queue goes idle while a load waits for room, a load or unload ends, and at the
+next deadline placement names (an idle timeout, a swap bound).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from proxy.config import ModelConfig, Settings
+from proxy.errors import BackendError, Conflict, PoolError, Unavailable
+from proxy.gpu.footprint import tree_gpu_bytes, tree_pss_bytes
+from proxy.gpu.report import load_nvml
+from proxy.lifecycle.load_retry import retry_delay
+from proxy.lifecycle.memory import CPU, Memory
+from proxy.lifecycle.placement import Limits, ModelView, Shortfall, Status, plan, room_for
+from proxy.lifecycle.replicas import ModelState, ReplicaState
+from proxy.lifecycle.runtime import Backoff, ModelRuntime
+
+if TYPE_CHECKING:
+    from proxy.lifecycle.pool import Pool
+
+log = logging.getLogger(__name__)
+
+# Usage times are written at most this often while requests flow (and always when the proxy stops).
+USAGE_SAVE_S = 5.0
+_STATUS: dict[ModelState, Status] = {ModelState.UNLOADED: "cold", ModelState.LOADING: "loading",
+                                     ModelState.LOADED: "loaded", ModelState.UNLOADING: "unloading"}
+
+
+class Placer:
+    def __init__(self, settings: Settings, models: Mapping[str, ModelRuntime], memory: Memory,
+                 nvml_loader: Callable[[], Any] = load_nvml) -> None:
+        self.settings = settings
+        self.models = models
+        self.memory = memory
+        self.nvml_loader = nvml_loader
+        self.usage_path = settings.service.state_dir / "usage.json"
+        self._loading: dict[str, ModelConfig] = {}     # loads admitted and not finished, with their settings
+        self._evicting: set[str] = set()                # models being unloaded by the pool
+        self.waiting: dict[str, Shortfall] = {}         # cold models whose load waits for room
+        self.pending: list[str] = []                    # on-demand loads in flight, in the order planned
+        self._wake: asyncio.Event | None = None
+        self._saved_usage: dict[str, float] = {}
+        self._saved_at = 0.0
+
+    # -- the picture ------------------------------------------------------------------------------
+
+    def limits(self) -> Limits:
+        return Limits(budgets=self.memory.budgets(), max_loaded=self.settings.lifecycle.max_loaded_models,
+                      swap_max_wait_s=self.settings.lifecycle.swap_max_wait_s)
+
+    def views(self, target: tuple[str, ModelConfig] | None = None) -> list[ModelView]:
+        now = time.time()
+        out = []
+        for name, rt in self.models.items():
+            status: Status = _STATUS.get(rt.state, "cold")
+            if rt.state == ModelState.FAILED and rt.replicas:
+                status = "unloading"        # an unload that did not finish: its processes may hold memory
+            if name in self._loading:
+                status = "loading"
+            elif name in self._evicting and status == "loaded":
+                status = "unloading"
+            config = self._loading.get(name) or (target[1] if target and target[0] == name else rt.model)
+            waiting = rt.admission.waiting
+            backing_off = rt.backoff is not None and rt.backoff.until > now
+            out.append(ModelView(
+                name=name, status=status, needs=self.memory.need(config).per_device, pinned=rt.config.pinned,
+                running=rt.admission.active, waiting=waiting,
+                waited_s=rt.admission.oldest_wait_s() if waiting else 0.0,
+                last_used=rt.last_used, reload_s=rt.load_s, idle_unload_s=rt.config.idle_unload_s,
+                wants_load=status == "cold" and waiting > 0 and rt.config.load_on_demand and not backing_off
+                and rt.kind is not None,
+                counted=bool(self.memory.placement(config).devices)))
+        return out
+
+    # -- admission of a load ----------------------------------------------------------------------
+
+    def admit(self, runtime: ModelRuntime, config: ModelConfig, may_evict: bool = True) -> tuple[str, ...]:
+        """An admin or startup load: the models to evict first, or the refusal. Reserves its room.
+        A load at startup evicts nothing (`may_evict`): the enabled models would evict each other."""
+        room = room_for(runtime.name, self.views((runtime.name, config)), self.limits(), time.time(),
+                        may_evict=may_evict)
+        if room.too_large is not None:
+            raise too_large(runtime.name, room.too_large)
+        if room.blocked is not None:
+            raise insufficient(runtime.name, room.blocked)
+        self.reserve(runtime.name, config)
+        return room.evict
+
+    def reserve(self, name: str, config: ModelConfig) -> None:
+        self._loading[name] = config
+
+    def settled(self, name: str) -> None:
+        """A load admitted here ended (loaded or failed): its room is what its state says now."""
+        self._loading.pop(name, None)
+        self.wake()
+
+    def demand(self, runtime: ModelRuntime) -> None:
+        """A request for a model that is not loaded and loads on demand: raise what refuses it now
+        (its back-off, a model that can never fit), else let it queue."""
+        backoff = runtime.backoff
+        now = time.time()
+        if backoff is not None and backoff.until > now:
+            error = backoff.error
+            raise type(error)(f"{error.message}; the next load is tried in {backoff.left_s(now):.0f}s",
+                              code=error.code, retry_after=max(1.0, backoff.left_s(now)))
+        room = room_for(runtime.name, self.views(), self.limits(), now, may_evict_busy=True)
+        if room.too_large is not None:
+            raise too_large(runtime.name, room.too_large)
+        runtime.admission.reopen()
+
+    # -- the plan, carried out ------------------------------------------------------------------
+
+    def start(self, pool: "Pool") -> "asyncio.Task[None]":
+        self._wake = asyncio.Event()
+        self._restore_usage()
+        for runtime in self.models.values():
+            runtime.admission.on_queued = self._queued_hook(runtime)
+            runtime.admission.on_idle = self._idle_hook(runtime)
+        return asyncio.create_task(self._loop(pool))
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _queued_hook(self, runtime: ModelRuntime) -> Callable[[], None]:
+        def queued() -> None:
+            if runtime.state != ModelState.LOADED:
+                self.wake()
+        return queued
+
+    def _idle_hook(self, runtime: ModelRuntime) -> Callable[[], None]:
+        # Only what placement waits for: room held by a busy model, or an idle deadline to start.
+        def idle() -> None:
+            if self.waiting or runtime.config.idle_unload_s is not None:
+                self.wake()
+        return idle
+
+    async def _loop(self, pool: "Pool") -> None:
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            try:
+                wake_in = self._plan_once(pool)
+            except Exception:   # a bug here must not stop loads on demand for good
+                log.exception("placement failed; planning again in 1s")
+                wake_in = 1.0
+            self.save_usage(force=False)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wake_in if wake_in is None else max(0.0, wake_in) + 0.01):
+                    await self._wake.wait()
+
+    def _plan_once(self, pool: "Pool") -> float | None:
+        decided = plan(self.views(), self.limits(), time.time())
+        for name in decided.idle_unloads:
+            self._evicting.add(name)
+            log.info("model %s: idle for %gs (idle_unload_s), unloading it", name,
+                     self.models[name].config.idle_unload_s)
+            pool.spawn(self._unload(pool, name, "idle"))
+        for name, evict in decided.loads:
+            self.reserve(name, self.models[name].config)
+            self._evicting.update(evict)
+            self.pending.append(name)
+            log.info("model %s: loading on demand%s", name, f", evicting {', '.join(evict)}" if evict else "")
+            pool.spawn(self._load_on_demand(pool, name, evict))
+        self.waiting = decided.waiting
+        for name, runtime in self.models.items():
+            short = decided.waiting.get(name)
+            runtime.admission.stall = insufficient(name, short) if short is not None else None
+        for name, short in decided.too_large.items():
+            self.models[name].admission.close(too_large(name, short))
+        return decided.wake_in_s
+
+    async def _load_on_demand(self, pool: "Pool", name: str, evict: tuple[str, ...]) -> None:
+        runtime = self.models[name]
+        try:
+            await pool.load_placed(name, evict)
+        except Exception as exc:
+            error = exc if isinstance(exc, PoolError) else BackendError(str(exc), code="model_load_failed")
+            if error.status >= 500:
+                reason = runtime.last_error or error.message
+                error = BackendError(f"model {name!r} failed to load: {reason}", code="model_load_failed")
+            attempts = runtime.backoff.attempts + 1 if runtime.backoff is not None else 1
+            delay = retry_delay(self.settings.service, attempts)
+            runtime.backoff = Backoff(attempts, time.time() + delay, error)
+            error.retry_after = delay
+            runtime.admission.close(error)
+            log.error("model %s: on-demand load failed (%d in a row): %s; next try after %gs", name, attempts,
+                      error.message, delay)
+        else:
+            runtime.backoff = None
+        finally:
+            if name in self.pending:
+                self.pending.remove(name)
+            self.settled(name)
+
+    async def make_room(self, pool: "Pool", evict: tuple[str, ...]) -> None:
+        """Unload `evict` (drained, their waiters kept) so that a load fits."""
+        self._evicting.update(evict)
+        results = await asyncio.gather(*(self._unload(pool, name, "evicted") for name in evict),
+                                       return_exceptions=True)
+        failed = [f"{name}: {r}" for name, r in zip(evict, results) if isinstance(r, BaseException)]
+        if failed:
+            raise Unavailable("could not make room: " + "; ".join(failed), code="insufficient_memory", retry_after=5)
+
+    async def _unload(self, pool: "Pool", name: str, reason: str) -> None:
+        try:
+            await pool.unload_by_pool(name, reason)
+        except Exception as exc:
+            log.error("model %s: %s unload failed: %s", name, reason, exc)
+            raise
+        finally:
+            self._evicting.discard(name)
+            self.wake()
+
+    # -- footprints -------------------------------------------------------------------------------
+
+    async def measure(self, runtime: ModelRuntime) -> None:
+        """Record what each READY replica of `runtime` takes on its device now."""
+        config = runtime.model
+        devices = self.memory.placement(config).devices
+        if not devices:
+            return
+        for replica in runtime.replicas:
+            if replica.state != ReplicaState.READY or not replica.pid:
+                continue
+            if devices == (CPU,):
+                pss = await asyncio.to_thread(tree_pss_bytes, replica.pid)
+                sample = {CPU: pss} if pss else None
+            else:
+                sample = await asyncio.to_thread(tree_gpu_bytes, replica.pid, self.nvml_loader)
+            if sample:
+                self.memory.footprints.record(config, sample)
+
+    # -- usage times ------------------------------------------------------------------------------
+
+    def _restore_usage(self) -> None:
+        try:
+            data = json.loads(self.usage_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return
+        for name, at in (data.get("last_used") or {}).items() if isinstance(data, dict) else ():
+            if name in self.models and isinstance(at, (int, float)):
+                self.models[name].admission.last_used = float(at)
+        self._saved_usage = {n: rt.last_used for n, rt in self.models.items()}
+
+    def save_usage(self, force: bool = True) -> None:
+        usage = {n: rt.last_used for n, rt in self.models.items() if rt.last_used}
+        if usage == self._saved_usage or (not force and time.monotonic() - self._saved_at < USAGE_SAVE_S):
+            return
+        try:
+            tmp = self.usage_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"last_used": usage}, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, self.usage_path)
+        except OSError as exc:
+            log.warning("could not write %s: %s", self.usage_path, exc)
+            return
+        self._saved_usage, self._saved_at = usage, time.monotonic()
+
+    # -- the admin view ---------------------------------------------------------------------------
+
+    def describe_model(self, runtime: ModelRuntime) -> dict[str, Any]:
+        """The lifecycle fields of a model's admin row."""
+        now = time.time()
+        used = runtime.last_used
+        busy = runtime.admission.active or runtime.admission.waiting
+        short = self.waiting.get(runtime.name)
+        return {
+            "load_on_demand": runtime.config.load_on_demand,
+            "idle_unload_s": runtime.config.idle_unload_s,
+            "pinned": runtime.config.pinned,
+            "last_used": round(used, 3) if used else None,
+            "idle_for_s": None if not used or busy else round(max(0.0, now - used), 1),
+            "footprint": self.memory.describe(runtime.model),
+            "loads": dict(runtime.loads),
+            "unloads": dict(runtime.unloads),
+            "evictions": runtime.unloads.get("evicted", 0),
+            "backoff": runtime.backoff.describe(now) if runtime.backoff is not None and runtime.backoff.until > now
+            else None,
+            "waiting_for_room": short.as_dict() if short is not None else None,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """GET /v1/admin/memory: per device its budget, what loaded models hold, what loads in flight
+        reserve; the loads in flight and those waiting for room, in order."""
+        views = self.views()
+        budgets = self.memory.budgets()
+        devices: dict[str, dict[str, Any]] = {}
+        for view in views:
+            for device, need in view.needs.items():
+                row = devices.setdefault(device, {"used_bytes": 0, "reserved_bytes": 0, "models": []})
+                if view.status in ("loaded", "unloading"):
+                    row["used_bytes"] += need
+                    row["models"].append(view.name)
+                elif view.status == "loading":
+                    row["reserved_bytes"] += need
+                    row["models"].append(view.name)
+        for device in budgets:
+            devices.setdefault(device, {"used_bytes": 0, "reserved_bytes": 0, "models": []})
+        rows = []
+        for device, row in sorted(devices.items()):
+            budget = budgets.get(device)
+            rows.append({"device": device, "budget_bytes": budget, **row,
+                         "free_bytes": None if budget is None else budget - row["used_bytes"] - row["reserved_bytes"]})
+        waiting = sorted(self.waiting, key=lambda n: -self.models[n].admission.oldest_wait_s())
+        return {"devices": rows, "gpus_visible": bool(self.memory.gpus.totals), "gpu_reason": self.memory.gpus.reason,
+                "max_loaded_models": self.settings.lifecycle.max_loaded_models,
+                "loaded_models": sum(1 for v in views if v.counted and v.status != "cold"),
+                "swap_max_wait_s": self.settings.lifecycle.swap_max_wait_s,
+                "loading": list(self.pending),
+                "waiting_for_room": [{"model": n, "waited_s": round(self.models[n].admission.oldest_wait_s(), 3),
+                                      **self.waiting[n].as_dict()} for n in waiting]}
+
+
+def too_large(name: str, short: Shortfall) -> Conflict:
+    return Conflict(f"model {name!r} can never fit: {short.describe()} (only pinned models stay loaded)",
+                    code="model_too_large", param="model")
+
+
+def insufficient(name: str, short: Shortfall) -> Unavailable:
+    return Unavailable(f"model {name!r} cannot be loaded now: {short.describe()}; the models that hold it are busy "
+                       "or loading", code="insufficient_memory", retry_after=5)

@@ -1,0 +1,124 @@
+"""Where a model's memory counts (placement by device), its need (measured or estimated), the
+budgets, the footprint history kept in the state directory, and check-config's warnings."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from proxy.config import DEFAULT_SETTINGS, LifecycleSettings, ModelConfig, load_settings
+from proxy.gpu.footprint import GpuTotals, tree_gpu_bytes, tree_pss_bytes
+from proxy.gpu.vram_estimate import MIB, Estimator
+from proxy.lifecycle.footprints import Footprints, settings_key
+from proxy.lifecycle.memory import CPU, Memory, memory_warnings
+
+from fakes import FakeNvml
+
+GIB = 1024 * MIB
+TWO_GPUS = GpuTotals({"gpu0": 80 * GIB, "gpu1": 80 * GIB})
+NO_GPU = GpuTotals({}, "NVML unavailable: ImportError: no pynvml")
+
+
+def model(backend: str = "llama_server", gpus: tuple[int, ...] = (), **options: Any) -> ModelConfig:
+    return ModelConfig(name="m", backend=backend, enabled=False, replicas=options.pop("replicas", 1), replica_max=4,
+                       target_inflight=1, modalities=("text",), gpus=gpus, options=options)
+
+
+def memory(tmp_path: Path, gpus: GpuTotals = TWO_GPUS, **life: Any) -> Memory:
+    return Memory(LifecycleSettings(**life), Footprints(tmp_path / "footprints.json"), Estimator(), gpus)
+
+
+def test_a_model_counts_where_its_settings_put_it(tmp_path: Path) -> None:
+    mem = memory(tmp_path)
+    assert mem.placement(model(llama_server_n_gpu_layers=0)).devices == (CPU,)
+    assert mem.placement(model(llama_server_n_gpu_layers=99)).devices == ("gpu0",)
+    assert "unset" in mem.placement(model()).why and mem.placement(model()).devices == ("gpu0",)
+    assert mem.placement(model(gpus=(0, 1), llama_server_n_gpu_layers=99)).devices == ("gpu0", "gpu1")
+    assert mem.placement(model("vllm_serve")).devices == ("gpu0",)
+    assert mem.placement(model("exllamav3")).devices == ("gpu0",)
+    assert mem.placement(model("ct2", device="cuda")).devices == ("gpu0",)
+    assert mem.placement(model("ct2")).devices == (CPU,)
+    assert mem.placement(model("llama_cpp")).devices == (CPU,)
+    assert mem.placement(model("sim")).devices == (CPU,)
+    assert mem.placement(model("openai_remote")).devices == ()
+
+
+def test_without_a_visible_gpu_every_local_model_counts_against_the_cpu(tmp_path: Path) -> None:
+    placed = memory(tmp_path, NO_GPU).placement(model("vllm_serve"))
+    assert placed.devices == (CPU,) and "no GPU is visible here" in placed.why and "NVML unavailable" in placed.why
+
+
+def test_budgets_are_set_only_by_the_settings(tmp_path: Path) -> None:
+    assert memory(tmp_path).budgets() == {}      # the defaults: no load is refused for memory
+    assert memory(tmp_path, cpu_budget_mib=512, gpu_headroom_mib=1024).budgets() == {
+        CPU: 512 * MIB, "gpu0": 79 * GIB, "gpu1": 79 * GIB}
+
+
+def test_the_need_is_the_estimate_until_measured_then_the_measurement(tmp_path: Path, tiny_gguf: Path) -> None:
+    mem = memory(tmp_path, footprint_margin=0.1)
+    config = model(model_path=str(tiny_gguf), llama_server_n_ctx=4096, llama_server_n_gpu_layers=0, replicas=2)
+    need = mem.need(config)
+    estimate = Estimator().estimate(config).total_bytes
+    assert need.source == "estimated" and need.per_device == {CPU: 2 * estimate}
+    mem.footprints.record(config, {CPU: 100 * MIB})
+    need = mem.need(config)
+    assert need.source == "measured" and need.per_replica == {CPU: 110 * MIB} and need.per_device == {CPU: 220 * MIB}
+    row = mem.describe(config)
+    assert row["admitted_by"] == "measured" and row["measured_mib_per_replica"] == {CPU: 100.0}
+    assert row["estimated_mib_per_replica"] == round(estimate / MIB, 1)
+
+
+def test_footprints_take_a_high_percentile_per_settings_and_survive_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "footprints.json"
+    store = Footprints(path, percentile=90, margin=0.0)
+    config = model(llama_server_n_ctx=4096)
+    for mib in (10, 20, 30, 40, 50, 60, 70, 80, 90, 1000):
+        store.record(config, {CPU: mib * MIB})
+    assert store.measured(config, (CPU,)).per_replica == {CPU: 90 * MIB}   # type: ignore[union-attr]
+    again = Footprints(path, percentile=90, margin=0.0)
+    assert again.measured(config, (CPU,)).samples == 10                    # type: ignore[union-attr]
+    # Other settings that change memory are another history; a replica count is not.
+    assert again.measured(model(llama_server_n_ctx=8192), (CPU,)) is None
+    assert again.measured(model(llama_server_n_ctx=4096, replicas=3), (CPU,)) is not None
+    assert settings_key(model(llama_server_n_ctx=4096, idle_unload_s=5)) == settings_key(config)
+    # Measured on the CPU, it says nothing about a GPU.
+    assert again.measured(config, ("gpu0",)) is None
+
+
+def test_a_corrupt_footprints_file_costs_the_history_not_the_service(tmp_path: Path) -> None:
+    path = tmp_path / "footprints.json"
+    path.write_text("{not json")
+    store = Footprints(path)
+    assert store.measured(model(), (CPU,)) is None
+    store.record(model(), {CPU: MIB})
+    assert Footprints(path).measured(model(), (CPU,)) is not None
+
+
+def test_a_process_tree_is_measured_by_pss_and_by_nvml() -> None:
+    assert tree_pss_bytes(os.getpid()) > 10 * MIB          # this test process, from /proc
+    assert tree_pss_bytes(999_999_999) is None
+    nvml = FakeNvml([{"used": 30 * GIB, "total": 80 * GIB, "processes": [(os.getpid(), 12 * GIB), (1, 5 * GIB)]},
+                     {"used": 1 * GIB, "total": 80 * GIB, "processes": [(os.getpid(), 1 * GIB)]}])
+    assert tree_gpu_bytes(os.getpid(), lambda: nvml) == {"gpu0": 12 * GIB, "gpu1": 1 * GIB}
+
+
+def test_check_config_warns_of_a_model_that_can_never_fit(tmp_path: Path, tiny_gguf: Path) -> None:
+    conf = tmp_path / "pool.yaml"
+    big = {"backend": "llama_server", "model_path": str(tiny_gguf), "llama_server_n_gpu_layers": 0}
+    conf.write_text(f"""
+service: {{state_dir: {tmp_path}}}
+engine:
+  lifecycle: {{memory: {{cpu_budget_mib: 100}}}}
+  models:
+    pinned: {{<<: *big, enabled: true, pinned: true, llama_server_n_ctx: 131072}}
+    huge: {{<<: *big, llama_server_n_ctx: 524288}}
+    beside: {{<<: *big, llama_server_n_ctx: 98304}}
+    fits: {{<<: *big, llama_server_n_ctx: 4096}}
+""".replace("*big", str(big).replace("'", "")))
+    settings = load_settings(conf)
+    warnings = memory_warnings(settings, nvml_loader=lambda: (_ for _ in ()).throw(ImportError("no NVML")))
+    assert any(w.startswith("engine.models.huge: model_too_large") for w in warnings), warnings
+    # 48.5 MiB fits the budget, not beside the pinned model's 64.5.
+    assert any(w.startswith("engine.models.beside: model_too_large") for w in warnings), warnings
+    assert not any("engine.models.fits" in w for w in warnings)
+    assert memory_warnings(load_settings(DEFAULT_SETTINGS)) == []    # no limits set: nothing to say
