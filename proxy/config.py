@@ -51,6 +51,12 @@ DEFAULT_RELIABILITY: dict[str, Any] = {"first_byte_timeout_s": 600.0, "stream_id
 DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "port_range": [18100, 18999],
                       "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15, "pass_env": []}
 DEFAULT_MODEL = {"enabled": False, "replicas": 1, "target_inflight": 1, "modalities": ["text"], "gpus": []}
+# Replica routing (README: Replica routing and affinity). Affinity by default: every engine reuses
+# only the KV cache it holds, so a conversation that comes back to its replica skips its prefill,
+# and the load bound keeps that from costing balance. A model sets its own; engine.routing changes
+# the default for all.
+DEFAULT_ROUTING: dict[str, Any] = {"routing": "affinity", "affinity_max_imbalance": None,
+                                   "affinity_prefix_chars": 1024}
 
 # Fields that name files: relative values resolve against the base settings file's folder, so a
 # config means the same thing whatever the current directory of the process that reads it.
@@ -387,8 +393,10 @@ def _resolve(value: str, base_dir: Path) -> str:
     return str(path if path.is_absolute() else (base_dir / path).resolve())
 
 
-def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_dir: Path) -> ModelConfig:
-    data = {**DEFAULT_MODEL, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULT_MODEL}}
+def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_dir: Path,
+           routing: Mapping[str, Any] | None = None) -> ModelConfig:
+    defaults = {**DEFAULT_MODEL, **DEFAULT_ROUTING, **(routing or {})}
+    data = {**defaults, **{k: v for k, v in raw.items() if v is not None or k not in defaults}}
     options = dict(data)
     for key in PATH_FIELDS:
         if isinstance(options.get(key), str):
@@ -482,7 +490,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                       pass_env=tuple(supervisor["pass_env"] or ())),
         decoding=dict(engine.get("decoding") or {}),
         fairness=dict(engine.get("fairness") or {}),
-        models={name: _model(name, raw, engine.get("backend"), base_dir)
+        models={name: _model(name, raw, engine.get("backend"), base_dir, engine.get("routing"))
                 for name, raw in (engine.get("models") or {}).items()},
         sources=sources,
         warnings=tuple(warnings),
