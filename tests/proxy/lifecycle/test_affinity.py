@@ -170,6 +170,7 @@ def test_a_replica_that_stops_loses_its_keys_and_only_they_move() -> None:
     rt = runtime()
     keys = [f"k{i}" for i in range(60)]
     before = {k: rt.pick_replica(k).index for k in keys}
+    assert before == {k: order(k, [0, 1, 2])[0] for k in keys}
     rt.set_replica_state(rt.replicas[1], ReplicaState.STARTING)     # it crashed: supervisord restarts it
     assert rt.describe()["replicas"][1]["affinity_keys"] == 0        # type: ignore[index]
     after = {k: rt.pick_replica(k).index for k in keys}
