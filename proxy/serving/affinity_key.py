@@ -24,6 +24,9 @@ from proxy.lifecycle.runtime import ModelRuntime
 SESSION_HEADER = "X-Session-Id"
 # Embeddings hold no KV cache between requests: affinity would only cost balance.
 NO_AFFINITY_PATHS = frozenset({"/v1/embeddings"})
+# Leading messages read at most while looking for the first user message (few-shot examples,
+# several system messages): the key stays cheap whatever a client sends.
+MAX_LEADING_MESSAGES = 16
 
 
 def digest(source: str, text: str) -> str:
@@ -62,7 +65,7 @@ def prompt_prefix(body: Mapping[str, Any], limit: int) -> str:
     messages = body.get("messages")
     if isinstance(messages, list):
         parts = []
-        for message in messages:
+        for message in messages[:MAX_LEADING_MESSAGES]:
             if not isinstance(message, dict):
                 break
             role = message.get("role")

@@ -100,6 +100,11 @@ def test_conversations_spread_and_each_kind_of_key_selects(proxy: ProxyProcess) 
         assert replica == home(digest("p", prompt_prefix({"messages": messages}, 1024)))
         homes.add(replica)
     assert homes == set(REPLICAS)
+    # An error the replica answered says where it came from too.
+    status, hdrs, body = http("POST", proxy.url + "/v1/chat/completions", body={
+        "model": "aff", "messages": [{"role": "user", "content": "x " * 3000}], "prompt_cache_key": cache_keys[0]})
+    assert (status, body["error"]["code"]) == (400, "context_length_exceeded"), body
+    assert hdrs["X-Replica"] == "0"
     # /v1/responses: the same key, the same replica, and the header says so.
     status, hdrs, body = http("POST", proxy.url + "/v1/responses",
                               body={"model": "aff", "input": "hi", "prompt_cache_key": cache_keys[2],
