@@ -60,6 +60,12 @@ DEFAULT_MEMORY: dict[str, Any] = {"gpu_headroom_mib": None, "cpu_budget_mib": No
 # The per-model keys that default to the same key under engine.lifecycle.
 MODEL_LIFECYCLE_FIELDS = ("load_on_demand", "idle_unload_s", "pinned")
 DEFAULT_MODEL = {"enabled": False, "replicas": 1, "target_inflight": 1, "modalities": ["text"], "gpus": []}
+# Replica routing (README: Replica routing and affinity). Affinity by default: every engine reuses
+# only the KV cache it holds, so a conversation that comes back to its replica skips its prefill,
+# and the load bound keeps that from costing balance. A model sets its own; engine.routing changes
+# the default for all.
+DEFAULT_ROUTING: dict[str, Any] = {"routing": "affinity", "affinity_max_imbalance": None,
+                                   "affinity_prefix_chars": 1024}
 
 # Fields that name files: relative values resolve against the base settings file's folder, so a
 # config means the same thing whatever the current directory of the process that reads it.
@@ -413,8 +419,9 @@ def _resolve(value: str, base_dir: Path) -> str:
 
 
 def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_dir: Path,
-           lifecycle: Mapping[str, Any]) -> ModelConfig:
-    data = {**DEFAULT_MODEL, **{k: v for k, v in raw.items() if v is not None or k not in DEFAULT_MODEL}}
+           lifecycle: Mapping[str, Any], routing: Mapping[str, Any] | None = None) -> ModelConfig:
+    defaults = {**DEFAULT_MODEL, **DEFAULT_ROUTING, **(routing or {})}
+    data = {**defaults, **{k: v for k, v in raw.items() if v is not None or k not in defaults}}
     # null is a value of idle_unload_s (never): only a key that is absent takes engine.lifecycle's.
     life = {k: raw[k] if k in raw else lifecycle[k] for k in MODEL_LIFECYCLE_FIELDS}
     options = dict(data)
@@ -515,7 +522,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                       pass_env=tuple(supervisor["pass_env"] or ())),
         decoding=dict(engine.get("decoding") or {}),
         fairness=dict(engine.get("fairness") or {}),
-        models={name: _model(name, raw, engine.get("backend"), base_dir, lifecycle)
+        models={name: _model(name, raw, engine.get("backend"), base_dir, lifecycle, engine.get("routing"))
                 for name, raw in (engine.get("models") or {}).items()},
         sources=sources,
         lifecycle=LifecycleSettings(max_loaded_models=lifecycle["max_loaded_models"],

@@ -15,6 +15,9 @@ from launchers.spec import ProgramSpec
 # Fields only llm-pool reads; a backend must never see them (the fairness key least of all).
 # Every kind's reach strips them, so this is the one list.
 PROXY_ONLY_FIELDS = ("fairness_key", "allow_remote")
+# And what a server of ours never gets besides: the affinity key is the proxy's routing (a remote
+# provider gets it where the model opts in, remote_prompt_cache_key_enabled).
+NOT_FOR_PROGRAMS = (*PROXY_ONLY_FIELDS, "prompt_cache_key")
 
 
 class Reach(Protocol):
@@ -51,7 +54,7 @@ class ProgramReach:
 
     async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
-        body = json.dumps({**without_proxy_fields(payload), "model": self.served_model}).encode()
+        body = json.dumps({**without_proxy_fields(payload, NOT_FOR_PROGRAMS), "model": self.served_model}).encode()
         if self.read_timeout_s is not None:
             timeout = aiohttp.ClientTimeout(total=timeout.total, sock_connect=timeout.sock_connect,
                                             sock_read=self.read_timeout_s)
@@ -70,7 +73,7 @@ class ProgramReach:
         return {}
 
 
-def without_proxy_fields(payload: dict[str, Any]) -> dict[str, Any]:
-    if not any(k in payload for k in PROXY_ONLY_FIELDS):
+def without_proxy_fields(payload: dict[str, Any], fields: tuple[str, ...] = PROXY_ONLY_FIELDS) -> dict[str, Any]:
+    if not any(k in payload for k in fields):
         return payload
-    return {k: v for k, v in payload.items() if k not in PROXY_ONLY_FIELDS}
+    return {k: v for k, v in payload.items() if k not in fields}

@@ -110,6 +110,32 @@ class Replica:
     sent: int = 0
     probe_failures: int = 0
     warmup_s: float | None = None
+    # Affinity routing (proxy/lifecycle/affinity.py): requests it took as their key's own replica,
+    # and requests of its keys that went elsewhere because it was full or too busy (spills).
+    affinity_picks: int = 0
+    affinity_spills: int = 0
+    # What its answers' usage said of the engine's prefix cache: answers that reused cached prompt
+    # tokens (hits), answers that reused none (misses), and the cached prompt tokens in all.
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cached_tokens: int = 0
+
+    def note_cache(self, prompt_tokens: object, cached_tokens: object) -> None:
+        """One answer's usage: a hit when the engine reused part of the prompt from its cache. An
+        answer that does not say how much it reused (no prompt_tokens_details) counts for nothing."""
+        if not isinstance(cached_tokens, int) or isinstance(cached_tokens, bool) or cached_tokens < 0:
+            return
+        if not isinstance(prompt_tokens, int) or prompt_tokens <= 0:
+            return
+        self.cached_tokens += cached_tokens
+        if cached_tokens > 0:
+            self.cache_hits += 1
+        else:
+            self.cache_misses += 1
+
+    def cache_hit_rate(self) -> float | None:
+        answers = self.cache_hits + self.cache_misses
+        return round(self.cache_hits / answers, 3) if answers else None
 
     def load(self) -> tuple[float, float]:
         """How busy the replica is: the work at it (what the proxy sent, or what the backend reports
@@ -146,4 +172,8 @@ class Replica:
                 "restarts": self.restarts, "inflight": self.inflight, "reported": dict(self.reported),
                 "last_error": self.last_error, "consecutive_failures": self.failures,
                 "ejections": self.ejected_total,
-                "ejected_for_s": round(max(0.0, self.eject_until - time.monotonic()), 1), **self.reach.describe()}
+                "ejected_for_s": round(max(0.0, self.eject_until - time.monotonic()), 1),
+                "affinity_picks": self.affinity_picks, "affinity_spills": self.affinity_spills,
+                "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
+                "cache_hit_rate": self.cache_hit_rate(), "cached_prompt_tokens": self.cached_tokens,
+                **self.reach.describe()}

@@ -12,6 +12,7 @@ from proxy.capabilities import Capabilities, Traits, capabilities
 from proxy.config import ModelConfig, changed
 from proxy.errors import PoolError
 from proxy.fairness import FairnessPolicy
+from proxy.lifecycle import affinity
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState, model_transition
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class ModelRuntime:
     loads: dict[str, int] = field(default_factory=dict)     # finished loads by reason
     unloads: dict[str, int] = field(default_factory=dict)   # finished unloads by reason
     _turn: int = 0
+    keys: affinity.KeyTable = field(default_factory=affinity.KeyTable)   # where recent affinity keys went
     # Serialises admin operations on this model; request routing never takes it.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -114,6 +116,8 @@ class ModelRuntime:
     def set_replica_state(self, replica: Replica, new: ReplicaState, error: str | None = None) -> None:
         """The one place replica states change, so capacity and waiters always follow."""
         if replica.move(new, error):
+            if new not in (ReplicaState.READY, ReplicaState.UNHEALTHY):
+                self.keys.forget(replica.index)   # no process, or a new one: its KV cache is gone
             self.admission.set_capacity(len(self.ready()) * self.target_inflight)
             self._changed.set()
             self._changed = asyncio.Event()
@@ -131,25 +135,57 @@ class ModelRuntime:
             async with asyncio.timeout(timeout):
                 await self._changed.wait()
 
-    def pick_replica(self) -> Replica | None:
-        """The least loaded READY replica (see Replica.load) with fewer than `target_inflight`
-        requests from the proxy: gauges steer, but never past a replica's own cap. Ties rotate,
-        so idle replicas share sequential traffic. None when every READY replica is full."""
+    @property
+    def affinity_routing(self) -> bool:
+        """Whether requests to this model carry an affinity key (routing: affinity)."""
+        return bool(self.model.get("routing") == "affinity")
+
+    def max_imbalance(self) -> float:
+        """affinity_max_imbalance, or its default: half of target_inflight, at least 1."""
+        margin = self.model.get("affinity_max_imbalance")
+        return float(margin) if margin is not None else float(max(1, self.target_inflight // 2))
+
+    def pick_replica(self, key: str | None = None) -> Replica | None:
+        """The replica for a request, among READY replicas with fewer than `target_inflight` requests
+        from the proxy (gauges steer, but never past a replica's own cap); None when every READY
+        replica is full. With an affinity `key` (routing: affinity), the key's own replica by
+        rendezvous hashing, unless it is full or busier than the least loaded by more than
+        affinity_max_imbalance: then the next in the key's order (proxy/lifecycle/affinity.py).
+        Without one, the least loaded (see Replica.load); ties rotate, so idle replicas share
+        sequential traffic."""
         cap = self.target_inflight
+        if key is not None and self.affinity_routing:
+            return self._affine(key, cap)
         ready = [r for r in self.ready() if r.inflight < cap]
         if not ready:
             return None
         self._turn += 1
         return min(ready, key=lambda r: (*r.load(), (r.index - self._turn) % len(self.replicas)))
 
+    def _affine(self, key: str, cap: int) -> Replica | None:
+        ready = {r.index: r for r in self.ready()}
+        choice = affinity.choose(key, [affinity.Candidate(i, r.load()[0], r.inflight < cap) for i, r in ready.items()],
+                                 self.max_imbalance())
+        if choice is None:
+            return None
+        replica = ready[choice.index]
+        if choice.spilled:
+            ready[choice.home].affinity_spills += 1
+        else:
+            replica.affinity_picks += 1
+        self.keys.note(key, choice.index)
+        return replica
+
     def describe(self) -> dict[str, object]:
         cfg = self.model
+        held = self.keys.counts()
         return {
             "id": self.name,
             "backend": cfg.backend,
             "enabled": self.config.enabled,
             "state": self.state.value,
-            "replicas": [r.describe() for r in self.replicas],
+            "replicas": [{**r.describe(), "affinity_keys": held.get(r.index, 0)} for r in self.replicas],
+            "routing": cfg.get("routing"),
             "replica_count": cfg.replicas,
             "replica_max": cfg.replica_max,
             "target_inflight": cfg.target_inflight,

@@ -8,6 +8,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy.errors import BadRequest, NotFound, PoolError, TooLarge
+from proxy.serving.keys import REPLICA, REPLICA_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except PoolError as err:
         request[ERROR_CODE] = err.metric_code
-        return error_response(err)
+        response = error_response(err)
+        if REPLICA in request:   # a replica took it (its answer was an error): say which
+            response.headers[REPLICA_HEADER] = str(request[REPLICA].index)
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

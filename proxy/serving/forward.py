@@ -16,7 +16,8 @@ from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable, s
 from proxy.lifecycle.monitor import Monitor, process_gone
 from proxy.lifecycle.replicas import ModelState, Replica
 from proxy.lifecycle.runtime import ModelRuntime
-from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, SETTINGS, STARTED, STREAM_ERROR
+from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STARTED,
+                                STREAM_ERROR)
 from proxy.serving.metrics import usage_in
 from proxy.serving.relay import Timeouts, backend_error, chunks, read_capped, within
 
@@ -90,10 +91,11 @@ def label(replica: Replica) -> str:
 
 @contextlib.asynccontextmanager
 async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
-                   payload: dict[str, Any], request_id: str,
-                   timeouts: Timeouts) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
-    """POST `payload` to the least loaded READY replica that has room and yield its response once
-    its headers arrive (within first_byte_timeout_s, else 504 `backend_timeout`).
+                   payload: dict[str, Any], request_id: str, timeouts: Timeouts,
+                   affinity: str | None = None) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
+    """POST `payload` to a READY replica that has room (the least loaded, or the one its `affinity`
+    key belongs to: ModelRuntime.pick_replica) and yield its response once its headers arrive
+    (within first_byte_timeout_s, else 504 `backend_timeout`).
 
     Sent to another replica only when the first did not take the request: the connection was
     refused, the replica's process died before any answer, or a server of ours answered 503 (it
@@ -111,12 +113,12 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
     deadline = loop.time() + timeouts.first_byte_s
     failed_over = False   # a request goes to a second replica once at most (below)
     for _attempt in range(len(runtime.replicas) + 1):
-        replica = runtime.pick_replica()
+        replica = runtime.pick_replica(affinity)
         while replica is None and runtime.ready() and loop.time() < deadline:
             # Every READY replica already has target_inflight requests (one left READY with its
             # requests still running there): wait for a place rather than overload one.
             await runtime.wait_changed(deadline - loop.time())
-            replica = runtime.pick_replica()
+            replica = runtime.pick_replica(affinity)
         if replica is None:
             break
         replica.inflight += 1
@@ -195,9 +197,11 @@ async def _post(send: _Send, http: aiohttp.ClientSession, replica: Replica, path
     return await replica.reach.post(send.second, path, payload, request_id, UPSTREAM_TIMEOUT)
 
 
-async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: dict[str, Any]) -> web.StreamResponse:
+async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: dict[str, Any],
+                  affinity: str | None = None) -> web.StreamResponse:
     """Pass an OpenAI request through to a replica and its answer back, streams as they arrive.
-    `key` is the request's fairness key; the proxy-only fields are dropped by the replica's reach."""
+    `key` is the request's fairness key, `affinity` its affinity key (proxy/serving/affinity_key.py);
+    the proxy-only fields are dropped by the replica's reach."""
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
     monitor = request.app[POOL].monitor
     cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
@@ -207,7 +211,8 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
         request.app[METRICS].observe_wait(runtime.name, time.perf_counter() - enqueued, cold)
         timeouts = Timeouts.of(request.app[SETTINGS].service, runtime.model)
         async with upstream(monitor, request.app[HTTP], runtime, request.path, body, request_id,
-                            timeouts) as (replica, resp):
+                            timeouts, affinity) as (replica, resp):
+            request[REPLICA] = replica
             return await _relay(request, monitor, replica, resp, request_id, timeouts)
 
 
@@ -238,11 +243,12 @@ async def _relay(request: web.Request, monitor: Monitor, replica: Replica, upstr
     metrics = request.app[METRICS]
     if not content_type.startswith("text/event-stream") or upstream.status != 200:
         body = await read_answer(monitor, replica, upstream, timeouts, request.app[SETTINGS].service.max_response_bytes)
-        metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(body))
-        return web.Response(status=upstream.status, body=body,
-                            headers={"Content-Type": content_type, "X-Request-Id": request_id})
+        metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(body), replica)
+        return web.Response(status=upstream.status, body=body, headers={
+            "Content-Type": content_type, "X-Request-Id": request_id, REPLICA_HEADER: str(replica.index)})
     out = web.StreamResponse(status=upstream.status, headers={
-        "Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id})
+        "Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id,
+        REPLICA_HEADER: str(replica.index)})
     await out.prepare(request)
     # The last three reads: the usage chunk (sent last, with stream_options.include_usage) is among
     # them, so only they are scanned, once, after the stream; nothing is copied per chunk.
@@ -271,6 +277,7 @@ async def _relay(request: web.Request, monitor: Monitor, replica: Replica, upstr
             await out.write_eof()
         return out
     monitor.report_outcome(replica, None)
-    metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(oldest + older + last))
+    metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(oldest + older + last),
+                        replica)
     await out.write_eof()
     return out

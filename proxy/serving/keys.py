@@ -7,6 +7,7 @@ from aiohttp import web
 from proxy.config import Settings
 from proxy.serving.metrics import ProxyMetrics
 from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.replicas import Replica
 from proxy.gpu.vram_estimate import Estimator
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -22,3 +23,6 @@ MODEL = web.RequestKey("model", str)
 FAIRNESS_KEY = web.RequestKey("fairness_key", str)
 STARTED = web.RequestKey("started", float)
 STREAM_ERROR = web.RequestKey("stream_error", str)
+# The replica that took the request, once one did: its index is every answer's X-Replica header.
+REPLICA = web.RequestKey("replica", Replica)
+REPLICA_HEADER = "X-Replica"

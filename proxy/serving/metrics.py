@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.replicas import ReplicaState
+from proxy.lifecycle.replicas import Replica, ReplicaState
 from proxy.serving.response_metrics import usage_numbers
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -67,7 +67,22 @@ class PoolCollector(Collector):
         unloads = CounterMetricFamily("llm_pool_model_unloads",
                                       "Finished unloads by reason (admin, idle, evicted, shutdown)",
                                       labels=["model", "reason"])
+        affine = CounterMetricFamily("llm_pool_replica_affinity_requests",
+                                     "Requests sent to the replica as their affinity key's own replica", labels=mr)
+        spills = CounterMetricFamily("llm_pool_replica_affinity_spills",
+                                     "Requests of the replica's affinity keys sent elsewhere: it was full or "
+                                     "busier than affinity_max_imbalance allows", labels=mr)
+        held = GaugeMetricFamily("llm_pool_replica_affinity_keys",
+                                 "Affinity keys whose latest request went to the replica (recent keys only)",
+                                 labels=mr)
+        cached = CounterMetricFamily("llm_pool_replica_cached_prompt_tokens",
+                                     "Prompt tokens the replica's engine served from its prefix cache (usage)",
+                                     labels=mr)
+        hits = CounterMetricFamily("llm_pool_replica_prefix_cache_answers",
+                                   "Answers whose usage says how many prompt tokens came from the prefix cache: "
+                                   "hit (some) or miss (none)", labels=[*mr, "result"])
         for name, runtime in self.pool.models.items():
+            keys = runtime.keys.counts()
             for reason, count in runtime.loads.items():
                 loads.add_metric([name, reason], count)
             for reason, count in runtime.unloads.items():
@@ -92,12 +107,19 @@ class PoolCollector(Collector):
                 probe_failures.add_metric(labels, replica.probe_failures)
                 if replica.warmup_s is not None:
                     warmup.add_metric(labels, replica.warmup_s)
+                affine.add_metric(labels, replica.affinity_picks)
+                spills.add_metric(labels, replica.affinity_spills)
+                held.add_metric(labels, keys.get(replica.index, 0))
+                cached.add_metric(labels, replica.cached_tokens)
+                hits.add_metric([*labels, "hit"], replica.cache_hits)
+                hits.add_metric([*labels, "miss"], replica.cache_misses)
                 for family, field in ((running, "running"), (queued, "waiting"), (kv_cache, "kv_cache")):
                     value = replica.reported.get(field)
                     if value is not None:
                         family.add_metric(labels, value)
         yield from (ready, capacity, active, waiting, model_state, load_s, unload_s, state, in_rotation, inflight,
-                    sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache, loads, unloads)
+                    sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache, affine, spills,
+                    held, cached, hits, loads, unloads)
         yield from self._memory()
 
     def _memory(self) -> Iterator[Metric]:
@@ -156,21 +178,26 @@ class ProxyMetrics:
     def key_label(self, key: str | None) -> str:
         return key if key is not None and key in self.named_keys else OTHER_KEY
 
-    def count_usage(self, model: str, key: str, usage: Mapping[str, Any] | None) -> None:
-        """Add an answer's token usage (OpenAI `usage`) to the model's counters."""
+    def count_usage(self, model: str, key: str, usage: Mapping[str, Any] | None,
+                    replica: Replica | None = None) -> None:
+        """Add an answer's token usage (OpenAI `usage`) to the model's counters, and what it says of
+        the prefix cache to the `replica` that answered."""
         prompt, cached, output = usage_numbers(usage)
+        if replica is not None:
+            replica.note_cache(prompt, cached)
         for counter, value in ((self.prompt_tokens, prompt), (self.cached_tokens, cached),
                                (self.output_tokens, output)):
             if isinstance(value, (int, float)) and value > 0:
                 counter.labels(model, key).inc(value)
 
-    def count_response(self, model: str, key: str, metrics: Mapping[str, Any], first_text_s: float | None) -> None:
+    def count_response(self, model: str, key: str, metrics: Mapping[str, Any], first_text_s: float | None,
+                       replica: Replica | None = None) -> None:
         """What a /v1/responses answer measured (its `metrics`), into the counters and histograms;
         `first_text_s`: a stream's time from the request's arrival to its first text."""
         usage = {"prompt_tokens": metrics.get("engine_prompt_tokens"),
                  "cached_tokens": metrics.get("engine_cached_prompt_tokens"),
                  "completion_tokens": metrics.get("engine_output_tokens")}
-        self.count_usage(model, key, usage)
+        self.count_usage(model, key, usage, replica)
         wait = metrics.get("engine_queue_wait_ms")
         if wait is not None:
             self.queue_wait.labels(model).observe(wait / 1000)

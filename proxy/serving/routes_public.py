@@ -7,6 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.errors import BadRequest
 from proxy.lifecycle.replicas import ModelState
 from proxy.lifecycle.runtime import ModelRuntime
+from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import check_required, fairness_key, read_json, requested_model, servable
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
@@ -26,7 +27,8 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
         # Without this the backend's own 501 would reach the client, after taking a slot.
         raise embeddings_unsupported(runtime)
     await check_image_urls(body, runtime.model)
-    return await forward(request, runtime, fairness_key(request, body), body)
+    return await forward(request, runtime, fairness_key(request, body), body,
+                         affinity_key(runtime, request.path, request.headers, body))
 
 
 def embeddings_unsupported(runtime: ModelRuntime) -> BadRequest:

@@ -22,10 +22,11 @@ from proxy.errors import BackendError, PoolError, sse_error_event
 from proxy.lifecycle.replicas import ModelState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.serving import response_metrics
+from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_json, servable
 from proxy.serving.forward import label, read_answer, slot, upstream
 from proxy.serving.image_urls import check_image_urls
-from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, SETTINGS, STREAM_ERROR
+from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STREAM_ERROR
 from proxy.serving.relay import Timeouts, sse_data
 from proxy.serving.responses import IGNORED_HEADER, backend_request, parse, validate_for_model
 
@@ -90,20 +91,22 @@ async def responses(request: web.Request) -> web.StreamResponse:
     validate_for_model(req, runtime.model, runtime.capabilities())
     await check_image_urls(body, runtime.model)
     payload = backend_request(req, runtime.model, runtime.traits, request.app[SETTINGS].decoding)
+    affinity = affinity_key(runtime, request.path, request.headers, body, payload)
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
     headers = {"X-Request-Id": request_id, **({IGNORED_HEADER: ", ".join(req.ignored)} if req.ignored else {})}
     response_id = f"resp_{uuid.uuid4().hex}"
     cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
     queued = runtime.admission.enqueue(fairness_key(request, body))  # a full queue is a plain 429
     timer.mark("enqueued")
-    relay = _relay(request, runtime, queued, payload, request_id, timer, cold)
+    relay = _relay(request, runtime, queued, payload, request_id, timer, affinity, cold)
     if req.stream:
         return await _as_events(request, relay, timer, queued, runtime, response_id, req.model, headers)
     return await _as_json(request, relay, timer, runtime, response_id, req.model, headers)
 
 
 async def _relay(request: web.Request, runtime: ModelRuntime, queued: Any, payload: dict[str, Any],
-                 request_id: str, timer: response_metrics.Timer, cold: bool) -> AsyncGenerator[_Piece, None]:
+                 request_id: str, timer: response_metrics.Timer,
+                 affinity: str | None, cold: bool) -> AsyncGenerator[_Piece, None]:
     """The one path of a /v1/responses request through the pool: wait for a slot, send to a
     replica, and yield the answer's text as it comes (a JSON answer as one piece, a stream chunk
     by chunk). A backend failure is raised; the caller's output decides how the client hears it."""
@@ -116,7 +119,8 @@ async def _relay(request: web.Request, runtime: ModelRuntime, queued: Any, paylo
             request.app[METRICS].load_wait.labels(runtime.name).observe(timer.admitted - timer.enqueued)
         timeouts = Timeouts.of(settings.service, runtime.model)
         async with upstream(monitor, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
-                            timeouts) as (replica, resp):
+                            timeouts, affinity) as (replica, resp):
+            request[REPLICA] = replica
             # A provider's timings are not engine times we measured.
             own_timings = replica.reach.engine_timings
             if not payload.get("stream"):
@@ -167,7 +171,9 @@ async def _as_json(request: web.Request, relay: AsyncGenerator[_Piece, None], ti
     metrics = response_metrics.build(timer, pieces[-1].usage, pieces[-1].timings)
     _count(request, runtime.name, metrics, None)
     text = "".join(p.text for p in pieces)
-    return web.json_response(_envelope(response_id, model, text, metrics), headers=headers)
+    # A stream's headers go out with response.created, before a replica is chosen: only here.
+    return web.json_response(_envelope(response_id, model, text, metrics),
+                             headers={**headers, REPLICA_HEADER: str(request[REPLICA].index)})
 
 
 async def _as_events(request: web.Request, relay: AsyncGenerator[_Piece, None], timer: response_metrics.Timer,
@@ -220,7 +226,8 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[_Piece, None], 
 
 def _count(request: web.Request, model: str, metrics: Mapping[str, Any], first_text_s: float | None) -> None:
     counters = request.app[METRICS]
-    counters.count_response(model, counters.key_label(request.get(FAIRNESS_KEY)), metrics, first_text_s)
+    counters.count_response(model, counters.key_label(request.get(FAIRNESS_KEY)), metrics, first_text_s,
+                            request.get(REPLICA))
 
 
 async def _end_with(out: web.StreamResponse, err: PoolError) -> web.StreamResponse:

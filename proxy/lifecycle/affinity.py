@@ -1,0 +1,91 @@
+"""Affinity routing: which replica a request's affinity key belongs to, bounded by load. Pure.
+
+Rendezvous (highest random weight) hashing: every (key, replica) pair gets a pseudo-random score,
+and a key's replicas in order of score are its preference order. The order of the replicas that
+remain is the same whichever others come or go, so a replica joining takes only the keys it now
+tops, and one leaving gives up only its own keys; nothing else moves. A replica is named by its
+index, which survives its process restarting.
+
+The load bound keeps a popular key (or an unlucky spread) from piling onto one replica: the key's
+first replica is taken unless it is full or busier than the least loaded one by more than
+`max_imbalance`; then the next in the key's order that is neither (a spill).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+# Keys remembered per model for the admin view's per-replica count; the least recently used go first.
+MAX_KEYS = 4096
+
+
+def score(key: str, replica: int) -> int:
+    """The weight of `replica` for `key`: 64 bits of blake2b, so it is the same in every process
+    (Python's own hash() is salted per process) and spreads evenly."""
+    digest = hashlib.blake2b(f"{replica}\x00{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def order(key: str, replicas: Sequence[int]) -> list[int]:
+    """`replicas` (indexes) in `key`'s order of preference, best first."""
+    return sorted(replicas, key=lambda r: (-score(key, r), r))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A READY replica as the choice sees it: its index, its load (Replica.load's first figure)
+    and whether it has room for one more request from the proxy."""
+
+    index: int
+    load: float
+    room: bool
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int          # the replica chosen
+    home: int           # the key's first replica among the candidates
+    spilled: bool       # the home replica was full or too busy, so another took the request
+
+
+def choose(key: str, candidates: Sequence[Candidate], max_imbalance: float) -> Choice | None:
+    """The replica for `key`: the first in its order that has room and is at most `max_imbalance`
+    busier than the least loaded replica with room. None when no candidate has room."""
+    if not candidates:
+        return None
+    with_room = [c for c in candidates if c.room]
+    if not with_room:
+        return None
+    floor = min(c.load for c in with_room)
+    by_index = {c.index: c for c in candidates}
+    ranked = order(key, list(by_index))
+    for index in ranked:
+        c = by_index[index]
+        if c.room and c.load <= floor + max_imbalance:
+            return Choice(index=index, home=ranked[0], spilled=index != ranked[0])
+    raise AssertionError("unreachable: the least loaded replica with room always qualifies")
+
+
+class KeyTable:
+    """Which replica each recently seen key went to, for the count of keys a replica holds: a
+    bounded LRU of key -> index (a client's keys are unbounded; this is not)."""
+
+    def __init__(self, limit: int = MAX_KEYS) -> None:
+        self.limit = limit
+        self._where: OrderedDict[str, int] = OrderedDict()
+
+    def note(self, key: str, index: int) -> None:
+        self._where[key] = index
+        self._where.move_to_end(key)
+        while len(self._where) > self.limit:
+            self._where.popitem(last=False)
+
+    def forget(self, index: int) -> None:
+        """A replica lost its cache (its process stopped or restarted): it holds no key now."""
+        for key in [k for k, i in self._where.items() if i == index]:
+            del self._where[key]
+
+    def counts(self) -> Counter[int]:
+        return Counter(self._where.values())

@@ -1,0 +1,157 @@
+"""Affinity benchmark: multi-turn sessions through the real proxy to llama-server replicas, routed
+least_loaded and affinity side by side in one run.
+
+Two models on the tiny GGUF, the same but for `routing`: two llama-server replicas each, 2 slots
+each. Rounds alternate between them; a round runs SESSIONS concurrent multi-turn sessions (streamed
+chat, each turn the whole history so far plus a new question), every session with a system prompt
+of its own (long: about 1,100 tokens, 1,100 to 1,900 with the history; short: a few words). Printed per prompt length and policy:
+the fraction of prompt tokens served from the engines' prefix cache (turns 2 on, where any router
+could hit; and all turns), time to first token p50/p95 at the client, total time, and requests per
+replica (balance).
+
+    .venv/bin/python tests/bench/bench_affinity.py [--sessions 8] [--turns 8] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this tree's proxy/, not tests/proxy
+
+from helpers import ProxyProcess  # noqa: E402
+
+WORDS = ("archive ledger harbor signal meadow copper lantern orbit valley cipher summit ember quartz "
+         "river falcon marble glacier tundra beacon violet anchor prism").split()
+POLICIES = ("least_loaded", "affinity")
+
+
+def system_prompt(rng: random.Random, chars: int) -> str:
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < chars:
+        words.append(rng.choice(WORDS))
+    return " ".join(words)
+
+
+async def turn(session: aiohttp.ClientSession, url: str, model: str,
+               messages: list[dict[str, str]]) -> dict[str, Any]:
+    """One streamed turn: time to first content, the usage, the replica, the answer's text."""
+    body = {"model": model, "messages": messages, "max_tokens": 8, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, Any] = {}
+    text = []
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        replica = resp.headers["X-Replica"]
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+            usage = chunk.get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
+    return {"ttft": (first or time.perf_counter()) - started, "prompt": usage.get("prompt_tokens", 0),
+            "cached": details.get("cached_tokens", 0), "replica": replica, "text": "".join(text) or "-"}
+
+
+async def one_session(url: str, model: str, system: str, turns: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    messages = [{"role": "system", "content": system}]
+    out = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(turns):
+            messages.append({"role": "user", "content": f"Question {i}: " + system_prompt(rng, 30)})
+            result = await turn(session, url, model, messages)
+            result["turn"] = i
+            out.append(result)
+            messages.append({"role": "assistant", "content": result["text"]})
+    return out
+
+
+async def one_round(url: str, model: str, sessions: int, turns: int, chars: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    systems = [system_prompt(rng, chars) for _ in range(sessions)]   # distinct per session and round
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one_session(url, model, s, turns, seed * 100 + i)
+                                     for i, s in enumerate(systems)))
+    return {"elapsed": time.perf_counter() - started, "turns": [t for r in results for t in r]}
+
+
+def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    turns = [t for r in rounds for t in r["turns"]]
+    later = [t for t in turns if t["turn"] > 0]
+    ttfts = sorted(t["ttft"] for t in turns)
+    return {
+        "cached_later": sum(t["cached"] for t in later) / max(1, sum(t["prompt"] for t in later)),
+        "cached_all": sum(t["cached"] for t in turns) / max(1, sum(t["prompt"] for t in turns)),
+        "ttft_p50": statistics.median(ttfts) * 1000,
+        "ttft_p95": ttfts[int(0.95 * (len(ttfts) - 1))] * 1000,
+        "total": sum(r["elapsed"] for r in rounds),
+        "per_replica": dict(sorted(Counter(t["replica"] for t in turns).items())),
+        "prompt_tokens": statistics.mean(t["prompt"] for t in turns),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per policy and prompt length, alternated")
+    args = parser.parse_args()
+    from proxy.setup.demo_model import write_tiny_gguf
+    from proxy.setup.llama_build import build_llama_server
+    gguf = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="lp-bench-")) / "tiny.gguf")
+    base = {"backend": "llama_server", "model_path": str(gguf), "llama_server_binary": str(build_llama_server()),
+            "llama_server_n_ctx": 2048, "target_inflight": 2, "replicas": 2, "replica_max": 2, "enabled": True}
+    proxy = ProxyProcess({p: {**base, "routing": p} for p in POLICIES}, service={"log_level": "warning"})
+    try:
+        proxy.start()
+        for p in POLICIES:
+            proxy.wait_replicas_ready(p, 2, timeout=120)
+        print(f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}; {args.sessions} sessions x {args.turns} turns, "
+              f"2 replicas x 2 slots per policy, {args.rounds} round(s) each, alternated", flush=True)
+        print(f"{'prompts':<7} {'policy':<13} {'tokens':>6} {'cached 2+':>9} {'cached':>7} {'ttft p50':>9} "
+              f"{'ttft p95':>9} {'total s':>8}  requests per replica")
+        seed = 1
+        for label, chars in (("long", 1100), ("short", 24)):
+            rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
+            for _ in range(args.rounds):
+                for policy in POLICIES:
+                    rounds[policy].append(asyncio.run(one_round(proxy.url, policy, args.sessions, args.turns,
+                                                                chars, seed)))
+                    seed += 1
+            figures = {p: summary(rounds[p]) for p in POLICIES}
+            for policy, s in figures.items():
+                print(f"{label:<7} {policy:<13} {s['prompt_tokens']:>6.0f} {s['cached_later']:>9.3f} "
+                      f"{s['cached_all']:>7.3f} {s['ttft_p50']:>7.1f}ms {s['ttft_p95']:>7.1f}ms {s['total']:>8.2f}  "
+                      f"{s['per_replica']}", flush=True)
+            ll, aff = figures["least_loaded"], figures["affinity"]
+            print(f"{label:<7} affinity / least_loaded: ttft p50 {ll['ttft_p50'] / aff['ttft_p50']:.2f}x better, "
+                  f"p95 {ll['ttft_p95'] / aff['ttft_p95']:.2f}x, total time {ll['total'] / aff['total']:.2f}x",
+                  flush=True)
+    finally:
+        survivors = proxy.cleanup()
+        if survivors:
+            print(f"killed leftover processes {survivors}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

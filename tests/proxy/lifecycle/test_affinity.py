@@ -1,0 +1,183 @@
+"""Affinity routing: rendezvous hashing of a key over replicas, with a load bound (pure), and how
+ModelRuntime.pick_replica uses it."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import ready_runtime
+from proxy.config import ModelConfig
+from proxy.lifecycle import affinity
+from proxy.lifecycle.affinity import Candidate, KeyTable, choose, order
+from proxy.lifecycle.replicas import ReplicaState
+from proxy.lifecycle.runtime import ModelRuntime
+
+KEYS = st.text(min_size=1, max_size=40)
+INDEXES = st.lists(st.integers(min_value=0, max_value=63), min_size=1, max_size=12, unique=True)
+
+CONFIG = ModelConfig(name="m", backend="sim", enabled=True, replicas=3, replica_max=3, target_inflight=4,
+                     modalities=("text",), gpus=(), options={"routing": "affinity", "affinity_prefix_chars": 1024})
+
+
+def idle(indexes: list[int]) -> list[Candidate]:
+    return [Candidate(i, 0.0, True) for i in indexes]
+
+
+@given(KEYS, INDEXES)
+def test_the_order_is_a_permutation_that_does_not_depend_on_how_replicas_are_listed(key: str,
+                                                                                   indexes: list[int]) -> None:
+    assert sorted(order(key, indexes)) == sorted(indexes)
+    assert order(key, indexes) == order(key, list(reversed(indexes)))
+
+
+def test_scores_are_the_same_in_every_process() -> None:
+    # Pinned: blake2b, not Python's per-process salted hash(), so a restarted proxy (or a second one)
+    # sends each key where it went before.
+    assert affinity.score("conversation-1", 0) == 0x56F06B6583A2936A
+    assert order("conversation-1", [0, 1, 2, 3, 4]) == [4, 1, 0, 2, 3]
+
+
+@settings(max_examples=200)
+@given(KEYS, INDEXES, st.data())
+def test_a_replica_leaving_moves_only_its_own_keys(key: str, indexes: list[int], data: st.DataObject) -> None:
+    gone = data.draw(st.sampled_from(indexes))
+    before = choose(key, idle(indexes), 1.0)
+    after = choose(key, idle([i for i in indexes if i != gone]), 1.0)
+    assert before is not None
+    if before.index != gone:
+        assert after is not None and after.index == before.index
+    elif after is not None:
+        # Its keys go to their second choice, the same one every time.
+        assert after.index == order(key, indexes)[1]
+
+
+@settings(max_examples=200)
+@given(KEYS, INDEXES, st.integers(min_value=64, max_value=80))
+def test_a_replica_joining_takes_only_the_keys_it_now_tops(key: str, indexes: list[int], new: int) -> None:
+    before = choose(key, idle(indexes), 1.0)
+    after = choose(key, idle([*indexes, new]), 1.0)
+    assert before is not None and after is not None
+    assert after.index in (before.index, new)
+
+
+def test_keys_spread_evenly_over_replicas() -> None:
+    for n in (2, 3, 5):
+        homes = Counter(order(f"conversation-{k}", list(range(n)))[0] for k in range(3000))
+        assert set(homes) == set(range(n))
+        assert max(homes.values()) < 1.2 * 3000 / n, homes    # within 20% of an even share
+
+
+def test_removing_one_of_four_replicas_moves_about_a_quarter_of_the_keys() -> None:
+    keys = [f"k{i}" for i in range(2000)]
+    before = {k: order(k, [0, 1, 2, 3])[0] for k in keys}
+    after = {k: order(k, [0, 1, 3])[0] for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(before[k] == 2 for k in moved)
+    assert len(moved) == sum(1 for k in keys if before[k] == 2)
+    assert 0.18 < len(moved) / len(keys) < 0.32
+
+
+def test_the_home_replica_is_taken_while_it_has_room_and_is_within_the_bound() -> None:
+    home, second, third = order("chat", [0, 1, 2])
+    loads = {home: 2.0, second: 1.0, third: 0.0}
+    got = choose("chat", [Candidate(i, loads[i], True) for i in (0, 1, 2)], max_imbalance=2.0)
+    assert got == affinity.Choice(index=home, home=home, spilled=False)
+
+
+def test_a_full_home_replica_spills_to_the_next_in_the_keys_order() -> None:
+    home, second, third = order("chat", [0, 1, 2])
+    cands = [Candidate(home, 4.0, False), Candidate(second, 3.0, True), Candidate(third, 0.0, True)]
+    assert choose("chat", cands, max_imbalance=4.0) == affinity.Choice(index=second, home=home, spilled=True)
+
+
+def test_a_home_replica_busier_than_the_bound_spills() -> None:
+    home, second, third = order("chat", [0, 1, 2])
+    loads = {home: 3.0, second: 2.5, third: 0.0}
+    got = choose("chat", [Candidate(i, loads[i], True) for i in (0, 1, 2)], max_imbalance=2.0)
+    assert got is not None and got.spilled and got.index == third   # second is 2.5 over the least loaded too
+
+
+@given(KEYS, st.lists(st.tuples(st.floats(min_value=0, max_value=50), st.booleans()), min_size=1, max_size=8),
+       st.floats(min_value=0, max_value=10))
+def test_the_choice_always_has_room_and_respects_the_bound(key: str, states: list[tuple[float, bool]],
+                                                           margin: float) -> None:
+    cands = [Candidate(i, load, room) for i, (load, room) in enumerate(states)]
+    got = choose(key, cands, margin)
+    with_room = [c for c in cands if c.room]
+    if not with_room:
+        assert got is None
+        return
+    assert got is not None
+    chosen = cands[got.index]
+    assert chosen.room and chosen.load <= min(c.load for c in with_room) + margin
+    # Nothing before it in the key's order qualified.
+    for index in order(key, [c.index for c in cands]):
+        if index == got.index:
+            break
+        c = cands[index]
+        assert not c.room or c.load > min(x.load for x in with_room) + margin
+    assert got.spilled == (got.index != order(key, [c.index for c in cands])[0])
+
+
+def test_the_key_table_is_bounded_and_forgets_a_replicas_keys() -> None:
+    table = KeyTable(limit=3)
+    for i, key in enumerate("abcd"):
+        table.note(key, i % 2)
+    assert sum(table.counts().values()) == 3                  # "a" went first
+    table.forget(1)
+    assert table.counts() == Counter({0: 1})                 # "c" on 0; "b" was dropped, "d" forgotten
+
+
+def runtime(n: int = 3, **options: object) -> ModelRuntime:
+    config = replace(CONFIG, options={**CONFIG.options, **options})
+    rt: ModelRuntime = ready_runtime(config, n)
+    return rt
+
+
+def test_pick_replica_sends_a_key_to_its_own_replica_every_time() -> None:
+    rt = runtime()
+    home = order("chat", [0, 1, 2])[0]
+    assert {rt.pick_replica("chat").index for _ in range(5)} == {home}
+    assert rt.replicas[home].affinity_picks == 5
+    assert rt.describe()["replicas"][home]["affinity_keys"] == 1   # type: ignore[index]
+
+
+def test_pick_replica_spills_a_full_home_and_counts_it_there() -> None:
+    rt = runtime()
+    home, second, _ = order("chat", [0, 1, 2])
+    rt.replicas[home].inflight = 4                               # target_inflight: full
+    rt.replicas[second].inflight = 1
+    picked = rt.pick_replica("chat")
+    assert picked is rt.replicas[second]
+    assert rt.replicas[home].affinity_spills == 1 and rt.replicas[second].affinity_picks == 0
+
+
+def test_the_default_bound_is_half_of_target_inflight() -> None:
+    rt = runtime()
+    assert rt.max_imbalance() == 2.0
+    home = order("chat", [0, 1, 2])[0]
+    rt.replicas[home].inflight = 2                               # 2 over idle replicas: still home
+    assert rt.pick_replica("chat") is rt.replicas[home]
+    rt.replicas[home].inflight = 3                               # 3 over: spills
+    assert rt.pick_replica("chat") is not rt.replicas[home]
+    assert runtime(affinity_max_imbalance=0).max_imbalance() == 0.0
+
+
+def test_a_replica_that_stops_loses_its_keys_and_only_they_move() -> None:
+    rt = runtime()
+    keys = [f"k{i}" for i in range(60)]
+    before = {k: rt.pick_replica(k).index for k in keys}
+    assert before == {k: order(k, [0, 1, 2])[0] for k in keys}
+    rt.set_replica_state(rt.replicas[1], ReplicaState.STARTING)     # it crashed: supervisord restarts it
+    assert rt.describe()["replicas"][1]["affinity_keys"] == 0        # type: ignore[index]
+    after = {k: rt.pick_replica(k).index for k in keys}
+    assert {k for k in keys if before[k] != after[k]} == {k for k in keys if before[k] == 1}
+
+
+def test_least_loaded_ignores_the_key() -> None:
+    rt = runtime(routing="least_loaded")
+    assert {rt.pick_replica("chat").index for _ in range(3)} == {0, 1, 2}     # idle replicas take turns
+    assert all(r.affinity_picks == 0 for r in rt.replicas)
