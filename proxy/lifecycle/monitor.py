@@ -43,6 +43,8 @@ DOWN_LOG_INTERVAL_S = 60.0
 REVIVE_INTERVAL_S = 5.0
 EXITED_STATES = (ProcessState.BACKOFF, ProcessState.EXITED, ProcessState.FATAL)
 DOWN_STATES = (ProcessState.STOPPED, ProcessState.STOPPING)
+# How often a starting replica is checked (see Monitor._probe).
+STARTUP_PROBE_S = 0.02
 PROBE_TIMEOUT_S = 2.0
 
 
@@ -284,7 +286,9 @@ class Monitor:
             if info.state in DOWN_STATES and runtime.state == ModelState.LOADED:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
                 return
-            if info.state == ProcessState.RUNNING and replica.spec is not None:
+            # From the moment the process exists, not from supervisord's RUNNING: that comes only
+            # after startsecs, and an engine that is healthy sooner would wait for it.
+            if info.state in (ProcessState.STARTING, ProcessState.RUNNING) and info.pid and replica.spec is not None:
                 if replica.probe is None or replica.probe.done():
                     replica.probe = asyncio.create_task(self._probe(runtime, replica, replica.spec, info.pid))
             return
@@ -294,28 +298,37 @@ class Monitor:
             self.wake()
 
     async def _probe(self, runtime: ModelRuntime, replica: Replica, spec: ProgramSpec, pid: int) -> None:
-        ok, error = await probe(self.http, spec)
-        if replica.state != ReplicaState.STARTING or replica.pid != pid:
-            return
-        if ok:
-            after = state_after_check(runtime, replica, self.health)
-            if after == ReplicaState.READY and runtime.model.get("warmup"):
-                # READY only once one generation went through; a failure is retried like a failed check.
-                seconds, error = await warm_up(self.http, replica, spec.start_timeout_s)
-                if replica.state != ReplicaState.STARTING or replica.pid != pid:
-                    return
-                if seconds is None:
-                    replica.probe_failures += 1
-                    replica.last_error = error
-                    log.warning("model %s replica %d: %s", replica.model, replica.index, error)
-                    return
-                replica.warmup_s = seconds
-                log.info("model %s replica %d warmed up in %.3fs", replica.model, replica.index, seconds)
-            runtime.set_replica_state(replica, after)
-            if after == ReplicaState.READY:
-                replica.last_error = None
-        elif error:
-            replica.last_error = error
+        """Check a starting replica until it is healthy or leaves STARTING (its process exits, the
+        start times out): every STARTUP_PROBE_S, since an engine gives no other sign that it is
+        ready, and each interval is time a request waiting for a cold model waits for nothing."""
+        while True:
+            ok, error = await probe(self.http, spec)
+            if replica.state != ReplicaState.STARTING or replica.pid != pid:
+                return
+            if ok:
+                await self._started(runtime, replica, spec, pid)
+                return
+            if error:
+                replica.last_error = error
+            await asyncio.sleep(STARTUP_PROBE_S)
+
+    async def _started(self, runtime: ModelRuntime, replica: Replica, spec: ProgramSpec, pid: int) -> None:
+        after = state_after_check(runtime, replica, self.health)
+        if after == ReplicaState.READY and runtime.model.get("warmup"):
+            # READY only once one generation went through; a failure is retried like a failed check.
+            seconds, error = await warm_up(self.http, replica, spec.start_timeout_s)
+            if replica.state != ReplicaState.STARTING or replica.pid != pid:
+                return
+            if seconds is None:
+                replica.probe_failures += 1
+                replica.last_error = error
+                log.warning("model %s replica %d: %s", replica.model, replica.index, error)
+                return
+            replica.warmup_s = seconds
+            log.info("model %s replica %d warmed up in %.3fs", replica.model, replica.index, seconds)
+        runtime.set_replica_state(replica, after)
+        if after == ReplicaState.READY:
+            replica.last_error = None
 
     def _maybe_scrape(self, replica: Replica) -> None:
         """Refresh the backend's load gauges in the background, at most every METRICS_INTERVAL_S."""

@@ -1,0 +1,216 @@
+"""More models than memory (issue 17): a trace over 4 models with room for 2, replayed against
+llm-pool's scheduler and, in the same run, against a plain policy; then the pool's own cost of a
+cold start.
+
+The models are the tiny GGUF served by real llama-server replicas, each with a KV cache that makes
+it about 150 MiB (PSS), so that a CPU budget of 350 MiB holds two. The trace is open-loop and
+seeded: Zipf-like popularity over the 4 models (0.55, 0.25, 0.12, 0.08), Poisson arrivals, and a
+few bursts (a dozen requests for one model at once, the rarer models too). Policies:
+
+- `llm-pool`: memory budget (measured footprints), fairness, the swap-aware order (swap_max_wait_s).
+- `plain`: what a count-based peer does: load on miss, at most 2 models (max_loaded_models),
+  evict the least recently used, FIFO (fairness mode fifo, swap_max_wait_s 0: a request for another
+  model swaps as soon as the running ones finish).
+
+Printed per policy: requests served and failed, loads, evictions, latency p50/p95/max.
+
+The cold-start cost: a request for a cold model (streamed) from its arrival to its first byte,
+minus what the engine itself takes: its start-to-healthy time (the same llama-server command line
+started directly and polled every 2 ms) and a warm request's time to first byte. Alternated, per load,
+with a small KV cache (4096 tokens), so that the engine's own start is short and steady.
+
+    .venv/bin/python tests/bench/bench_lifecycle.py [--duration 60] [--rate 3] [--cold-starts 5]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this tree's proxy/, not an installed one
+
+from helpers import ProxyProcess, free_port, http, wait_for  # noqa: E402
+from proxy.setup.demo_model import write_tiny_gguf  # noqa: E402
+from proxy.setup.llama_build import build_llama_server  # noqa: E402
+
+MODELS = ("a", "b", "c", "d")
+POPULARITY = (0.55, 0.25, 0.12, 0.08)
+BIG_CTX = 262144
+BUDGET_MIB = 350
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+def model(gguf: Path, binary: Path) -> dict[str, Any]:
+    return {"backend": "llama_server", "model_path": str(gguf), "llama_server_binary": str(binary),
+            "llama_server_n_ctx": BIG_CTX, "llama_server_n_gpu_layers": 0, "target_inflight": 2,
+            "load_on_demand": True}
+
+
+POLICIES: dict[str, dict[str, Any]] = {
+    "llm-pool": {"lifecycle": {"memory": {"cpu_budget_mib": BUDGET_MIB}, "swap_max_wait_s": 5}},
+    "plain": {"lifecycle": {"max_loaded_models": 2, "swap_max_wait_s": 0}, "fairness": {"mode": "fifo"}},
+}
+
+
+def trace(duration: float, rate: float, seed: int) -> list[tuple[float, str]]:
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    while t < duration:
+        t += rng.expovariate(rate)
+        out.append((t, rng.choices(MODELS, POPULARITY)[0]))
+    for _ in range(3):   # bursts: a batch job arrives for one model
+        at, name = rng.uniform(0, duration), rng.choice(MODELS)
+        out += [(at + i * 0.01, name) for i in range(12)]
+    return sorted(out)
+
+
+async def replay(url: str, events: list[tuple[float, str]]) -> list[tuple[str, int | str, float]]:
+    results: list[tuple[str, int | str, float]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        start = time.perf_counter()
+
+        async def one(at: float, name: str) -> None:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            sent = time.perf_counter()
+            body = {"model": name, "messages": CHAT, "max_tokens": 32, "ignore_eos": True}
+            try:
+                async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                    payload = await resp.json(content_type=None)
+                    code: int | str = 200 if resp.status == 200 else payload["error"]["code"]
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+                code = type(exc).__name__
+            results.append((name, code, time.perf_counter() - sent))
+
+        await asyncio.gather(*(one(at, name) for at, name in events))
+    return results
+
+
+def counts(proxy: ProxyProcess) -> tuple[int, int]:
+    _, _, body = http("GET", proxy.url + "/v1/admin/models")
+    loads = sum(sum(m["loads"].values()) for m in body["data"])
+    evictions = sum(m["evictions"] for m in body["data"])
+    return loads, evictions
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p / 100 * len(values)))] if values else float("nan")
+
+
+def run_policy(name: str, models: dict[str, Any], events: list[tuple[float, str]]) -> dict[str, Any]:
+    proxy = ProxyProcess(models, engine=POLICIES[name])
+    proxy.start()
+    try:
+        # Measure each model once first, as a pool that has run a while has: admission by measurement.
+        for m in MODELS:
+            assert http("POST", proxy.url + f"/v1/admin/models/{m}/load")[0] == 200
+            assert http("POST", proxy.url + f"/v1/admin/models/{m}/unload")[0] == 200
+        base_loads, base_evictions = counts(proxy)
+        results = asyncio.run(replay(proxy.url, events))
+        loads, evictions = counts(proxy)
+    finally:
+        survivors = proxy.cleanup()
+        assert not survivors, survivors
+    ok = [lat for _, code, lat in results if code == 200]
+    failed: dict[str, int] = {}
+    for _, code, _ in results:
+        if code != 200:
+            failed[str(code)] = failed.get(str(code), 0) + 1
+    return {"served": len(ok), "failed": failed, "loads": loads - base_loads, "evictions": evictions - base_evictions,
+            "p50": pct(ok, 50), "p95": pct(ok, 95), "max": max(ok, default=float("nan"))}
+
+
+def first_byte(url: str, name: str) -> float:
+    body = json.dumps({"model": name, "messages": CHAT, "max_tokens": 4, "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    sent = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        resp.readline()
+        took = time.perf_counter() - sent
+        resp.read()
+    return took
+
+
+def engine_start_to_healthy(argv: list[str], port: int) -> float:
+    """The engine alone: spawn to /health 200, polled every 2 ms."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        return time.perf_counter() - started
+            except OSError:
+                pass
+            time.sleep(0.002)
+    finally:
+        proc.kill()   # only its start is measured
+        proc.wait(30)
+
+
+def cold_starts(models: dict[str, Any], rounds: int) -> list[dict[str, float]]:
+    # A small KV cache: the engine's own start is short and steady, so what is left is the pool's.
+    proxy = ProxyProcess({"a": {**models["a"], "llama_server_n_ctx": 4096}})
+    proxy.start()
+    out = []
+    try:
+        for _ in range(rounds):
+            wait_for(lambda: proxy.admin_model("a")["state"] == "unloaded", what="a unloaded")
+            cold = first_byte(proxy.url, "a")
+            warm = first_byte(proxy.url, "a")
+            program = next(proxy.state_dir.glob("programs/*.conf")).read_text()
+            command = next(line for line in program.splitlines() if line.startswith("command="))
+            argv = shlex.split(command[len("command="):].replace("%%", "%"))
+            assert http("POST", proxy.url + "/v1/admin/models/a/unload")[0] == 200
+            port = free_port()
+            argv[argv.index("--port") + 1] = str(port)
+            healthy = engine_start_to_healthy(argv, port)
+            out.append({"cold_ms": cold * 1000, "engine_start_ms": healthy * 1000, "warm_ms": warm * 1000,
+                        "pool_ms": (cold - healthy - warm) * 1000})
+    finally:
+        survivors = proxy.cleanup()
+        assert not survivors, survivors
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson)")
+    parser.add_argument("--cold-starts", type=int, default=9)
+    parser.add_argument("--seed", type=int, default=17)
+    args = parser.parse_args()
+    gguf = write_tiny_gguf(Path(__import__("tempfile").mkdtemp(prefix="lp-bench-")) / "tiny.gguf")
+    models = {m: model(gguf, build_llama_server()) for m in MODELS}
+    events = trace(args.duration, args.rate, args.seed)
+    print(f"trace: {len(events)} requests over {args.duration:g}s, 4 models, room for 2, seed {args.seed}")
+    print(f"{'policy':<10} {'served':>6} {'failed':>16} {'loads':>5} {'evict':>5} {'p50 s':>7} {'p95 s':>7} {'max s':>7}")
+    for name in POLICIES:
+        r = run_policy(name, models, events)
+        failed = ",".join(f"{k}:{v}" for k, v in r["failed"].items()) or "0"
+        print(f"{name:<10} {r['served']:>6} {failed:>16} {r['loads']:>5} {r['evictions']:>5} "
+              f"{r['p50']:>7.2f} {r['p95']:>7.2f} {r['max']:>7.2f}")
+    rows = cold_starts(models, args.cold_starts)
+    print("\ncold start, per load (ms): arrival to first byte = engine start-to-healthy + warm first byte + pool")
+    for row in rows:
+        print(f"  cold {row['cold_ms']:7.1f}  engine start {row['engine_start_ms']:7.1f}  warm {row['warm_ms']:5.1f}"
+              f"  pool {row['pool_ms']:6.1f}")
+    print(f"  pool's own cost: median {statistics.median(r['pool_ms'] for r in rows):.1f} ms, "
+          f"max {max(r['pool_ms'] for r in rows):.1f} ms (goal: under 50)")
+
+
+if __name__ == "__main__":
+    main()
