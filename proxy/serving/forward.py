@@ -90,10 +90,11 @@ def label(replica: Replica) -> str:
 
 @contextlib.asynccontextmanager
 async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
-                   payload: dict[str, Any], request_id: str,
-                   timeouts: Timeouts) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
+                   payload: dict[str, Any], request_id: str, timeouts: Timeouts,
+                   raw: bytes | None = None) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
     """POST `payload` to the least loaded READY replica that has room and yield its response once
-    its headers arrive (within first_byte_timeout_s, else 504 `backend_timeout`).
+    its headers arrive (within first_byte_timeout_s, else 504 `backend_timeout`). `raw`: the
+    client's bytes of `payload`, for a replica's reach to send as they are when it changes nothing.
 
     Sent to another replica only when the first did not take the request: the connection was
     refused, the replica's process died before any answer, or a server of ours answered 503 (it
@@ -124,7 +125,7 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
         send = _Send()
         try:
             try:
-                resp = await within(_post(send, http, replica, path, payload, request_id),
+                resp = await within(_post(send, http, replica, path, payload, request_id, raw),
                                     max(0.0, deadline - loop.time()))
             except aiohttp.ClientConnectorError as exc:
                 monitor.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
@@ -172,7 +173,7 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
 
 
 async def _post(send: _Send, http: aiohttp.ClientSession, replica: Replica, path: str, payload: dict[str, Any],
-                request_id: str) -> aiohttp.ClientResponse:
+                request_id: str, raw: bytes | None) -> aiohttp.ClientResponse:
     """Send to the replica; if that failed on a reused connection before any answer, once more on a
     new one. A server closes a kept-alive connection at its keep-alive timeout and (the pinned
     llama-server, measured) after every streamed answer; a pool can hand out such a connection
@@ -183,7 +184,7 @@ async def _post(send: _Send, http: aiohttp.ClientSession, replica: Replica, path
     assert replica.reach is not None
     token = _SEND.set(send)
     try:
-        return await replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT)
+        return await replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT, raw)
     except CLOSED_UNDER_US as exc:
         if isinstance(exc, aiohttp.ClientConnectorError) or not send.reused:
             raise
@@ -192,21 +193,24 @@ async def _post(send: _Send, http: aiohttp.ClientSession, replica: Replica, path
     finally:
         _SEND.reset(token)
     send.second = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
-    return await replica.reach.post(send.second, path, payload, request_id, UPSTREAM_TIMEOUT)
+    return await replica.reach.post(send.second, path, payload, request_id, UPSTREAM_TIMEOUT, raw)
 
 
-async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: dict[str, Any]) -> web.StreamResponse:
+async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: dict[str, Any],
+                  raw: bytes | None = None) -> web.StreamResponse:
     """Pass an OpenAI request through to a replica and its answer back, streams as they arrive.
-    `key` is the request's fairness key; the proxy-only fields are dropped by the replica's reach."""
+    `key` is the request's fairness key; the proxy-only fields are dropped by the replica's reach.
+    `raw`: the bytes `body` was read from, sent as they are where the reach changes nothing."""
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
     monitor = request.app[POOL].monitor
     queued = runtime.admission.enqueue(key)
     enqueued = time.perf_counter()
     async with slot(runtime, queued):
-        request.app[METRICS].queue_wait.labels(runtime.name).observe(time.perf_counter() - enqueued)
+        metrics = request.app[METRICS]
+        metrics.child(metrics.queue_wait, runtime.name).observe(time.perf_counter() - enqueued)
         timeouts = Timeouts.of(request.app[SETTINGS].service, runtime.model)
         async with upstream(monitor, request.app[HTTP], runtime, request.path, body, request_id,
-                            timeouts) as (replica, resp):
+                            timeouts, raw) as (replica, resp):
             return await _relay(request, monitor, replica, resp, request_id, timeouts)
 
 
@@ -250,7 +254,7 @@ async def _relay(request: web.Request, monitor: Monitor, replica: Replica, upstr
         # Whatever bytes arrived, so each token reaches the client as it is made.
         async for chunk in chunks(upstream, timeouts, label(replica)):
             if not last:
-                metrics.ttft.labels(replica.model, request.path).observe(time.perf_counter() - request[STARTED])
+                metrics.child(metrics.ttft, replica.model, request.path).observe(time.perf_counter() - request[STARTED])
             oldest, older, last = older, last, chunk
             try:
                 await out.write(chunk)

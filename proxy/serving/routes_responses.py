@@ -21,7 +21,7 @@ from aiohttp import web
 from proxy.errors import BackendError, PoolError, sse_error_event
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.serving import response_metrics
-from proxy.serving.body import fairness_key, read_json, servable
+from proxy.serving.body import fairness_key, read_body, servable
 from proxy.serving.forward import label, read_answer, slot, upstream
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, SETTINGS, STREAM_ERROR
@@ -83,11 +83,11 @@ class _Piece:
 @routes.post("/v1/responses")
 async def responses(request: web.Request) -> web.StreamResponse:
     timer = response_metrics.Timer()
-    body = await read_json(request)
+    body, raw = await read_body(request)
     req = parse(body)
     runtime = servable(request, request.app[POOL], req.model, body)
     validate_for_model(req, runtime.model, runtime.capabilities())
-    await check_image_urls(body, runtime.model)
+    await check_image_urls(body, runtime.model, raw)
     payload = backend_request(req, runtime.model, runtime.traits, request.app[SETTINGS].decoding)
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
     headers = {"X-Request-Id": request_id, **({IGNORED_HEADER: ", ".join(req.ignored)} if req.ignored else {})}
