@@ -691,3 +691,125 @@ class FakeLlamaServerHTTP:
             await writer.drain()
         writer.write(b"0\r\n\r\n")
         await writer.drain()
+
+
+class FastUpstream(asyncio.Protocol):
+    """FAKE OpenAI-compatible engine that costs next to nothing, for tests/bench/bench_proxy_overhead.py.
+
+    The benchmark measures the proxy hop's own CPU on the same cores as its upstream; a real engine
+    (or the sim, an aiohttp app) spends far more per request than the hop and blurs the figure. So
+    this speaks just enough HTTP/1.1 over a bare asyncio protocol: keep-alive, Content-Length
+    bodies, `Connection: close`; canned answers to GET /health, /v1/models, /metrics and POST
+    /v1/chat/completions, /v1/completions (JSON with usage, or `events` SSE chunks one `gap_s`
+    apart, then the usage chunk and [DONE]). It is what a replica looks like to the proxy (a sim
+    replica's /metrics names), nothing more.
+    """
+
+    def __init__(self, model: str, events: int, gap_s: float) -> None:
+        self.model = model
+        self.events = events
+        self.gap_s = gap_s
+        self.buffer = b""
+        self.transport: Any = None   # an asyncio or a uvloop transport (not an asyncio.Transport subclass)
+        self.busy = False
+        usage = {"prompt_tokens": 9, "completion_tokens": events, "total_tokens": 9 + events}
+        self.json_answer = json.dumps({
+            "id": "chatcmpl-fast", "object": "chat.completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there"},
+                         "finish_reason": "stop"}], "usage": usage}).encode()
+        delta = {"id": "chatcmpl-fast", "object": "chat.completion.chunk", "created": 0, "model": model,
+                 "choices": [{"index": 0, "delta": {"content": " tok"}, "finish_reason": None}]}
+        self.event = b"data: " + json.dumps(delta).encode() + b"\n\n"
+        self.last = b"data: " + json.dumps({**delta, "choices": [], "usage": usage}).encode() + \
+            b"\n\ndata: [DONE]\n\n"
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if not self.busy:
+            self._next_request()
+
+    def _next_request(self) -> None:
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0 or self.transport is None:
+            return
+        head = self.buffer[:end].decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])}
+        length = int(headers.get("content-length", "0"))
+        if len(self.buffer) < end + 4 + length:
+            return
+        body = self.buffer[end + 4:end + 4 + length]
+        self.buffer = self.buffer[end + 4 + length:]
+        method, path = head[0].split(" ")[:2]
+        close = headers.get("connection", "").lower() == "close"
+        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+            if b'"stream": true' in body or b'"stream":true' in body:
+                self.busy = True
+                asyncio.get_running_loop().create_task(self._stream(close))
+                return
+            self._answer(b"application/json", self.json_answer, close)
+        elif path == "/v1/models":
+            self._answer(b"application/json", json.dumps(
+                {"object": "list", "data": [{"id": self.model, "object": "model"}]}).encode(), close)
+        elif path == "/metrics":
+            self._answer(b"text/plain", b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                         b"vllm:kv_cache_usage_perc 0\n", close)
+        else:
+            self._answer(b"application/json", b'{"status": "ok"}', close)
+
+    def _answer(self, content_type: bytes, body: bytes, close: bool) -> None:
+        assert self.transport is not None
+        self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: " + content_type + b"\r\nContent-Length: " +
+                             str(len(body)).encode() + (b"\r\nConnection: close" if close else b"") +
+                             b"\r\n\r\n" + body)
+        if close:
+            self.transport.close()
+        elif self.buffer:
+            self._next_request()
+
+    async def _stream(self, close: bool) -> None:
+        transport = self.transport
+        assert transport is not None
+        transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked" +
+                        (b"\r\nConnection: close" if close else b"") + b"\r\n\r\n")
+        chunk = b"%x\r\n%s\r\n" % (len(self.event), self.event)
+        for _ in range(self.events):
+            if transport.is_closing():
+                return
+            transport.write(chunk)
+            await asyncio.sleep(self.gap_s)
+        transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(self.last), self.last))
+        self.busy = False
+        if close:
+            transport.close()
+        elif self.buffer:
+            self._next_request()
+
+
+def serve_fast_upstream(argv: list[str]) -> None:
+    """Run FastUpstream until killed: `--host H --port P --model M [--events N] [--gap-ms G]`, other
+    arguments ignored (a sim replica's launcher passes its own). On uvloop where it is installed."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--events", type=int, default=40)
+    parser.add_argument("--gap-ms", type=float, default=1.0)
+    args, _ = parser.parse_known_args(argv)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: FastUpstream(args.model, args.events, args.gap_ms / 1000),
+                                          args.host, args.port)
+        print(f"fast upstream on {args.host}:{server.sockets[0].getsockname()[1]}", flush=True)
+        await server.serve_forever()
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())

@@ -116,6 +116,7 @@ class ProxyProcess:
         self.env: dict[str, str] = {}   # extra environment for the proxy process
         self.seen_pids: set[int] = set()
         self.log_path = self.state_dir / "proxy.log"
+        self.cwd = REPO   # the source tree whose proxy runs (a benchmark may run another's beside it)
 
     @property
     def url(self) -> str:
@@ -131,7 +132,7 @@ class ProxyProcess:
             argv.append("--keep-models")
         env = {**os.environ, "LLM_POOL_LOCAL_SETTINGS_PATH": str(self.state_dir / "no-local.yaml"), **self.env}
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(argv, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         wait_for(self._answers, what=f"the proxy on {self.url} (log: {self.log_path})")
         self._remember_supervisord()
         return self

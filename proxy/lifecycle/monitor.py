@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -253,6 +253,12 @@ class Monitor:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "program no longer known to supervisord")
             return
         pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid)
+        # A replica is checked from the moment its process exists, so it can be READY while
+        # supervisord still says STARTING (its startsecs): that is the same process, running.
+        process_state = ProcessState.RUNNING if (
+            info.state == ProcessState.STARTING and state in (ReplicaState.READY, ReplicaState.UNHEALTHY)
+            and not pid_changed and info.pid == replica.pid) else info.state
+        info = replace(info, state=process_state)
         if pid_changed or (state in (ReplicaState.READY, ReplicaState.UNHEALTHY) and
                            info.state in EXITED_STATES + (ProcessState.STARTING,)):
             note_exit(replica)  # a process that keeps crashing is ejected like one that keeps failing

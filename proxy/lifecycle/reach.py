@@ -29,9 +29,10 @@ class Reach(Protocol):
     def url(self, path: str) -> str: ...
 
     async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
-                   timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+                   timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> aiohttp.ClientResponse:
         """Send one OpenAI request. A refused or reset connection propagates (the replica died since
-        it was picked); anything a kind handles itself becomes a PoolError."""
+        it was picked); anything a kind handles itself becomes a PoolError. `raw`: the client's own
+        bytes of `payload`, which a kind may send as they are where it would not change a thing."""
         ...
 
     def describe(self) -> dict[str, object]: ...
@@ -53,8 +54,13 @@ class ProgramReach:
         return self.base_url + path
 
     async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
-                   timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
-        body = json.dumps({**without_proxy_fields(payload, NOT_FOR_PROGRAMS), "model": self.served_model}).encode()
+                   timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> aiohttp.ClientResponse:
+        if raw is not None and payload.get("model") == self.served_model and \
+                not any(k in payload for k in NOT_FOR_PROGRAMS):
+            # Nothing to rewrite: the client's bytes go as they came, not decoded and encoded again.
+            body = raw
+        else:
+            body = json.dumps({**without_proxy_fields(payload, NOT_FOR_PROGRAMS), "model": self.served_model}).encode()
         if self.read_timeout_s is not None:
             timeout = aiohttp.ClientTimeout(total=timeout.total, sock_connect=timeout.sock_connect,
                                             sock_read=self.read_timeout_s)

@@ -151,8 +151,9 @@ class RemoteReach:
                             code="backend_error", status=status)
 
     async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
-                   timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+                   timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> aiohttp.ClientResponse:
         """Map, resolve files, send; retry connection errors, 429 and 5xx within remote_timeout_s.
+        (`raw` is not used: a provider's request always differs from the client's, in `model` at least.)
 
         The caller's timeout is for local programs; a provider gets remote_timeout_s for a whole
         answer, or for each chunk of a stream. Only a success is returned; a provider's error

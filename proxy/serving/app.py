@@ -48,9 +48,9 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         model = request.get(MODEL)
         if model is not None:
             metrics = request.app[METRICS]
-            metrics.requests.labels(model, request.path, status, _error_code(request, response),
-                                    metrics.key_label(request.get(FAIRNESS_KEY))).inc()
-            metrics.latency.labels(model, request.path).observe(time.perf_counter() - started)
+            metrics.child(metrics.requests, model, request.path, status, _error_code(request, response),
+                          metrics.key_label(request.get(FAIRNESS_KEY))).inc()
+            metrics.child(metrics.latency, model, request.path).observe(time.perf_counter() - started)
 
 
 def _error_code(request: web.Request, response: web.StreamResponse | None) -> str:

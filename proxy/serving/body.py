@@ -29,6 +29,12 @@ REQUIRED: dict[str, tuple[str, tuple[type, ...], str]] = {
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
+    return (await read_body(request))[0]
+
+
+async def read_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
+    """The request's JSON object, and the bytes it was read from (forwarded as they are where
+    nothing in them must change)."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -42,9 +48,10 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise BadRequest("request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
-    if _deeper_than(body, MAX_JSON_DEPTH):
+    # A document cannot be nested deeper than it has brackets: most bodies need no walk at all.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
         raise _too_deep()
-    return body
+    return body, raw
 
 
 def _too_deep() -> BadRequest:

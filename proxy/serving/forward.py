@@ -92,10 +92,12 @@ def label(replica: Replica) -> str:
 @contextlib.asynccontextmanager
 async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
                    payload: dict[str, Any], request_id: str, timeouts: Timeouts,
-                   affinity: str | None = None) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
+                   affinity: str | None = None,
+                   raw: bytes | None = None) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
     """POST `payload` to a READY replica that has room (the least loaded, or the one its `affinity`
     key belongs to: ModelRuntime.pick_replica) and yield its response once its headers arrive
-    (within first_byte_timeout_s, else 504 `backend_timeout`).
+    (within first_byte_timeout_s, else 504 `backend_timeout`). `raw`: the client's bytes of
+    `payload`, for a replica's reach to send as they are when it changes nothing.
 
     Sent to another replica only when the first did not take the request: the connection was
     refused, the replica's process died before any answer, or a server of ours answered 503 (it
@@ -126,7 +128,7 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
         send = _Send()
         try:
             try:
-                resp = await within(_post(send, http, replica, path, payload, request_id),
+                resp = await within(_post(send, http, replica, path, payload, request_id, raw),
                                     max(0.0, deadline - loop.time()))
             except aiohttp.ClientConnectorError as exc:
                 monitor.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
@@ -174,7 +176,7 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
 
 
 async def _post(send: _Send, http: aiohttp.ClientSession, replica: Replica, path: str, payload: dict[str, Any],
-                request_id: str) -> aiohttp.ClientResponse:
+                request_id: str, raw: bytes | None) -> aiohttp.ClientResponse:
     """Send to the replica; if that failed on a reused connection before any answer, once more on a
     new one. A server closes a kept-alive connection at its keep-alive timeout and (the pinned
     llama-server, measured) after every streamed answer; a pool can hand out such a connection
@@ -185,7 +187,7 @@ async def _post(send: _Send, http: aiohttp.ClientSession, replica: Replica, path
     assert replica.reach is not None
     token = _SEND.set(send)
     try:
-        return await replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT)
+        return await replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT, raw)
     except CLOSED_UNDER_US as exc:
         if isinstance(exc, aiohttp.ClientConnectorError) or not send.reused:
             raise
@@ -194,14 +196,15 @@ async def _post(send: _Send, http: aiohttp.ClientSession, replica: Replica, path
     finally:
         _SEND.reset(token)
     send.second = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
-    return await replica.reach.post(send.second, path, payload, request_id, UPSTREAM_TIMEOUT)
+    return await replica.reach.post(send.second, path, payload, request_id, UPSTREAM_TIMEOUT, raw)
 
 
 async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: dict[str, Any],
-                  affinity: str | None = None) -> web.StreamResponse:
+                  affinity: str | None = None, raw: bytes | None = None) -> web.StreamResponse:
     """Pass an OpenAI request through to a replica and its answer back, streams as they arrive.
     `key` is the request's fairness key, `affinity` its affinity key (proxy/serving/affinity_key.py);
-    the proxy-only fields are dropped by the replica's reach."""
+    the proxy-only fields are dropped by the replica's reach. `raw`: the bytes `body` was read
+    from, sent as they are where the reach changes nothing."""
     request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
     monitor = request.app[POOL].monitor
     cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
@@ -211,7 +214,7 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
         request.app[METRICS].observe_wait(runtime.name, time.perf_counter() - enqueued, cold)
         timeouts = Timeouts.of(request.app[SETTINGS].service, runtime.model)
         async with upstream(monitor, request.app[HTTP], runtime, request.path, body, request_id,
-                            timeouts, affinity) as (replica, resp):
+                            timeouts, affinity, raw) as (replica, resp):
             request[REPLICA] = replica
             return await _relay(request, monitor, replica, resp, request_id, timeouts)
 
@@ -257,7 +260,7 @@ async def _relay(request: web.Request, monitor: Monitor, replica: Replica, upstr
         # Whatever bytes arrived, so each token reaches the client as it is made.
         async for chunk in chunks(upstream, timeouts, label(replica)):
             if not last:
-                metrics.ttft.labels(replica.model, request.path).observe(time.perf_counter() - request[STARTED])
+                metrics.child(metrics.ttft, replica.model, request.path).observe(time.perf_counter() - request[STARTED])
             oldest, older, last = older, last, chunk
             try:
                 await out.write(chunk)

@@ -46,8 +46,14 @@ def request_image_urls(body: dict[str, Any]) -> Iterator[tuple[str, str]]:
         yield from image_urls([{"content": body["input"]}], "input")
 
 
-async def check_image_urls(body: dict[str, Any], model: ModelConfig) -> None:
-    """Raise 400 `image_url_not_allowed`, naming the rule, for the first URL the model may not get."""
+async def check_image_urls(body: dict[str, Any], model: ModelConfig, raw: bytes | None = None) -> None:
+    """Raise 400 `image_url_not_allowed`, naming the rule, for the first URL the model may not get.
+
+    `raw`, the bytes `body` was read from, spares the walk of a body that holds no image: every
+    image item names `image` (`image_url`, `input_image`), unless spelled with JSON escapes (`\\u`),
+    which are walked as well."""
+    if raw is not None and b"image" not in raw and b"\\u" not in raw:
+        return
     for param, url in request_image_urls(body):
         await check_url(url, model, param)
 

@@ -164,6 +164,10 @@ class ProxyMetrics:
         self.output_tokens = Counter("llm_pool_output_tokens", "Output tokens, as the backend's usage reports",
                                      ["model", "key"], registry=r)
         self.named_keys: frozenset[str] = frozenset()
+        # Each metric's children, bound once per label values: prometheus-client's labels() checks
+        # and locks on every call, which was a measurable share of a request's CPU. Bounded as the
+        # labels are (configured models, endpoints, statuses, known codes, named keys).
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
 
     def watch(self, pool: Pool) -> None:
         self.named_keys = frozenset(str(k) for k in (pool.settings.fairness.get("weights") or {}))
@@ -171,9 +175,16 @@ class ProxyMetrics:
 
     def observe_wait(self, model: str, waited_s: float, cold: bool) -> None:
         """A request's wait for its slot; `cold`: it arrived while its model was not loaded."""
-        self.queue_wait.labels(model).observe(waited_s)
+        self.child(self.queue_wait, model).observe(waited_s)
         if cold:
-            self.load_wait.labels(model).observe(waited_s)
+            self.child(self.load_wait, model).observe(waited_s)
+
+    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """`metric.labels(*labels)`, bound once (see _children)."""
+        found = self._children.get((metric, labels))
+        if found is None:
+            found = self._children[(metric, labels)] = metric.labels(*labels)
+        return found
 
     def key_label(self, key: str | None) -> str:
         return key if key is not None and key in self.named_keys else OTHER_KEY
@@ -188,7 +199,7 @@ class ProxyMetrics:
         for counter, value in ((self.prompt_tokens, prompt), (self.cached_tokens, cached),
                                (self.output_tokens, output)):
             if isinstance(value, (int, float)) and value > 0:
-                counter.labels(model, key).inc(value)
+                self.child(counter, model, key).inc(value)
 
     def count_response(self, model: str, key: str, metrics: Mapping[str, Any], first_text_s: float | None,
                        replica: Replica | None = None) -> None:
@@ -200,9 +211,9 @@ class ProxyMetrics:
         self.count_usage(model, key, usage, replica)
         wait = metrics.get("engine_queue_wait_ms")
         if wait is not None:
-            self.queue_wait.labels(model).observe(wait / 1000)
+            self.child(self.queue_wait, model).observe(wait / 1000)
         if first_text_s is not None:
-            self.ttft.labels(model, "/v1/responses").observe(first_text_s)
+            self.child(self.ttft, model, "/v1/responses").observe(first_text_s)
 
 
 def usage_in(raw: bytes) -> dict[str, Any] | None:

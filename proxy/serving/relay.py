@@ -64,6 +64,64 @@ async def within(awaitable: Awaitable[T], seconds: float | None) -> T:
         return await awaitable
 
 
+class _Stalled(Exception):
+    """Raised by ReadWatch into a read that ran past its limit."""
+
+
+class ReadWatch:
+    """The time limits of one response's reads, with one timer for all of them instead of one
+    asyncio.timeout per read (a timer scheduled and cancelled per stream chunk was a measurable
+    share of the relay's CPU). Each read must end within its limit: the first within `first`, each
+    next one within `idle`; the time between reads (the relay writing to its client) does not
+    count, as before. A read past its limit raises BackendTimeout naming the setting, and the
+    connection is closed so the backend stops."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, label: str, first: tuple[float, str],
+                 idle: tuple[float, str]) -> None:
+        self.resp = resp
+        self.label = label
+        self.limit, self.setting = first
+        self.idle = idle
+        self.since: float | None = None   # when the read in progress began
+        self.loop = asyncio.get_running_loop()
+        self.timer: asyncio.TimerHandle | None = None
+
+    async def read(self, awaitable: Awaitable[T]) -> T:
+        now = self.since = self.loop.time()
+        due = now + self.limit
+        if self.timer is None or self.timer.when() > due:
+            # The first read, or the first after a longer first-byte limit: the timer must not be late.
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = self.loop.call_at(due, self._check)
+        try:
+            return await awaitable
+        except _Stalled:
+            raise timed_out(self.label, self.limit, self.setting) from None
+        finally:
+            self.since = None
+            self.limit, self.setting = self.idle
+
+    def _check(self) -> None:
+        if self.resp.closed and self.since is None:
+            self.timer = None   # the answer is over; nothing left to watch
+            return
+        now = self.loop.time()
+        if self.since is None:
+            self.timer = self.loop.call_at(now + self.limit, self._check)
+        elif now >= self.since + self.limit:
+            self.timer = None
+            self.resp.content.set_exception(_Stalled())
+            self.resp.close()
+        else:
+            self.timer = self.loop.call_at(self.since + self.limit, self._check)
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
 def excerpt(raw: bytes) -> str:
     text = raw[:EXCERPT_CHARS * 4].decode(errors="replace").strip()
     text = " ".join(text.split())
@@ -81,18 +139,19 @@ async def read_capped(resp: aiohttp.ClientResponse, timeouts: Timeouts, limit: i
         resp.close()
         raise too_large(label, limit)
     buf = bytearray()
-    while True:
-        try:
-            chunk = await within(resp.content.readany(), timeouts.idle_s)
-        except asyncio.TimeoutError:
-            resp.close()
-            raise timed_out(label, timeouts.idle_s, "stream_idle_timeout_s") from None
-        if not chunk:
-            return bytes(buf)
-        buf += chunk
-        if len(buf) > limit:
-            resp.close()
-            raise too_large(label, limit)
+    idle = (timeouts.idle_s, "stream_idle_timeout_s")
+    watch = ReadWatch(resp, label, idle, idle)
+    try:
+        while True:
+            chunk = await watch.read(resp.content.readany())
+            if not chunk:
+                return bytes(buf)
+            buf += chunk
+            if len(buf) > limit:
+                resp.close()
+                raise too_large(label, limit)
+    finally:
+        watch.close()
 
 
 def too_large(label: str, limit: int) -> BackendError:
@@ -100,29 +159,25 @@ def too_large(label: str, limit: int) -> BackendError:
                         code="backend_response_too_large")
 
 
-async def _next(resp: aiohttp.ClientResponse, read: Awaitable[T], first: bool, timeouts: Timeouts,
-                label: str) -> T:
-    """One read of a stream: the first within first_byte_timeout_s, each next one within
+def stream_watch(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str) -> ReadWatch:
+    """A stream's reads: the first within first_byte_timeout_s, each next one within
     stream_idle_timeout_s; on expiry the upstream connection is closed so the backend stops."""
-    seconds, setting = (timeouts.first_byte_s, "first_byte_timeout_s") if first else \
-        (timeouts.idle_s, "stream_idle_timeout_s")
-    try:
-        return await within(read, seconds)
-    except asyncio.TimeoutError:
-        resp.close()
-        raise timed_out(label, seconds, setting) from None
+    return ReadWatch(resp, label, (timeouts.first_byte_s, "first_byte_timeout_s"),
+                     (timeouts.idle_s, "stream_idle_timeout_s"))
 
 
 async def chunks(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str) -> AsyncIterator[bytes]:
     """A stream's bytes as they arrive, the first within first_byte_timeout_s and each next one
     within stream_idle_timeout_s."""
-    first = True
-    while True:
-        chunk = await _next(resp, resp.content.readany(), first, timeouts, label)
-        if not chunk:
-            return
-        first = False
-        yield chunk
+    watch = stream_watch(resp, timeouts, label)
+    try:
+        while True:
+            chunk = await watch.read(resp.content.readany())
+            if not chunk:
+                return
+            yield chunk
+    finally:
+        watch.close()
 
 
 async def sse_data(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str) -> AsyncIterator[dict[str, Any]]:
@@ -131,33 +186,35 @@ async def sse_data(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str)
     The stream's contract is checked: a chunk that is not a JSON object, an `error` event, or an
     end without `data: [DONE]` raises BackendError, so a broken stream is never taken for a
     finished one."""
-    first = True
     error_event = False
-    while True:
-        try:
-            line = await _next(resp, resp.content.readline(), first, timeouts, label)
-        except ValueError:  # a line over aiohttp's limit
-            raise BackendError(f"{label} sent a stream line too long to be an SSE event") from None
-        if not line:
-            raise BackendError(f"{label} ended its stream without [DONE]")
-        first = False
-        if line.startswith(b"event:"):
-            error_event = line[6:].strip() == b"error"
-            continue
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return
-        try:
-            chunk = json.loads(data)
-        except (ValueError, RecursionError):
-            raise BackendError(f"{label} sent a malformed stream chunk: {excerpt(data)!r}") from None
-        if not isinstance(chunk, dict):
-            raise BackendError(f"{label} sent a stream chunk that is not a JSON object: {excerpt(data)!r}")
-        if error_event or "error" in chunk:  # llama-server sends `data: {"error": ...}` and ends the stream
-            raise backend_error(500, data, label, mid_stream=True)
-        yield chunk
+    watch = stream_watch(resp, timeouts, label)
+    try:
+        while True:
+            try:
+                line = await watch.read(resp.content.readline())
+            except ValueError:  # a line over aiohttp's limit
+                raise BackendError(f"{label} sent a stream line too long to be an SSE event") from None
+            if not line:
+                raise BackendError(f"{label} ended its stream without [DONE]")
+            if line.startswith(b"event:"):
+                error_event = line[6:].strip() == b"error"
+                continue
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            try:
+                chunk = json.loads(data)
+            except (ValueError, RecursionError):
+                raise BackendError(f"{label} sent a malformed stream chunk: {excerpt(data)!r}") from None
+            if not isinstance(chunk, dict):
+                raise BackendError(f"{label} sent a stream chunk that is not a JSON object: {excerpt(data)!r}")
+            if error_event or "error" in chunk:  # llama-server sends `data: {"error": ...}` and ends the stream
+                raise backend_error(500, data, label, mid_stream=True)
+            yield chunk
+    finally:
+        watch.close()
 
 
 def backend_error(status: int, raw: bytes, label: str, retry_after: str | None = None,

@@ -8,7 +8,7 @@ from proxy.errors import BadRequest
 from proxy.lifecycle.replicas import ModelState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.serving.affinity_key import affinity_key
-from proxy.serving.body import check_required, fairness_key, read_json, requested_model, servable
+from proxy.serving.body import check_required, fairness_key, read_body, requested_model, servable
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import METRICS, POOL
@@ -20,15 +20,15 @@ PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
+    body, raw = await read_body(request)
     runtime = servable(request, request.app[POOL], requested_model(body), body)
     check_required(request.path, body)
     if request.path == "/v1/embeddings" and not runtime.capabilities().embeddings:
         # Without this the backend's own 501 would reach the client, after taking a slot.
         raise embeddings_unsupported(runtime)
-    await check_image_urls(body, runtime.model)
+    await check_image_urls(body, runtime.model, raw)
     return await forward(request, runtime, fairness_key(request, body), body,
-                         affinity_key(runtime, request.path, request.headers, body))
+                         affinity_key(runtime, request.path, request.headers, body), raw)
 
 
 def embeddings_unsupported(runtime: ModelRuntime) -> BadRequest:

@@ -9,6 +9,7 @@ import asyncio
 import fcntl
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 from typing import IO
@@ -102,14 +103,18 @@ async def ensure_supervisord(settings: Settings, client: SupervisorClient) -> bo
     # A socket file left by a supervisord that died would make the new one refuse to start.
     settings.socket_path.unlink(missing_ok=True)
     # supervisord passes its environment on to every model server: it gets only what those may see.
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "supervisor.supervisord", "-c", str(path),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-        env=model_server_environ(settings, os.environ))
-    # supervisord daemonizes: this parent returns at once; a non-zero exit means it refused to start.
-    _, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise SupervisorError(f"supervisord failed to start (exit {proc.returncode}): {err.decode().strip()}")
+    # Its stderr goes to a file, not a pipe: a pipe's end of file waits for every holder of its write
+    # end, and on uvloop the daemonized supervisord still held one (measured: the proxy never started).
+    with tempfile.TemporaryFile() as stderr:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "supervisor.supervisord", "-c", str(path),
+            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+            env=model_server_environ(settings, os.environ))
+        # supervisord daemonizes: this parent returns at once; a non-zero exit means it refused to start.
+        if await proc.wait() != 0:
+            stderr.seek(0)
+            raise SupervisorError(f"supervisord failed to start (exit {proc.returncode}): "
+                                  f"{stderr.read().decode(errors='replace').strip()}")
     deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
     while not await client.ping():
         if asyncio.get_running_loop().time() > deadline:

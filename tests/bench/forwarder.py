@@ -5,7 +5,7 @@ comes back with its status and content type, streamed chunk by chunk as it arriv
 queues, no metrics: what any aiohttp proxy pays for the hop itself. Run as its own process, as the
 proxy is, so that both are measured the same way.
 
-    python tests/bench/forwarder.py --port 9000 --upstream http://127.0.0.1:8080
+    python tests/bench/forwarder.py --port 9000 --upstream http://127.0.0.1:8080 [--uvloop]
 """
 from __future__ import annotations
 
@@ -47,8 +47,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
+    parser.add_argument("--uvloop", action="store_true", help="on uvloop's event loop instead of asyncio's")
     args = parser.parse_args()
-    web.run_app(create_app(args.upstream), host="127.0.0.1", port=args.port, access_log=None, print=None)
+    loop = None
+    if args.uvloop:
+        import uvloop
+        loop = uvloop.new_event_loop()
+    web.run_app(create_app(args.upstream), host="127.0.0.1", port=args.port, access_log=None, print=None, loop=loop)
 
 
 if __name__ == "__main__":

@@ -229,3 +229,22 @@ async def test_a_supervisord_that_is_alive_but_slow_is_not_started_again(world: 
     managed = pool.monitor.managed = FakeManagedSupervisord(dead=False)
     await pool.monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
     assert managed.started == 0 and replica.state == ReplicaState.READY and fake.calls == []
+
+
+async def test_a_replica_ready_within_supervisords_startsecs_stays_ready(world: Any) -> None:
+    # Checked from the moment its process exists, a replica can pass before supervisord's startsecs
+    # are over: supervisord's STARTING for the same pid is that process running, not a restart.
+    _, runtime, replica, _ = world
+    assert await observe(world, STARTING, 100) == ReplicaState.READY
+    assert replica.restarts == 0 and runtime.admission.capacity == 2
+    assert await observe(world, STARTING, 103) == ReplicaState.STARTING     # a new process is a restart
+    assert replica.restarts == 1
+
+
+async def test_a_starting_replica_is_probed_before_supervisord_calls_it_running(world: Any) -> None:
+    pool, runtime, replica, _ = world
+    runtime.set_replica_state(replica, ReplicaState.STARTING)
+    replica.probe = None
+    await observe(world, STARTING, 100)
+    assert replica.probe is not None       # the health check of its process is under way
+    replica.probe.cancel()

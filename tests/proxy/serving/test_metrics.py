@@ -131,3 +131,17 @@ def test_every_name_the_dashboard_uses_is_exposed(pool: Pool) -> None:
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     used = {n for e in exprs for n in re.findall(r"\bllm_pool_[a-z0-9_]+", e)}
     assert len(used) >= 20 and used <= exposed, used - exposed
+
+
+def test_bound_children_count_into_the_registry_and_are_bound_once() -> None:
+    from prometheus_client import generate_latest
+
+    from proxy.serving.metrics import ProxyMetrics
+    metrics = ProxyMetrics()
+    child = metrics.child(metrics.prompt_tokens, "m", "other")
+    assert metrics.child(metrics.prompt_tokens, "m", "other") is child
+    assert metrics.child(metrics.prompt_tokens, "n", "other") is not child
+    metrics.count_usage("m", "other", {"prompt_tokens": 7})
+    metrics.count_usage("m", "other", {"prompt_tokens": 5})
+    text = generate_latest(metrics.registry).decode()
+    assert 'llm_pool_prompt_tokens_total{key="other",model="m"} 12.0' in text

@@ -112,3 +112,21 @@ def test_a_backend_refusal_is_the_clients_mistake_in_openais_words() -> None:
     assert (err.status, err.code, err.metric_code) == (422, "invalid_request_error", "invalid_request_error")
     assert "type must be string" in err.message
     assert backend_error(400, b"<html>bad</html>", "replica 0 of 'm'").code == "invalid_request_error"
+
+
+async def test_a_deep_body_is_refused_and_a_bracket_heavy_shallow_one_is_not() -> None:
+    from proxy.errors import BadRequest
+    from proxy.serving.body import read_body
+
+    class Request:   # what read_body reads of an aiohttp request
+        def __init__(self, raw: bytes) -> None:
+            self.raw = raw
+
+        async def read(self) -> bytes:
+            return self.raw
+
+    with pytest.raises(BadRequest, match="nested more than"):
+        await read_body(Request(b'{"a": ' + b"[" * 200 + b"]" * 200 + b"}"))  # type: ignore[arg-type]
+    wide = b'{"messages": [' + b", ".join([b"[]"] * 300) + b"]}"   # 600 brackets, 3 levels
+    body, raw = await read_body(Request(wide))  # type: ignore[arg-type]
+    assert raw == wide and len(body["messages"]) == 300
