@@ -71,10 +71,14 @@ class Admission:
 
     def reopen(self) -> None:
         """Take requests again after `close` or `hold` (the model loads again)."""
-        self._closed = None
+        self.accept()
         if self._held:
             self._held = False
             self._start(self.scheduler.set_capacity(self._capacity))
+
+    def accept(self) -> None:
+        """Let requests queue again after `close`; a `hold` stays: they wait for the next load."""
+        self._closed = None
 
     @property
     def closed(self) -> PoolError | None:

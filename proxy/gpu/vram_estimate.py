@@ -112,6 +112,9 @@ class Estimator:
                 est.not_counted.append(f"KV cache: no context configured and none in {arch.source}")
                 return
             ctx, ctx_field = arch.context_length, f"the model's context_length from {arch.source}"
+        if ctx_field == "llama_server_n_ctx" and model.target_inflight > 1:
+            # It is one request's context: llama-server gets --ctx-size n_ctx times its slots.
+            ctx, ctx_field = ctx * model.target_inflight, f"{ctx_field} x {model.target_inflight} slots"
         type_name, elem = _kv_type(model, arch)
         est.kv_cache_bytes = int(ctx * arch.kv_width * elem)
         est.counted.append(f"KV cache: {ctx} tokens ({ctx_field}) x {arch.layers} layers x "

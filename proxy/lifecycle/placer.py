@@ -128,7 +128,9 @@ class Placer:
         room = room_for(runtime.name, self.views(), self.limits(), now, may_evict_busy=True)
         if room.too_large is not None:
             raise too_large(runtime.name, room.too_large)
-        runtime.admission.reopen()
+        # Queue, never reopen: a model being evicted holds its queue until its next load, and a
+        # slot granted now would keep it from ever draining.
+        runtime.admission.accept()
 
     # -- the plan, carried out ------------------------------------------------------------------
 
@@ -227,6 +229,11 @@ class Placer:
     async def _unload(self, pool: "Pool", name: str, reason: str) -> None:
         try:
             await pool.unload_by_pool(name, reason)
+        except Conflict:
+            # No longer loaded (another unload got there first): once that one has ended, its
+            # memory is free. An unload holds the model's lock until its processes are gone.
+            async with self.models[name].lock:
+                pass
         except Exception as exc:
             log.error("model %s: %s unload failed: %s", name, reason, exc)
             raise

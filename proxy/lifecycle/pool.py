@@ -97,9 +97,10 @@ class Pool:
         by models no longer configured are stopped and removed."""
         running = {i.group for i in self.programs.processes.values() if i.state == ProcessState.RUNNING}
         for runtime in self.models.values():
-            if runtime.config.enabled or any(replica_index(runtime.name, g) is not None for g in running):
+            adopting = any(replica_index(runtime.name, g) is not None for g in running)
+            if runtime.config.enabled or adopting:
                 self.startup_pending.add(runtime.name)
-                self._spawn(self._load_at_startup(runtime.name))
+                self._spawn(self._load_at_startup(runtime.name, adopting))
         self._spawn(self._remove_orphans())
 
     async def _remove_orphans(self) -> None:
@@ -152,14 +153,18 @@ class Pool:
         return await self._load(name, None, reason="on_demand", evict=evict)
 
     async def _load(self, name: str, overrides: Mapping[str, Any] | None = None, reason: str = "startup",
-                    evict: tuple[str, ...] | None = None) -> ModelRuntime:
+                    evict: tuple[str, ...] | None = None, adopting: bool = False) -> ModelRuntime:
         """Load (`reason`: startup, admin, on_demand). `evict`: what placement already decided to
         evict for it; None passes the admission here (placer.admit), which may refuse it."""
         runtime = self.get(name)
         config = runtime.config.with_overrides(overrides or {})
         try:
             async with runtime.lock:
-                return await self._load_locked(runtime, config, reason, evict)
+                loaded = await self._load_locked(runtime, config, reason, evict)
+            # Its idle time counts from its load; an adopted model's from its last use before the restart.
+            if not (adopting and runtime.last_used):
+                runtime.admission.last_used = max(runtime.admission.last_used, time.time())
+            return loaded
         except Exception as exc:
             # Requests that queued for it meanwhile (it loads on demand) learn why; an on-demand
             # load's waiters get the error with its back-off from the placer instead.
@@ -330,15 +335,16 @@ class Pool:
             self.models[name].load_retry = None
             log.info("model %s: no more load retries, an admin loads or unloads it", name)
 
-    async def _load_at_startup(self, name: str) -> None:
+    async def _load_at_startup(self, name: str, adopting: bool = False) -> None:
         """Load a model at startup; a failure that can pass without an edit (worth_retrying) is tried
-        again after retry_delay, for as long as it fails, until an admin loads or unloads the model."""
+        again after retry_delay, for as long as it fails, until an admin loads or unloads the model.
+        `adopting`: its replicas run already; their memory is in use, so it is not admitted again."""
         runtime = self.models[name]
         retry = self._retries[name] = LoadRetry()
         try:
             while True:
                 try:
-                    await self._load(name)
+                    await self._load(name, reason="startup", evict=() if adopting else None, adopting=adopting)
                     return
                 except Exception as exc:
                     # A load refused before it began (e.g. not loadable) left no error on the model: /ready shows it.

@@ -2,8 +2,9 @@
 llm-pool's scheduler and, in the same run, against a plain policy; then the pool's own cost of a
 cold start.
 
-The models are the tiny GGUF served by real llama-server replicas, each with a KV cache that makes
-it about 150 MiB (PSS), so that a CPU budget of 350 MiB holds two. The trace is open-loop and
+The models are the tiny GGUF served by real llama-server replicas with 2 slots of 262144 tokens
+each: a KV cache of 256 MiB, about 290 MiB of PSS (320 with the margin), so that a CPU budget of
+700 MiB holds two, by the estimate and by the measurement alike. The trace is open-loop and
 seeded: Zipf-like popularity over the 4 models (0.55, 0.25, 0.12, 0.08), Poisson arrivals, and a
 few bursts (a dozen requests for one model at once, the rarer models too). Policies:
 
@@ -48,7 +49,7 @@ from proxy.setup.llama_build import build_llama_server  # noqa: E402
 MODELS = ("a", "b", "c", "d")
 POPULARITY = (0.55, 0.25, 0.12, 0.08)
 BIG_CTX = 262144
-BUDGET_MIB = 350
+BUDGET_MIB = 700
 CHAT = [{"role": "user", "content": "hello"}]
 
 

@@ -204,7 +204,11 @@ def test_pinned_models_are_never_evicted_and_a_model_that_cannot_fit_is_refused_
 
 
 def test_an_idle_model_is_unloaded_after_idle_unload_s_and_a_pinned_one_is_not(start_proxy, big) -> None:
-    proxy = pool(start_proxy, {"pinned": big(pinned=True, idle_unload_s=0.5), "a": big(idle_unload_s=0.5)})
+    proxy = pool(start_proxy, {"pinned": big(pinned=True, idle_unload_s=0.5), "a": big(idle_unload_s=0.5),
+                               "boot": big(enabled=True, idle_unload_s=3600, llama_server_n_ctx=4096)},
+                 budget_mib=450)
+    boot = proxy.wait_state("boot", "loaded")
+    assert boot["last_used"] is not None       # its idle time counts from its load at startup, not from 1970
     assert ask(proxy, "pinned")[0] == 200
     assert ask(proxy, "a")[0] == 200
     proxy.wait_state("a", "unloaded")
@@ -213,12 +217,15 @@ def test_an_idle_model_is_unloaded_after_idle_unload_s_and_a_pinned_one_is_not(s
     assert proxy.admin_model("a")["unloads"] == {"idle": 1}
     assert ask(proxy, "a")[0] == 200          # and loads again on the next request
     assert proxy.admin_model("a")["loads"] == {"on_demand": 2}
+    assert proxy.admin_model("boot")["state"] == "loaded"
 
 
 def test_insufficient_memory_when_only_busy_models_hold_the_room(start_proxy, big) -> None:
     proxy = start_proxy({"a": big(), "b": big(), "c": big()},
                         engine={"lifecycle": {"memory": {"cpu_budget_mib": BUDGET_MIB}, "swap_max_wait_s": 3600},
                                 "fairness": {"max_queue_wait_s": 2}})
+    for name in "ab":    # loaded first: their own loads are not what the short queue wait is for
+        assert http("POST", proxy.url + f"/v1/admin/models/{name}/load")[0] == 200
     with open_stream(proxy, "a"), open_stream(proxy, "b"):
         status, headers, body = ask(proxy, "c")
         assert (status, body["error"]["code"]) == (503, "insufficient_memory")
@@ -284,10 +291,15 @@ def test_the_swap_bound_stops_a_resident_model_from_holding_a_cold_one_for_longe
         wait_for(lambda: proxy.admin_model("a")["state"] == "unloading", what="a to be swapped out")
         lines = [running.readline() for _ in range(40)]
         assert all(line.startswith(b"data: {") or line == b"\n" for line in lines), lines
-        assert proxy.admin_model("a")["state"] == "unloading" and proxy.admin_model("a")["waiting"] == 3
-    for t in a_queue + b:
+        # A request for a while it is swapped out joins its queue: it takes no slot, or a popular
+        # model would never drain.
+        late = in_threads([send("a")])
+        wait_for(lambda: proxy.admin_model("a")["waiting"] == 4, what="the late request to queue")
+        model = proxy.admin_model("a")
+        assert (model["state"], model["active"], model["capacity"]) == ("unloading", 1, 0)
+    for t in a_queue + b + late:
         t.join(300)
     # b went first: without the bound it would have waited for all of a's queue.
-    assert done[0] == ("b", 200) and sorted(done[1:]) == [("a", 200)] * 3, done
+    assert done[0] == ("b", 200) and sorted(done[1:]) == [("a", 200)] * 4, done
     assert proxy.admin_model("a")["unloads"] == {"evicted": 1}
     assert proxy.admin_model("a")["loads"] == {"on_demand": 2}

@@ -177,6 +177,7 @@ async def test_hold_keeps_the_waiters_and_reopen_serves_them() -> None:
     await asyncio.sleep(0)
     assert not waiter.done() and adm.waiting == 1 and adm.active == 0
     adm.set_capacity(1)             # capacity from replicas is remembered, not applied while held
+    adm.accept()                    # a new request for the model may queue: still held
     await asyncio.sleep(0)
     assert not waiter.done()
     adm.reopen()

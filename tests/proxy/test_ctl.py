@@ -202,3 +202,17 @@ async def test_models_json_after_the_command_prints_json(upstream: Upstream) -> 
     upstream.answers["/v1/admin/models"] = lambda r: web.json_response({"object": "list", "data": [MODEL]})
     code, out = await run_ctl(upstream, "models", "--json")
     assert code == 0 and out.startswith("{") and '"qwen"' in out
+
+
+def test_models_table_shows_idle_time_and_pinned() -> None:
+    rows = [{"id": "coder", "state": "loaded", "replicas": [], "idle_for_s": 754.0, "idle_unload_s": 900, "pinned": False},
+            {"id": "gemma", "state": "loaded", "replicas": [], "idle_for_s": 5.2, "idle_unload_s": None, "pinned": True},
+            {"id": "busy", "state": "loaded", "replicas": [], "idle_for_s": None, "pinned": False},
+            {"id": "cold", "state": "unloaded", "replicas": [], "idle_for_s": 3.0, "pinned": False,
+             "backoff": {"attempts": 2, "next_attempt_in_s": 8.0}}]
+    header, coder, gemma, busy, cold = ctl.models_table(rows).splitlines()
+    assert "IDLE" in header.split() and "PINNED" in header.split()
+    assert "13m/900s" in coder.split() and "yes" not in coder.split()
+    assert "5s" in gemma.split() and "yes" in gemma.split()
+    assert "-" in busy.split()
+    assert "(backing off, next load in 8s)" in cold

@@ -104,3 +104,13 @@ def test_metadata_is_read_once_per_file_version(tmp_path: Path, monkeypatch) -> 
     first = estimator.estimate(model(model_path=str(gguf), llama_server_n_ctx=1024))
     second = estimator.estimate(model(model_path=str(gguf), llama_server_n_ctx=1024))
     assert len(calls) == 1 and first.kv_cache_bytes == second.kv_cache_bytes > 0
+
+
+def test_llama_servers_kv_cache_is_its_per_request_context_times_its_slots(tiny_gguf: Path) -> None:
+    def kv(slots: int) -> int:
+        model = ModelConfig(name="m", backend="llama_server", enabled=False, replicas=1, replica_max=1,
+                            target_inflight=slots, modalities=("text",), gpus=(),
+                            options={"model_path": str(tiny_gguf), "llama_server_n_ctx": 4096})
+        return Estimator().estimate(model).kv_cache_bytes
+
+    assert kv(2) == 2 * kv(1) and kv(4) == 4 * kv(1)
