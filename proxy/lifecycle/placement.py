@@ -12,9 +12,11 @@ The rules (README: More models than memory):
   cheaper to reload (its last load was shorter) goes first. Nothing is evicted unless the load
   then fits.
 - A busy model (requests running or waiting) is evicted only when idle ones would not make room and
-  the oldest request for the cold model has waited `swap_max_wait_s`: until then the busy one serves
+  the oldest request for the cold model has waited the swap bound: until then the busy one serves
   what is queued for it (the swap-aware order: A B A A C costs three loads, not four), after that it
-  is drained and swapped out, so reordering never holds a request longer than the bound.
+  is drained and swapped out, so reordering never holds a request longer than the bound. The bound
+  is `swap_max_wait_s`, or the busy models' reload time where that is shorter: holding a request
+  longer than it takes to load the busy model again later saves nothing.
 - A model that would not fit even with only pinned models loaded is too large: refused at once.
 - Idle unload: a loaded, unpinned model with nothing running or waiting, `idle_unload_s` after its
   last use. Pinned models are never unloaded by the pool.
@@ -186,7 +188,8 @@ def plan(models: Iterable[ModelView], limits: Limits, now: float) -> Plan:
             wake(left)
 
     for demand in sorted((m for m in state.values() if m.wants_load), key=lambda m: -m.waited_s):
-        may_evict_busy = demand.waited_s >= limits.swap_max_wait_s
+        bound = swap_bound(state.values(), limits)
+        may_evict_busy = demand.waited_s >= bound
         room = room_for(demand.name, state.values(), limits, now, may_evict_busy)
         if room.too_large is not None:
             out.too_large[demand.name] = room.too_large
@@ -194,13 +197,22 @@ def plan(models: Iterable[ModelView], limits: Limits, now: float) -> Plan:
         if room.blocked is not None:
             out.waiting[demand.name] = room.blocked
             if not may_evict_busy:
-                wake(limits.swap_max_wait_s - demand.waited_s)
+                wake(bound - demand.waited_s)
             continue
         out.loads.append((demand.name, room.evict))
         state[demand.name] = replace(demand, status="loading", wants_load=False)
         for victim in room.evict:   # they hold their memory until they are gone
             state[victim] = replace(state[victim], status="unloading")
     return out
+
+
+def swap_bound(models: Iterable[ModelView], limits: Limits) -> float:
+    """How long a cold model's oldest request waits while busy models serve their queues: the
+    configured bound, or the longest reload among the busy models that could be evicted if shorter
+    (each of them would have to be loaded again for its queue)."""
+    reloads = [m.reload_s for m in models
+               if m.status == "loaded" and m.busy and not m.pinned and m.reload_s is not None]
+    return min(limits.swap_max_wait_s, max(reloads)) if reloads else limits.swap_max_wait_s
 
 
 def _eviction_order(idle: list[ModelView], now: float) -> list[ModelView]:

@@ -13,7 +13,10 @@ few bursts (a dozen requests for one model at once, the rarer models too). Polic
   evict the least recently used, FIFO (fairness mode fifo, swap_max_wait_s 0: a request for another
   model swaps as soon as the running ones finish).
 
-Printed per policy: requests served and failed, loads, evictions, latency p50/p95/max.
+Printed per policy: requests served and failed, loads, evictions, latency p50/p95/max. The tiny
+model loads in a fraction of a second, where a real one takes seconds to minutes, which is what
+makes a swap expensive: `--load-delay S` starts each replica S seconds late (a wrapper that sleeps,
+then runs llama-server), so that a load costs what it would.
 
 The cold-start cost: a request for a cold model (streamed) from its arrival to its first byte,
 minus what the engine itself takes: its start-to-healthy time (the same llama-server command line
@@ -32,6 +35,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -51,6 +55,16 @@ POPULARITY = (0.55, 0.25, 0.12, 0.08)
 BIG_CTX = 262144
 BUDGET_MIB = 700
 CHAT = [{"role": "user", "content": "hello"}]
+
+
+def delayed(binary: Path, delay_s: float, folder: Path) -> Path:
+    """llama-server started `delay_s` late: a load that costs what a real model's would."""
+    if not delay_s:
+        return binary
+    wrapper = folder / "delayed-llama-server"
+    wrapper.write_text(f"#!/bin/sh\nsleep {delay_s}\nexec {binary} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
 
 
 def model(gguf: Path, binary: Path) -> dict[str, Any]:
@@ -193,18 +207,21 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=3.0, help="requests per second (Poisson)")
     parser.add_argument("--cold-starts", type=int, default=9)
     parser.add_argument("--seed", type=int, default=17)
+    parser.add_argument("--load-delay", type=float, default=2.0, help="seconds added to every load")
     args = parser.parse_args()
-    gguf = write_tiny_gguf(Path(__import__("tempfile").mkdtemp(prefix="lp-bench-")) / "tiny.gguf")
-    models = {m: model(gguf, build_llama_server()) for m in MODELS}
+    folder = Path(tempfile.mkdtemp(prefix="lp-bench-"))
+    gguf = write_tiny_gguf(folder / "tiny.gguf")
+    models = {m: model(gguf, delayed(build_llama_server(), args.load_delay, folder)) for m in MODELS}
     events = trace(args.duration, args.rate, args.seed)
-    print(f"trace: {len(events)} requests over {args.duration:g}s, 4 models, room for 2, seed {args.seed}")
+    print(f"trace: {len(events)} requests over {args.duration:g}s, 4 models, room for 2, seed {args.seed}, "
+          f"each load {args.load_delay:g}s longer than the tiny model's")
     print(f"{'policy':<10} {'served':>6} {'failed':>16} {'loads':>5} {'evict':>5} {'p50 s':>7} {'p95 s':>7} {'max s':>7}")
     for name in POLICIES:
         r = run_policy(name, models, events)
         failed = ",".join(f"{k}:{v}" for k, v in r["failed"].items()) or "0"
         print(f"{name:<10} {r['served']:>6} {failed:>16} {r['loads']:>5} {r['evictions']:>5} "
               f"{r['p50']:>7.2f} {r['p95']:>7.2f} {r['max']:>7.2f}")
-    rows = cold_starts(models, args.cold_starts)
+    rows = cold_starts({m: model(gguf, build_llama_server()) for m in MODELS}, args.cold_starts)
     print("\ncold start, per load (ms): arrival to first byte = engine start-to-healthy + warm first byte + pool")
     for row in rows:
         print(f"  cold {row['cold_ms']:7.1f}  engine start {row['engine_start_ms']:7.1f}  warm {row['warm_ms']:5.1f}"

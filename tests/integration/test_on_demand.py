@@ -255,9 +255,16 @@ def test_footprints_and_usage_times_survive_a_restart(big, proxies) -> None:
     assert cold["state"] == "unloaded" and cold["footprint"]["admitted_by"] == "measured"
 
 
-def test_swap_aware_order_a_b_a_a_c_costs_three_loads(start_proxy, big) -> None:
-    # Room for one model: every other load is a swap.
-    proxy = pool(start_proxy, {"a": big(), "b": big(), "c": big()}, budget_mib=200, swap_max_wait_s=3600)
+def test_swap_aware_order_a_b_a_a_c_costs_three_loads(start_proxy, big, llama_server_bin: Path,
+                                                      tmp_path: Path) -> None:
+    # Room for one model: every other load is a swap. Each load takes 3 s more, as a real model's
+    # does: the swap bound is never longer than reloading the busy model, and it must not be the
+    # tiny model's fraction of a second here.
+    slow = tmp_path / "slow-llama-server"
+    slow.write_text(f"#!/bin/sh\nsleep 3\nexec {llama_server_bin} \"$@\"\n")
+    slow.chmod(0o755)
+    proxy = pool(start_proxy, {n: big(llama_server_binary=str(slow)) for n in "abc"}, budget_mib=200,
+                 swap_max_wait_s=3600)
     statuses: list[tuple[str, int]] = []
 
     def send(name: str) -> Callable[[], None]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from proxy.lifecycle.placement import COUNT, MIB, Limits, ModelView, plan, room_for
 
 CPU = "cpu"
@@ -133,3 +135,12 @@ def test_swap_aware_order_keeps_serving_the_resident_model_until_the_bound() -> 
 def test_a_too_large_model_is_reported_not_loaded() -> None:
     out = plan([cold("huge", mib=200)], LIMITS, now=0)
     assert out.loads == [] and set(out.too_large) == {"huge"}
+
+
+def test_the_swap_bound_is_never_longer_than_reloading_the_busy_model() -> None:
+    limits = Limits(budgets={CPU: 50 * MIB}, swap_max_wait_s=10)
+    cheap = model("a", waiting=2, running=1, reload_s=0.5)
+    assert plan([cheap, cold("b", waited_s=0.4)], limits, now=100).wake_in_s == pytest.approx(0.1)
+    assert plan([cheap, cold("b", waited_s=0.6)], limits, now=100).loads == [("b", ("a",))]
+    slow = replace(cheap, reload_s=60)
+    assert plan([slow, cold("b", waited_s=9)], limits, now=100).loads == []
