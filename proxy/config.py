@@ -65,7 +65,7 @@ DEFAULT_MODEL = {"enabled": False, "replicas": 1, "target_inflight": 1, "modalit
 # and the load bound keeps that from costing balance. A model sets its own; engine.routing changes
 # the default for all.
 DEFAULT_ROUTING: dict[str, Any] = {"routing": "affinity", "affinity_max_imbalance": None,
-                                   "affinity_prefix_chars": 1024}
+                                   "affinity_max_wait_s": 1.0, "affinity_prefix_chars": 1024}
 
 # Fields that name files: relative values resolve against the base settings file's folder, so a
 # config means the same thing whatever the current directory of the process that reads it.

@@ -9,6 +9,13 @@ index, which survives its process restarting.
 The load bound keeps a popular key (or an unlucky spread) from piling onto one replica: the key's
 first replica is taken unless it is full or busier than the least loaded one by more than
 `max_imbalance`; then the next in the key's order that is neither (a spill).
+
+A full first replica that is still within the bound is waited for by a `patient` request (for
+affinity_max_wait_s, ModelRuntime.pick_replica's caller decides): when every replica is nearly
+full, whichever frees a slot first is a coin toss, and a request that takes it leaves its cache
+behind (a whole prefill there, and another conversation's prefix pushed out of that cache). The
+bound still holds while it waits: once another replica is idle enough that the first is beyond it,
+the request spills there.
 """
 from __future__ import annotations
 
@@ -48,11 +55,14 @@ class Choice:
     index: int          # the replica chosen
     home: int           # the key's first replica among the candidates
     spilled: bool       # the home replica was full or too busy, so another took the request
+    wait: bool = False  # the home replica is full but within the bound: wait for it (index == home)
 
 
-def choose(key: str, candidates: Sequence[Candidate], max_imbalance: float) -> Choice | None:
+def choose(key: str, candidates: Sequence[Candidate], max_imbalance: float, patient: bool = False) -> Choice | None:
     """The replica for `key`: the first in its order that has room and is at most `max_imbalance`
-    busier than the least loaded replica with room. None when no candidate has room."""
+    busier than the least loaded replica with room. None when no candidate has room. A `patient`
+    request whose first replica is full but at most `max_imbalance` busier than that least loaded
+    one gets Choice(wait=True) instead of a spill: it waits for a slot there."""
     if not candidates:
         return None
     with_room = [c for c in candidates if c.room]
@@ -61,11 +71,26 @@ def choose(key: str, candidates: Sequence[Candidate], max_imbalance: float) -> C
     floor = min(c.load for c in with_room)
     by_index = {c.index: c for c in candidates}
     ranked = order(key, list(by_index))
+    first = by_index[ranked[0]]
+    if patient and not first.room and first.load <= floor + max_imbalance:
+        return Choice(index=first.index, home=first.index, spilled=False, wait=True)
     for index in ranked:
         c = by_index[index]
         if c.room and c.load <= floor + max_imbalance:
             return Choice(index=index, home=ranked[0], spilled=index != ranked[0])
     raise AssertionError("unreachable: the least loaded replica with room always qualifies")
+
+
+@dataclass(eq=False)
+class Wait:
+    """One request's readiness to wait for its key's full replica (Choice.wait). Its caller sets
+    `patient` before each choice (whether affinity_max_wait_s is still ahead); the runtime sets
+    `waited` the first time it makes the request wait, so a wait is counted once however often the
+    request is woken to choose again, and `waiting` while it counts among the model's waiters."""
+
+    patient: bool = True
+    waited: bool = False
+    waiting: bool = False
 
 
 class KeyTable:

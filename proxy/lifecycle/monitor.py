@@ -347,6 +347,7 @@ class Monitor:
         replica.scrape = asyncio.create_task(self._scrape(replica, spec, spec.metrics))
 
     async def _scrape(self, replica: Replica, spec: ProgramSpec, metrics: EngineMetrics) -> None:
+        ours = replica.inflight
         try:
             async with self.http.get(replica.reach.url("/metrics"), headers=dict(spec.headers),
                                      timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
@@ -356,6 +357,7 @@ class Monitor:
         replica.scraped_at = time.monotonic()
         if replica.state == ReplicaState.READY:  # it may have left READY while the scrape was in flight
             replica.reported = read_gauges(text, metrics) if text else {}
+            replica.inflight_at_scrape = max(ours, replica.inflight)
 
     async def _log_tail(self, replica: Replica, length: int = 2000) -> str:
         try:

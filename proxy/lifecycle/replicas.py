@@ -93,6 +93,9 @@ class Replica:
     reported: dict[str, float] = field(default_factory=dict)
     scrape: asyncio.Task[None] | None = None
     scraped_at: float = 0.0
+    # The proxy's own requests there when `reported` was read (the most while the scrape ran): the
+    # backend's count beyond them is other clients' work, and only that outlives the reading.
+    inflight_at_scrape: int = 0
     checked_at: float = 0.0           # when its last health check while READY began
     # Outlier ejection (proxy/lifecycle/health.py): failed requests in a row, ejections in a row (for the
     # back-off), ejections ever, and until when the current one lasts.
@@ -111,9 +114,11 @@ class Replica:
     probe_failures: int = 0
     warmup_s: float | None = None
     # Affinity routing (proxy/lifecycle/affinity.py): requests it took as their key's own replica,
-    # and requests of its keys that went elsewhere because it was full or too busy (spills).
+    # requests of its keys that went elsewhere because it was full or too busy (spills), and
+    # requests of its keys that waited for it while it was full (they then took it or spilled).
     affinity_picks: int = 0
     affinity_spills: int = 0
+    affinity_waits: int = 0
     # What its answers' usage said of the engine's prefix cache: answers that reused cached prompt
     # tokens (hits), answers that reused none (misses), and the cached prompt tokens in all.
     cache_hits: int = 0
@@ -138,10 +143,13 @@ class Replica:
         return round(self.cache_hits / answers, 3) if answers else None
 
     def load(self) -> tuple[float, float]:
-        """How busy the replica is: the work at it (what the proxy sent, or what the backend reports
-        running and waiting if that is more, e.g. other clients), then its KV-cache use."""
+        """How busy the replica is: the work at it (what the proxy sent, plus what the backend reported
+        running and waiting beyond the proxy's own requests then, e.g. other clients), then its
+        KV-cache use. The reading is up to a scrape interval old: taken whole, it would keep a
+        replica whose requests just ended looking busy, and routing would shun it until the next."""
         backend = self.reported.get("running", 0.0) + self.reported.get("waiting", 0.0)
-        return max(float(self.inflight), backend), self.reported.get("kv_cache", 0.0)
+        others = max(0.0, backend - self.inflight_at_scrape)
+        return float(self.inflight) + others, self.reported.get("kv_cache", 0.0)
 
     def cancel_tasks(self) -> None:
         """Stop its health probe and metrics scrape, if any is in flight."""
@@ -174,6 +182,7 @@ class Replica:
                 "ejections": self.ejected_total,
                 "ejected_for_s": round(max(0.0, self.eject_until - time.monotonic()), 1),
                 "affinity_picks": self.affinity_picks, "affinity_spills": self.affinity_spills,
+                "affinity_waits": self.affinity_waits,
                 "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
                 "cache_hit_rate": self.cache_hit_rate(), "cached_prompt_tokens": self.cached_tokens,
                 **self.reach.describe()}

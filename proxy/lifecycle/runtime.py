@@ -68,6 +68,7 @@ class ModelRuntime:
     loads: dict[str, int] = field(default_factory=dict)     # finished loads by reason
     unloads: dict[str, int] = field(default_factory=dict)   # finished unloads by reason
     _turn: int = 0
+    _home_waiters: int = 0      # requests waiting for their affinity key's full replica (affinity.Wait)
     keys: affinity.KeyTable = field(default_factory=affinity.KeyTable)   # where recent affinity keys went
     # Serialises admin operations on this model; request routing never takes it.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -118,15 +119,37 @@ class ModelRuntime:
         if replica.move(new, error):
             if new not in (ReplicaState.READY, ReplicaState.UNHEALTHY):
                 self.keys.forget(replica.index)   # no process, or a new one: its KV cache is gone
-            self.admission.set_capacity(len(self.ready()) * self.target_inflight)
+            self._set_capacity()
             self._changed.set()
             self._changed = asyncio.Event()
+
+    def _set_capacity(self, taking: Replica | None = None) -> None:
+        """Admission lets in target_inflight requests per READY replica, and one more for each request
+        that waits for its key's full replica while another replica has a place free (up to those
+        places): a waiter is queued at its replica, not using a place, and holding its ticket would
+        leave that place idle while the requests queued behind it could use it. `taking`: a replica
+        just picked, whose place its caller is about to fill."""
+        ready = self.ready()
+        capacity = len(ready) * self.target_inflight
+        if self._home_waiters:
+            free = sum(max(0, self.target_inflight - r.inflight) for r in ready) - (taking is not None)
+            capacity += min(self._home_waiters, max(0, free))
+        self.admission.set_capacity(capacity)
 
     def release(self, replica: Replica) -> None:
         """A request sent to `replica` ended: its place there is free for one that waits for it."""
         replica.inflight -= 1
+        if self._home_waiters:
+            self._set_capacity()
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def stop_waiting(self, wait: affinity.Wait | None, taking: Replica | None = None) -> None:
+        """The request of `wait` no longer waits for its key's replica (it took a replica, or left)."""
+        if wait is not None and wait.waiting:
+            wait.waiting = False
+            self._home_waiters -= 1
+            self._set_capacity(taking)
 
     async def wait_changed(self, timeout: float) -> None:
         # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation (the client left)
@@ -145,30 +168,48 @@ class ModelRuntime:
         margin = self.model.get("affinity_max_imbalance")
         return float(margin) if margin is not None else float(max(1, self.target_inflight // 2))
 
-    def pick_replica(self, key: str | None = None) -> Replica | None:
+    def max_wait_s(self) -> float:
+        """affinity_max_wait_s: how long a request may wait for its key's full replica; null: as long
+        as the load bound holds (first_byte_timeout_s still ends it)."""
+        wait = self.model.get("affinity_max_wait_s")
+        return float("inf") if wait is None else float(wait)
+
+    def pick_replica(self, key: str | None = None, wait: affinity.Wait | None = None) -> Replica | None:
         """The replica for a request, among READY replicas with fewer than `target_inflight` requests
         from the proxy (gauges steer, but never past a replica's own cap); None when every READY
         replica is full. With an affinity `key` (routing: affinity), the key's own replica by
         rendezvous hashing, unless it is full or busier than the least loaded by more than
-        affinity_max_imbalance: then the next in the key's order (proxy/lifecycle/affinity.py).
-        Without one, the least loaded (see Replica.load); ties rotate, so idle replicas share
-        sequential traffic."""
+        affinity_max_imbalance: then the next in the key's order (proxy/lifecycle/affinity.py);
+        but a request whose `wait` is patient gets None while its key's replica is full and within
+        that bound, and waits for it. Without a key, the least loaded (see Replica.load); ties
+        rotate, so idle replicas share sequential traffic."""
         cap = self.target_inflight
         if key is not None and self.affinity_routing:
-            return self._affine(key, cap)
+            return self._affine(key, cap, wait)
         ready = [r for r in self.ready() if r.inflight < cap]
         if not ready:
             return None
         self._turn += 1
         return min(ready, key=lambda r: (*r.load(), (r.index - self._turn) % len(self.replicas)))
 
-    def _affine(self, key: str, cap: int) -> Replica | None:
+    def _affine(self, key: str, cap: int, wait: affinity.Wait | None) -> Replica | None:
         ready = {r.index: r for r in self.ready()}
         choice = affinity.choose(key, [affinity.Candidate(i, r.load()[0], r.inflight < cap) for i, r in ready.items()],
-                                 self.max_imbalance())
+                                 self.max_imbalance(), patient=wait is not None and wait.patient)
         if choice is None:
             return None
         replica = ready[choice.index]
+        if choice.wait:
+            assert wait is not None
+            if not wait.waited:
+                wait.waited = True
+                replica.affinity_waits += 1
+            if not wait.waiting:
+                wait.waiting = True
+                self._home_waiters += 1
+                self._set_capacity()
+            return None
+        self.stop_waiting(wait, taking=replica)
         if choice.spilled:
             ready[choice.home].affinity_spills += 1
         else:

@@ -13,6 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable, sse_error_event
+from proxy.lifecycle.affinity import Wait
 from proxy.lifecycle.monitor import Monitor, process_gone
 from proxy.lifecycle.replicas import ModelState, Replica
 from proxy.lifecycle.runtime import ModelRuntime
@@ -114,13 +115,27 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeouts.first_byte_s
     failed_over = False   # a request goes to a second replica once at most (below)
+    # How long it may wait for its key's own replica while that one is full (affinity_max_wait_s).
+    patience = loop.time() + runtime.max_wait_s()
+    wait = Wait()
+
+    def pick() -> Replica | None:
+        wait.patient = loop.time() < patience
+        return runtime.pick_replica(affinity, wait)
+
     for _attempt in range(len(runtime.replicas) + 1):
-        replica = runtime.pick_replica(affinity)
-        while replica is None and runtime.ready() and loop.time() < deadline:
-            # Every READY replica already has target_inflight requests (one left READY with its
-            # requests still running there): wait for a place rather than overload one.
-            await runtime.wait_changed(deadline - loop.time())
-            replica = runtime.pick_replica(affinity)
+        try:
+            replica = pick()
+            while replica is None and runtime.ready() and loop.time() < deadline:
+                # Every READY replica already has target_inflight requests (one left READY with its
+                # requests still running there), or the key's own one has and is worth waiting for:
+                # wait for a place rather than overload one; a wait for the key's replica ends at
+                # `patience`, and the request then spills.
+                until = min(deadline, patience) if wait.patient else deadline
+                await runtime.wait_changed(max(0.0, until - loop.time()))
+                replica = pick()
+        finally:
+            runtime.stop_waiting(wait)   # it took a replica, timed out, or the client left
         if replica is None:
             break
         replica.inflight += 1

@@ -72,6 +72,9 @@ class PoolCollector(Collector):
         spills = CounterMetricFamily("llm_pool_replica_affinity_spills",
                                      "Requests of the replica's affinity keys sent elsewhere: it was full or "
                                      "busier than affinity_max_imbalance allows", labels=mr)
+        waits = CounterMetricFamily("llm_pool_replica_affinity_waits",
+                                    "Requests of the replica's affinity keys that waited for it while it was full "
+                                    "(affinity_max_wait_s)", labels=mr)
         held = GaugeMetricFamily("llm_pool_replica_affinity_keys",
                                  "Affinity keys whose latest request went to the replica (recent keys only)",
                                  labels=mr)
@@ -109,6 +112,7 @@ class PoolCollector(Collector):
                     warmup.add_metric(labels, replica.warmup_s)
                 affine.add_metric(labels, replica.affinity_picks)
                 spills.add_metric(labels, replica.affinity_spills)
+                waits.add_metric(labels, replica.affinity_waits)
                 held.add_metric(labels, keys.get(replica.index, 0))
                 cached.add_metric(labels, replica.cached_tokens)
                 hits.add_metric([*labels, "hit"], replica.cache_hits)
@@ -119,7 +123,7 @@ class PoolCollector(Collector):
                         family.add_metric(labels, value)
         yield from (ready, capacity, active, waiting, model_state, load_s, unload_s, state, in_rotation, inflight,
                     sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache, affine, spills,
-                    held, cached, hits, loads, unloads)
+                    waits, held, cached, hits, loads, unloads)
         yield from self._memory()
 
     def _memory(self) -> Iterator[Metric]:

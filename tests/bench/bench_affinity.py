@@ -1,15 +1,27 @@
 """Affinity benchmark: multi-turn sessions through the real proxy to llama-server replicas, routed
 least_loaded and affinity side by side in one run.
 
-Two models on the tiny GGUF, the same but for `routing`: two llama-server replicas each, 2 slots
-each. Rounds alternate between them; a round runs SESSIONS concurrent multi-turn sessions (streamed
+Models on the tiny GGUF, the same but for routing (least_loaded; affinity with its defaults; affinity
+with affinity_max_wait_s 0, the rule before the wait; and with null, no time limit): three
+llama-server replicas each, 2 slots each. Rounds alternate between them; a round runs SESSIONS concurrent multi-turn sessions (streamed
 chat, each turn the whole history so far plus a new question), every session with a system prompt
-of its own (long: about 1,100 tokens, 1,100 to 1,900 with the history; short: a few words). Printed per prompt length and policy:
-the fraction of prompt tokens served from the engines' prefix cache (turns 2 on, where any router
-could hit; and all turns), time to first token p50/p95 at the client, total time, and requests per
-replica (balance).
+of its own (long: about 1,100 tokens, 1,100 to 1,900 with the history; short: a few words). Printed
+per prompt length and policy: the fraction of prompt tokens served from the engines' prefix cache
+(turns 2 on, where any router could hit; and all turns), time to first token p50/p95 at the client,
+total time, requests per replica (balance), and for affinity the spills (a key's replica full or
+too busy, sent elsewhere) and waits (a request that waited for its key's full replica).
 
-    .venv/bin/python tests/bench/bench_affinity.py [--sessions 8] [--turns 8] [--rounds 2]
+Each replica's host-memory prompt cache (llama-server's --cache-ram) is bounded, as a deployment's
+is: the default 8 GiB holds about 10,000 of these tiny-model conversations (0.8 MiB each), every
+conversation the benchmark has, so any replica that saw a conversation once serves its later turns
+from cache whatever the router did. A deployment's cache holds a few conversations per replica
+(an 8B model's 2,000-token conversation is about 256 MiB of KV), not all the pool serves: with the
+default 2 MiB a replica keeps its 2 slots' prompts and about 2 more, roughly its share of the
+sessions under affinity and a third of them under least_loaded. --cache-mib 0 leaves only the slots
+(as vLLM's cache is its KV blocks); more sessions than slots then miss under any router.
+
+    .venv/bin/python tests/bench/bench_affinity.py [--sessions 8] [--turns 8] [--rounds 3] \
+        [--replicas 3] [--cache-mib 2]
 """
 from __future__ import annotations
 
@@ -35,7 +47,15 @@ from helpers import ProxyProcess  # noqa: E402
 
 WORDS = ("archive ledger harbor signal meadow copper lantern orbit valley cipher summit ember quartz "
          "river falcon marble glacier tundra beacon violet anchor prism").split()
-POLICIES = ("least_loaded", "affinity")
+# Model name: its routing fields. affinity-wait0 is affinity with the rule before
+# affinity_max_wait_s (a full home spills at once), for the difference the wait makes; affinity-nolimit
+# waits as long as the load bound holds, for what the default 1 s limit gives up on a slow machine.
+POLICIES: dict[str, dict[str, Any]] = {
+    "least_loaded": {"routing": "least_loaded"},
+    "affinity-wait0": {"routing": "affinity", "affinity_max_wait_s": 0},
+    "affinity": {"routing": "affinity"},
+    "affinity-nolimit": {"routing": "affinity", "affinity_max_wait_s": None},
+}
 
 
 def system_prompt(rng: random.Random, chars: int) -> str:
@@ -95,6 +115,15 @@ async def one_round(url: str, model: str, sessions: int, turns: int, chars: int,
     return {"elapsed": time.perf_counter() - started, "turns": [t for r in results for t in r]}
 
 
+def routing_counts(proxy: ProxyProcess, model: str) -> Counter[str]:
+    """The model's affinity picks, spills and waits so far, over its replicas (admin view)."""
+    totals: Counter[str] = Counter()
+    for replica in proxy.admin_model(model)["replicas"]:
+        for field in ("affinity_picks", "affinity_spills", "affinity_waits"):
+            totals[field] += replica.get(field, 0)
+    return totals
+
+
 def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     turns = [t for r in rounds for t in r["turns"]]
     later = [t for t in turns if t["turn"] > 0]
@@ -114,39 +143,54 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per policy and prompt length, alternated")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per policy and prompt length, alternated")
+    parser.add_argument("--replicas", type=int, default=3, help="replicas per policy, 2 slots each")
+    parser.add_argument("--cache-mib", type=int, default=4,
+                        help="each replica's host prompt cache (llama-server --cache-ram, MiB; 0: only its slots)")
+    parser.add_argument("--only", choices=("long", "short"), help="one prompt length only")
     args = parser.parse_args()
     from proxy.setup.demo_model import write_tiny_gguf
     from proxy.setup.llama_build import build_llama_server
     gguf = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="lp-bench-")) / "tiny.gguf")
     base = {"backend": "llama_server", "model_path": str(gguf), "llama_server_binary": str(build_llama_server()),
-            "llama_server_n_ctx": 2048, "target_inflight": 2, "replicas": 2, "replica_max": 2, "enabled": True}
-    proxy = ProxyProcess({p: {**base, "routing": p} for p in POLICIES}, service={"log_level": "warning"})
+            "llama_server_n_ctx": 2048, "target_inflight": 2, "replicas": args.replicas,
+            "replica_max": args.replicas, "enabled": True,
+            "llama_server_extra_args": ["--cache-ram", str(args.cache_mib)]}
+    proxy = ProxyProcess({p: {**base, **fields} for p, fields in POLICIES.items()}, service={"log_level": "warning"})
     try:
         proxy.start()
         for p in POLICIES:
-            proxy.wait_replicas_ready(p, 2, timeout=120)
+            proxy.wait_replicas_ready(p, args.replicas, timeout=120)
         print(f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}; {args.sessions} sessions x {args.turns} turns, "
-              f"2 replicas x 2 slots per policy, {args.rounds} round(s) each, alternated", flush=True)
-        print(f"{'prompts':<7} {'policy':<13} {'tokens':>6} {'cached 2+':>9} {'cached':>7} {'ttft p50':>9} "
-              f"{'ttft p95':>9} {'total s':>8}  requests per replica")
+              f"{args.replicas} replicas x 2 slots per policy, --cache-ram {args.cache_mib} MiB each, "
+              f"{args.rounds} round(s) each, alternated", flush=True)
+        print(f"{'prompts':<7} {'policy':<16} {'tokens':>6} {'cached 2+':>9} {'cached':>7} {'ttft p50':>9} "
+              f"{'ttft p95':>9} {'total s':>8}  requests per replica; affinity: picks/spills/waits")
         seed = 1
-        for label, chars in (("long", 1100), ("short", 24)):
+        lengths = [(label, chars) for label, chars in (("long", 1100), ("short", 24)) if args.only in (None, label)]
+        for label, chars in lengths:
             rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in POLICIES}
+            before = {p: routing_counts(proxy, p) for p in POLICIES}
             for _ in range(args.rounds):
                 for policy in POLICIES:
                     rounds[policy].append(asyncio.run(one_round(proxy.url, policy, args.sessions, args.turns,
                                                                 chars, seed)))
                     seed += 1
+            counts = {p: routing_counts(proxy, p) - before[p] for p in POLICIES}
             figures = {p: summary(rounds[p]) for p in POLICIES}
             for policy, s in figures.items():
-                print(f"{label:<7} {policy:<13} {s['prompt_tokens']:>6.0f} {s['cached_later']:>9.3f} "
+                c = counts[policy]
+                extra = "" if POLICIES[policy]["routing"] != "affinity" else \
+                    f"  {c['affinity_picks']}/{c['affinity_spills']}/{c['affinity_waits']}"
+                print(f"{label:<7} {policy:<16} {s['prompt_tokens']:>6.0f} {s['cached_later']:>9.3f} "
                       f"{s['cached_all']:>7.3f} {s['ttft_p50']:>7.1f}ms {s['ttft_p95']:>7.1f}ms {s['total']:>8.2f}  "
-                      f"{s['per_replica']}", flush=True)
-            ll, aff = figures["least_loaded"], figures["affinity"]
-            print(f"{label:<7} affinity / least_loaded: ttft p50 {ll['ttft_p50'] / aff['ttft_p50']:.2f}x better, "
-                  f"p95 {ll['ttft_p95'] / aff['ttft_p95']:.2f}x, total time {ll['total'] / aff['total']:.2f}x",
-                  flush=True)
+                      f"{s['per_replica']}{extra}", flush=True)
+            ll = figures["least_loaded"]
+            for policy in (p for p in POLICIES if p != "least_loaded"):
+                aff = figures[policy]
+                print(f"{label:<7} {policy} / least_loaded: ttft p50 {ll['ttft_p50'] / aff['ttft_p50']:.2f}x better, "
+                      f"p95 {ll['ttft_p95'] / aff['ttft_p95']:.2f}x, total time {ll['total'] / aff['total']:.2f}x",
+                      flush=True)
     finally:
         survivors = proxy.cleanup()
         if survivors:

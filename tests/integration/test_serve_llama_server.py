@@ -158,8 +158,11 @@ def test_two_replicas_both_receive_traffic(start_proxy, llama_model) -> None:
     proxy = start_proxy({"tiny": llama_model(replicas=2, replica_max=2)})
     model = proxy.wait_replicas_ready("tiny", 2)
     oai = client(proxy)
-    for _ in range(6):
-        oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
+    # Six conversations: under the default routing (affinity) one conversation stays on its
+    # replica, and different ones spread (these six have homes on both).
+    for i in range(6):
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"Conversation {i}: say hello"}],
+                                    max_tokens=4)
     served = [replica_metric(r, "prompt_tokens_total") for r in model["replicas"]]
     assert all(n > 0 for n in served), served
 

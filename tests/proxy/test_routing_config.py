@@ -30,11 +30,13 @@ def test_affinity_is_the_default_and_engine_routing_changes_it_for_every_model(t
     assert settings.models["a"].get("routing") == "affinity"
     assert settings.models["a"].get("affinity_max_imbalance") is None
     assert settings.models["a"].get("affinity_prefix_chars") == 1024
+    assert settings.models["a"].get("affinity_max_wait_s") == 1.0
     settings = load_settings(write(tmp_path, {
-        "routing": {"routing": "least_loaded", "affinity_max_imbalance": 3},
+        "routing": {"routing": "least_loaded", "affinity_max_imbalance": 3, "affinity_max_wait_s": None},
         "models": {"a": MODEL, "b": {**MODEL, "routing": "affinity", "affinity_prefix_chars": 256}}}))
     a, b = settings.models["a"], settings.models["b"]
     assert (a.get("routing"), a.get("affinity_max_imbalance")) == ("least_loaded", 3)
+    assert a.get("affinity_max_wait_s") is None and b.get("affinity_max_wait_s") is None
     assert (b.get("routing"), b.get("affinity_max_imbalance"), b.get("affinity_prefix_chars")) == ("affinity", 3, 256)
 
 
@@ -47,6 +49,10 @@ def test_affinity_is_the_default_and_engine_routing_changes_it_for_every_model(t
     ({"routing": {"routing": "random"}, "models": {"m": MODEL}}, "engine.routing.routing: 'random' is not one of"),
     ({"routing": {"affinity_max_imbalance": "two"}, "models": {"m": MODEL}},
      "engine.routing.affinity_max_imbalance: 'two' is not of type"),
+    ({"models": {"m": {**MODEL, "affinity_max_wait_s": -0.5}}},
+     "engine.models.m.affinity_max_wait_s: -0.5 is less than the minimum of 0"),
+    ({"routing": {"affinity_max_wait_s": "1s"}, "models": {"m": MODEL}},
+     "engine.routing.affinity_max_wait_s: '1s' is not of type"),
 ])
 def test_a_wrong_routing_value_names_its_path_and_rule(tmp_path: Path, engine: dict, expected: str) -> None:
     path = write(tmp_path, engine)

@@ -181,3 +181,78 @@ def test_least_loaded_ignores_the_key() -> None:
     rt = runtime(routing="least_loaded")
     assert {rt.pick_replica("chat").index for _ in range(3)} == {0, 1, 2}     # idle replicas take turns
     assert all(r.affinity_picks == 0 for r in rt.replicas)
+
+
+def test_a_patient_request_waits_for_its_full_home_while_it_is_within_the_bound() -> None:
+    home, second, third = order("chat", [0, 1, 2])
+    cands = [Candidate(home, 2.0, False), Candidate(second, 1.0, True), Candidate(third, 1.0, True)]
+    assert choose("chat", cands, max_imbalance=1.0, patient=True) == \
+        affinity.Choice(index=home, home=home, spilled=False, wait=True)
+    # Impatient (affinity_max_wait_s spent, or 0): the next in the key's order, as before.
+    assert choose("chat", cands, max_imbalance=1.0) == affinity.Choice(index=second, home=home, spilled=True)
+
+
+def test_a_patient_request_spills_once_its_full_home_is_beyond_the_bound() -> None:
+    home, second, third = order("chat", [0, 1, 2])
+    cands = [Candidate(home, 2.0, False), Candidate(second, 2.0, False), Candidate(third, 0.0, True)]
+    assert choose("chat", cands, max_imbalance=1.0, patient=True) == \
+        affinity.Choice(index=third, home=home, spilled=True)
+
+
+@given(KEYS, st.lists(st.tuples(st.floats(min_value=0, max_value=50), st.booleans()), min_size=1, max_size=8),
+       st.floats(min_value=0, max_value=10))
+def test_patience_only_turns_a_spill_from_a_full_home_within_the_bound_into_a_wait(
+        key: str, states: list[tuple[float, bool]], margin: float) -> None:
+    cands = [Candidate(i, load, room) for i, (load, room) in enumerate(states)]
+    patient, impatient = choose(key, cands, margin, patient=True), choose(key, cands, margin)
+    first = cands[order(key, [c.index for c in cands])[0]]
+    with_room = [c for c in cands if c.room]
+    if with_room and not first.room and first.load <= min(c.load for c in with_room) + margin:
+        assert patient == affinity.Choice(index=first.index, home=first.index, spilled=False, wait=True)
+    else:
+        assert patient == impatient
+
+
+def test_a_waiting_request_is_counted_once_lets_one_more_in_and_takes_its_home_when_a_place_frees() -> None:
+    rt = runtime()
+    home, second, third = order("chat", [0, 1, 2])
+    rt.replicas[home].inflight, rt.replicas[second].inflight, rt.replicas[third].inflight = 4, 2, 2
+    assert rt.admission.capacity == 12
+    wait = affinity.Wait()
+    assert rt.pick_replica("chat", wait) is None and rt.pick_replica("chat", wait) is None
+    assert rt.replicas[home].affinity_waits == 1 and rt.replicas[home].affinity_spills == 0
+    assert rt.admission.capacity == 13           # it waits at its replica: its ticket holds no place
+    rt.release(rt.replicas[home])
+    assert rt.pick_replica("chat", wait) is rt.replicas[home]
+    assert rt.admission.capacity == 12 and rt.replicas[home].affinity_picks == 1
+
+
+def test_a_request_no_longer_patient_spills_and_one_that_leaves_gives_back_its_extra_place() -> None:
+    rt = runtime()
+    home, second, third = order("chat", [0, 1, 2])
+    rt.replicas[home].inflight, rt.replicas[second].inflight, rt.replicas[third].inflight = 4, 2, 2
+    wait = affinity.Wait()
+    assert rt.pick_replica("chat", wait) is None
+    wait.patient = False                         # affinity_max_wait_s is over
+    assert rt.pick_replica("chat", wait) is rt.replicas[second]
+    assert rt.replicas[home].affinity_spills == 1 and rt.admission.capacity == 12
+    other = affinity.Wait()
+    assert rt.pick_replica("chat", other) is None and rt.admission.capacity == 13
+    rt.stop_waiting(other)                       # the client left while it waited
+    assert rt.admission.capacity == 12
+    assert rt.pick_replica("chat") is rt.replicas[second]     # no Wait: never waits
+    assert rt.replicas[home].affinity_waits == 2
+
+
+def test_the_extra_places_of_waiting_requests_are_at_most_the_places_free_elsewhere() -> None:
+    rt = runtime()
+    home, second, third = order("chat", [0, 1, 2])
+    rt.replicas[home].inflight, rt.replicas[second].inflight, rt.replicas[third].inflight = 4, 3, 3
+    waits = [affinity.Wait() for _ in range(3)]
+    assert all(rt.pick_replica("chat", w) is None for w in waits)
+    assert rt.admission.capacity == 12 + 2
+
+
+def test_affinity_max_wait_s_null_waits_as_long_as_the_bound_holds() -> None:
+    assert runtime(affinity_max_wait_s=1.0).max_wait_s() == 1.0
+    assert runtime(affinity_max_wait_s=None).max_wait_s() == float("inf")

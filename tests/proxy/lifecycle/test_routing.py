@@ -39,6 +39,19 @@ def test_backend_reported_backlog_counts_when_it_exceeds_ours() -> None:
     assert rt.pick_replica() is rt.replicas[1]
 
 
+def test_a_reading_taken_while_our_own_requests_ran_does_not_outlive_them() -> None:
+    # The scrape saw the proxy's two requests running at replica 0; they have ended since. Taken
+    # whole, the reading kept replica 0 looking busy until the next scrape, and it was shunned.
+    rt = runtime()
+    rt.replicas[0].reported, rt.replicas[0].inflight_at_scrape = {"running": 2.0}, 2
+    rt.replicas[1].inflight = rt.replicas[2].inflight = 1
+    assert rt.replicas[0].load()[0] == 0.0
+    assert rt.pick_replica() is rt.replicas[0]
+    # Beyond the proxy's own requests, the backend's count is other clients' work, and counts on top.
+    rt.replicas[0].reported, rt.replicas[0].inflight = {"running": 3.0, "waiting": 1.0}, 1
+    assert rt.replicas[0].load()[0] == 1.0 + 2.0
+
+
 def test_kv_cache_use_breaks_ties() -> None:
     rt = runtime()
     rt.replicas[0].reported = {"kv_cache": 0.9}
