@@ -12,9 +12,10 @@ The rules (README: More models than memory):
   cheaper to reload (its last load was shorter) goes first. Nothing is evicted unless the load
   then fits.
 - A busy model (requests running or waiting) is evicted only when idle ones would not make room and
-  the oldest request for the cold model has waited the swap bound: until then the busy one serves
+  the cold model's load has waited the swap bound for that room: until then the busy one serves
   what is queued for it (the swap-aware order: A B A A C costs three loads, not four), after that it
-  is drained and swapped out, so reordering never holds a request longer than the bound. The bound
+  is drained and swapped out, so reordering never holds a request longer than the bound. A model
+  swapped in is not swapped out busy before the bound either: it serves what queued for it. The bound
   is `swap_max_wait_s`, or the busy models' reload time where that is shorter: holding a request
   longer than it takes to load the busy model again later saves nothing.
 - A model that would not fit even with only pinned models loaded is too large: refused at once.
@@ -49,6 +50,11 @@ class ModelView:
     running: int = 0
     waiting: int = 0
     waited_s: float = 0.0             # how long its oldest waiting request has waited
+    # How long its load has waited for room that busy models hold: what the swap bound limits. Not
+    # waited_s: a request that queued while its model was loaded (and was then swapped out) has
+    # waited long already, and would otherwise evict each model the moment it loaded.
+    blocked_s: float = 0.0
+    resident_s: float = 0.0           # how long it has been loaded
     last_used: float = 0.0            # clock time of its last use (a request, an admin load)
     reload_s: float | None = None     # how long its last load took
     idle_unload_s: float | None = None
@@ -116,9 +122,10 @@ class Plan:
 
 
 def room_for(name: str, models: Iterable[ModelView], limits: Limits, now: float,
-             may_evict_busy: bool = False, may_evict: bool = True) -> Room:
+             may_evict_busy: bool = False, may_evict: bool = True, busy_after_s: float = 0.0) -> Room:
     """What loading `name` takes now: the models to evict first, or why it cannot load.
-    `may_evict` False: only what fits beside the models loaded now (a load at startup)."""
+    `may_evict` False: only what fits beside the models loaded now (a load at startup). A busy model
+    is evicted only with `may_evict_busy`, once it has been loaded `busy_after_s`."""
     views = {m.name: m for m in models}
     target = views[name]
     holding = [m for m in views.values() if m.status in HOLDING and m.name != name]
@@ -142,7 +149,7 @@ def room_for(name: str, models: Iterable[ModelView], limits: Limits, now: float,
 
     evictable = [m for m in holding if m.status == "loaded" and not m.pinned and may_evict]
     idle = _eviction_order([m for m in evictable if not m.busy], now)
-    busy = sorted((m for m in evictable if m.busy), key=lambda m: m.last_used)
+    busy = sorted((m for m in evictable if m.busy and m.resident_s >= busy_after_s), key=lambda m: m.last_used)
     evict: list[str] = []
     for candidate in idle + (busy if may_evict_busy else []):
         missing = short()
@@ -189,15 +196,20 @@ def plan(models: Iterable[ModelView], limits: Limits, now: float) -> Plan:
 
     for demand in sorted((m for m in state.values() if m.wants_load), key=lambda m: -m.waited_s):
         bound = swap_bound(state.values(), limits)
-        may_evict_busy = demand.waited_s >= bound
-        room = room_for(demand.name, state.values(), limits, now, may_evict_busy)
+        may_evict_busy = demand.blocked_s >= bound
+        # A model swapped in gets the bound too, to serve what queued for it while it loaded.
+        room = room_for(demand.name, state.values(), limits, now, may_evict_busy, busy_after_s=bound)
         if room.too_large is not None:
             out.too_large[demand.name] = room.too_large
             continue
         if room.blocked is not None:
             out.waiting[demand.name] = room.blocked
             if not may_evict_busy:
-                wake(bound - demand.waited_s)
+                wake(bound - demand.blocked_s)
+            young = [bound - m.resident_s for m in state.values()
+                     if m.status == "loaded" and m.busy and not m.pinned and m.resident_s < bound]
+            if young:
+                wake(min(young))
             continue
         out.loads.append((demand.name, room.evict))
         state[demand.name] = replace(demand, status="loading", wants_load=False)

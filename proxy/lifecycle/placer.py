@@ -59,6 +59,7 @@ class Placer:
         self._loading: dict[str, ModelConfig] = {}     # loads admitted and not finished, with their settings
         self._evicting: set[str] = set()                # models being unloaded by the pool
         self.waiting: dict[str, Shortfall] = {}         # cold models whose load waits for room
+        self._blocked_since: dict[str, float] = {}      # since when (monotonic) each of them waits
         self.pending: list[str] = []                    # on-demand loads in flight, in the order planned
         self._wake: asyncio.Event | None = None
         self._saved_usage: dict[str, float] = {}
@@ -71,7 +72,7 @@ class Placer:
                       swap_max_wait_s=self.settings.lifecycle.swap_max_wait_s)
 
     def views(self, target: tuple[str, ModelConfig] | None = None) -> list[ModelView]:
-        now = time.time()
+        now, mono = time.time(), time.monotonic()
         out = []
         for name, rt in self.models.items():
             status: Status = _STATUS.get(rt.state, "cold")
@@ -88,6 +89,8 @@ class Placer:
                 name=name, status=status, needs=self.memory.need(config).per_device, pinned=rt.config.pinned,
                 running=rt.admission.active, waiting=waiting,
                 waited_s=rt.admission.oldest_wait_s() if waiting else 0.0,
+                blocked_s=mono - self._blocked_since[name] if name in self._blocked_since else 0.0,
+                resident_s=mono - rt.loaded_at if rt.state == ModelState.LOADED else 0.0,
                 last_used=rt.last_used, reload_s=rt.load_s, idle_unload_s=rt.config.idle_unload_s,
                 wants_load=status == "cold" and waiting > 0 and rt.config.load_on_demand and not backing_off
                 and rt.kind is not None,
@@ -187,6 +190,8 @@ class Placer:
             log.info("model %s: loading on demand%s", name, f", evicting {', '.join(evict)}" if evict else "")
             pool.spawn(self._load_on_demand(pool, name, evict))
         self.waiting = decided.waiting
+        mono = time.monotonic()
+        self._blocked_since = {n: self._blocked_since.get(n, mono) for n in decided.waiting}
         for name, runtime in self.models.items():
             short = decided.waiting.get(name)
             runtime.admission.stall = insufficient(name, short) if short is not None else None

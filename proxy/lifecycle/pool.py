@@ -226,7 +226,8 @@ class Pool:
             runtime.move(ModelState.FAILED)
             raise BackendError(f"model {name!r} failed to load: {errors}", code="model_load_failed")
         runtime.move(ModelState.LOADED)
-        runtime.load_s = time.monotonic() - started
+        runtime.loaded_at = time.monotonic()
+        runtime.load_s = runtime.loaded_at - started
         runtime.loads[reason] = runtime.loads.get(reason, 0) + 1
         log.info("model %s loaded (%s): %d of %d replicas ready", name, reason, len(runtime.ready()),
                  len(runtime.replicas))

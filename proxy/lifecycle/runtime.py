@@ -67,6 +67,7 @@ class ModelRuntime:
     unload_reason: str | None = None        # why it is unloading: admin, idle, evicted, shutdown
     loads: dict[str, int] = field(default_factory=dict)     # finished loads by reason
     unloads: dict[str, int] = field(default_factory=dict)   # finished unloads by reason
+    loaded_at: float = 0.0                  # when it last became LOADED (monotonic)
     _turn: int = 0
     _home_waiters: int = 0      # requests waiting for their affinity key's full replica (affinity.Wait)
     keys: affinity.KeyTable = field(default_factory=affinity.KeyTable)   # where recent affinity keys went

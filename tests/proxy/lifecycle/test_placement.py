@@ -13,10 +13,12 @@ NOW = 1000.0
 
 
 def model(name: str, status: str = "loaded", mib: int = 40, **kw: object) -> ModelView:
+    kw.setdefault("resident_s", 3600.0 if status == "loaded" else 0.0)
     return ModelView(name=name, status=status, needs={CPU: mib * MIB}, **kw)  # type: ignore[arg-type]
 
 
 def cold(name: str, mib: int = 40, waited_s: float = 1.0, **kw: object) -> ModelView:
+    kw.setdefault("blocked_s", waited_s)
     return model(name, "cold", mib, waiting=1, waited_s=waited_s, wants_load=True, **kw)
 
 
@@ -127,6 +129,10 @@ def test_swap_aware_order_keeps_serving_the_resident_model_until_the_bound() -> 
     assert early.loads == [] and "b" in early.waiting and early.wake_in_s == 7
     late = plan([resident, cold("b", waited_s=10)], limits, now=100)
     assert late.loads == [("b", ("a",))]
+    # Requests that waited long in a queue before (their model was swapped out) have not waited
+    # for this room: the bound counts from when the load began to wait for it.
+    swapped_back = plan([resident, cold("b", waited_s=30, blocked_s=3)], limits, now=100)
+    assert swapped_back.loads == [] and swapped_back.wake_in_s == 7
     # Once a's queue has drained, b takes its place without waiting for the bound.
     drained = plan([replace(resident, waiting=0, running=0), cold("b", waited_s=3)], limits, now=100)
     assert drained.loads == [("b", ("a",))]
@@ -144,3 +150,11 @@ def test_the_swap_bound_is_never_longer_than_reloading_the_busy_model() -> None:
     assert plan([cheap, cold("b", waited_s=0.6)], limits, now=100).loads == [("b", ("a",))]
     slow = replace(cheap, reload_s=60)
     assert plan([slow, cold("b", waited_s=9)], limits, now=100).loads == []
+
+
+def test_a_model_swapped_in_serves_its_queue_for_the_bound_before_it_is_swapped_out_busy() -> None:
+    limits = Limits(budgets={CPU: 50 * MIB}, swap_max_wait_s=10)
+    fresh = model("a", waiting=3, running=1, resident_s=2)
+    out = plan([fresh, cold("b", blocked_s=30)], limits, now=100)
+    assert out.loads == [] and out.wake_in_s == 8
+    assert plan([replace(fresh, resident_s=10), cold("b", blocked_s=30)], limits, now=100).loads == [("b", ("a",))]
