@@ -217,6 +217,7 @@ def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, envir
         start_timeout_s=float(model.get("llama_server_start_timeout_s", DEFAULT_START_TIMEOUT_S)),
         stopwaitsecs=stopwaitsecs,
         metrics=METRICS,
+        closes_after_streams=True,
     )
 
 

@@ -48,6 +48,9 @@ class ProgramSpec:
     # Sent with every request the proxy makes to the replica (an API key): never rendered, never logged.
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     request_timeout_s: float | None = None  # longest wait for an answer's next bytes; None: no limit
+    # The server closes its connection after every streamed answer although it offers keep-alive
+    # (the pinned llama-server, measured): the proxy asks for that close, so that no pool reuses it.
+    closes_after_streams: bool = False
 
     @property
     def base_url(self) -> str:

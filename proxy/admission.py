@@ -111,6 +111,10 @@ class Admission:
 
     async def wait(self, queued: tuple[Hashable, "asyncio.Future[None]"]) -> Hashable:
         ticket, fut = queued
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            # Granted as it was queued, the common case: awaiting it could not yield, so neither a
+            # timeout nor a cancellation could land; no timer and no shield to build and tear down.
+            return ticket
         try:
             # shield: the timeout must not cancel the future itself, so that a slot granted in the
             # same instant is seen (and passed on) by `abandon` below. asyncio.timeout, not wait_for:

@@ -65,6 +65,10 @@ def choose(key: str, candidates: Sequence[Candidate], max_imbalance: float, pati
     one gets Choice(wait=True) instead of a spill: it waits for a slot there."""
     if not candidates:
         return None
+    if len(candidates) == 1:
+        # One READY replica (many models run one) is every key's home: no scores to compute.
+        only = candidates[0]
+        return Choice(index=only.index, home=only.index, spilled=False) if only.room else None
     with_room = [c for c in candidates if c.room]
     if not with_room:
         return None

@@ -49,6 +49,7 @@ class ProgramReach:
         self.headers = dict(spec.headers)   # e.g. vLLM's bearer key: sent, never logged
         # A backend's own bound on the wait for an answer's next bytes (vllm_serve_timeout_s).
         self.read_timeout_s = spec.request_timeout_s
+        self.closes_after_streams = spec.closes_after_streams
 
     def url(self, path: str) -> str:
         return self.base_url + path
@@ -65,13 +66,13 @@ class ProgramReach:
             timeout = aiohttp.ClientTimeout(total=timeout.total, sock_connect=timeout.sock_connect,
                                             sock_read=self.read_timeout_s)
         headers = {**self.headers, "Content-Type": "application/json", "X-Request-Id": request_id}
-        if payload.get("stream"):
+        if self.closes_after_streams and payload.get("stream"):
             # The pinned llama-server closes the connection after every streamed answer although
             # it answers Keep-Alive (measured), and a pool that reuses it fails the next request.
-            # Asking for the close makes both ends agree (llama-server, uvicorn and aiohttp answer
-            # Connection: close), so a stream's connection never goes back to the pool. A new
-            # loopback connection per stream costs next to nothing, and frees llama-server's HTTP
-            # thread as the stream ends.
+            # Asking for the close makes both ends agree, so a stream's connection never goes back
+            # to the pool, and llama-server's HTTP thread is freed as the stream ends. A server
+            # that keeps its connections (uvicorn, aiohttp: vLLM and the shims) keeps them: a new
+            # connection per stream was a measurable share of the proxy's CPU per stream.
             headers["Connection"] = "close"
         return await http.post(self.url(path), data=body, timeout=timeout, headers=headers)
 

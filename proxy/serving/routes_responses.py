@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import uuid
+import os
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Mapping
 
@@ -92,9 +92,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     await check_image_urls(body, runtime.model, raw)
     payload = backend_request(req, runtime.model, runtime.traits, request.app[SETTINGS].decoding)
     affinity = affinity_key(runtime, request.path, request.headers, body, payload)
-    request_id = request.headers.get("X-Request-Id") or f"req_{uuid.uuid4().hex}"
+    request_id = request.headers.get("X-Request-Id") or f"req_{os.urandom(16).hex()}"
     headers = {"X-Request-Id": request_id, **({IGNORED_HEADER: ", ".join(req.ignored)} if req.ignored else {})}
-    response_id = f"resp_{uuid.uuid4().hex}"
+    response_id = f"resp_{os.urandom(16).hex()}"
     cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
     queued = runtime.admission.enqueue(fairness_key(request, body))  # a full queue is a plain 429
     timer.mark("enqueued")

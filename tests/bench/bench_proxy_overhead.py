@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -187,6 +188,14 @@ def ratios(title: str, figures: dict[tuple[str, int], dict[str, dict[str, float]
     print(f"  {title:<28}{text}")
 
 
+def at_defaults(proxy: ProxyProcess) -> ProxyProcess:
+    """The proxy as a user runs it: the monitor polls supervisord at its default interval, not at
+    the tests' quicker one (each poll is CPU of the proxy's, charged to the requests of a round)."""
+    proxy.config["supervisor"].pop("poll_interval_s", None)
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    return proxy
+
+
 def start_process(argv: list[str], port: int, what: str) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL)
     wait_for(lambda: _listening(port) or proc.poll() is not None, what=what)
@@ -309,12 +318,12 @@ def main() -> None:
         models = {"m": {"backend": "sim", "target_inflight": 64, "enabled": True, "sim": {"python": str(wrapper)}},
                   "remote": {"backend": "openai_remote", "remote_base_url": remote + "/v1", "remote_model": REMOTE_MODEL,
                              "remote_api_key_env": "BENCH_PROVIDER_KEY", "target_inflight": 64, "enabled": True}}
-        proxy = ProxyProcess(models, service={"log_level": "warning"})
+        proxy = at_defaults(ProxyProcess(models, service={"log_level": "warning"}))
         proxy.env = {"BENCH_PROVIDER_KEY": "sk-bench-not-a-real-key"}
         proxy.start()
         assert proxy.proc is not None
         if args.baseline is not None:
-            baseline = ProxyProcess(models, service={"log_level": "warning"})
+            baseline = at_defaults(ProxyProcess(models, service={"log_level": "warning"}))
             baseline.env, baseline.cwd = proxy.env, args.baseline.resolve()
             baseline.start()
             baseline.wait_state("m", "loaded")

@@ -331,3 +331,8 @@ def test_pooling_is_left_alone_when_set_or_when_embeddings_are_off(tiny_gguf: Pa
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(tiny_gguf.read_bytes()[:40])        # unreadable: llama-server fails its load anyway
     assert "--pooling" not in llama_server.argv(model(model_path=str(cut), llama_server_pooling=None), "h", 1)
+
+
+def test_its_replicas_are_asked_to_close_after_a_stream() -> None:
+    # The pinned llama-server closes after every streamed answer although it offers keep-alive.
+    assert llama_server.launch(model(), 0, 18100, 15, ENVIRON).closes_after_streams

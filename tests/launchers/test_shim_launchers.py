@@ -123,3 +123,10 @@ def test_an_exllamav3_model_must_be_a_folder_with_its_config(tmp_path: Path, tin
         [f"engine.models.m.model_path: {tmp_path} holds no config.json, so it is not an EXL3 model folder"]
     (tmp_path / "config.json").write_text("{}")
     assert exllamav3.check(_shim_model("exllamav3", tmp_path)) == []
+
+
+def test_shims_keep_their_connections_after_streams(seed_models: dict[str, ModelConfig]) -> None:
+    # aiohttp servers: a stream's connection goes back to the proxy's pool, no Connection: close.
+    for name in ("some-ct2-model", "some-exl3-model", "some-gguf-model"):
+        model = seed_models[name]
+        assert not launcher_for(model.backend).launch(model, 0, 18101, 15, {}).closes_after_streams

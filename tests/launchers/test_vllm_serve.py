@@ -260,3 +260,9 @@ def test_a_path_like_vllm_model_must_be_a_model_folder_or_a_gguf(tmp_path: Path,
     (tmp_path / "config.json").write_text("{}")
     assert found(tmp_path) == []
     assert found(tiny_gguf) == []   # vLLM loads a single GGUF file
+
+
+def test_vllm_keeps_its_connections_after_streams() -> None:
+    # uvicorn keeps a connection after a streamed answer: no Connection: close is asked of it.
+    cfg = model("m", {"backend": "vllm_serve", "vllm_model": "org/m", "vllm_serve_binary": "/v/bin/vllm"})
+    assert not vllm_serve.launch(cfg, 0, 18100, 15, {}).closes_after_streams

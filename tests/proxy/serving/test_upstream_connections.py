@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -43,6 +44,7 @@ class Proxy:
         self.client = client
         self.replicas, self.fakes = replicas, fakes
         self.replica, self.fake = replicas[0], fakes[0]
+        self.http: aiohttp.ClientSession | None = None
 
     async def chat(self, stream: bool = False) -> tuple[int, bytes]:
         async with self.client.post(self.url + "/v1/chat/completions", json={**CHAT, "stream": stream}) as resp:
@@ -81,7 +83,9 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Proxy]]
             await web.TCPSite(runner, "127.0.0.1", 0).start()
             port = runner.addresses[0][1]
             client = await stack.enter_async_context(aiohttp.ClientSession())
-            return Proxy(f"http://127.0.0.1:{port}", client, runtime.replicas, fakes)
+            out = Proxy(f"http://127.0.0.1:{port}", client, runtime.replicas, fakes)
+            out.http = http   # the app's upstream session, which the monitor's probes share
+            return out
         yield start
 
 
@@ -171,3 +175,62 @@ async def test_a_responses_stream_is_followed_by_a_working_request(proxy) -> Non
     status, answer = await p.chat()
     assert answered(status, answer, False)
     assert len(p.fake.requests) == 3 and p.replica.failures == 0
+
+
+class KeepingUpstream:
+    """A server that keeps its connections after streams as uvicorn and aiohttp do (vLLM, the
+    shims): a real aiohttp app on loopback port 0 that notes, per request, the client's port (one
+    per connection) and the Connection header it was sent."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[int, str | None]] = []
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        self.requests.append((peer[1] if peer else 0, request.headers.get("Connection")))
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"message": {"role": "assistant", "content": "fake answer"}}]})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n')
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+async def test_streams_to_a_server_that_keeps_connections_keep_their_connection(proxy) -> None:
+    p = await proxy()
+    upstream = KeepingUpstream()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", upstream.chat)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        assert p.replica.spec is not None and p.replica.spec.closes_after_streams   # llama-server's
+        spec = replace(p.replica.spec, port=runner.addresses[0][1], closes_after_streams=False)
+        p.replica.spec, p.replica.reach = spec, ProgramReach(spec)
+        for stream in (True, True, False, True):
+            status, body = await p.chat(stream)
+            assert answered(status, body, stream), (status, body)
+    finally:
+        await runner.cleanup()
+    # No Connection: close asked, so every request, streams included, went on one connection.
+    assert len(upstream.requests) == 4
+    assert {port for port, _ in upstream.requests} == {upstream.requests[0][0]}
+    assert all(connection != "close" for _, connection in upstream.requests)
+
+
+async def test_a_connection_a_probe_left_in_the_pool_counts_as_reused(proxy) -> None:
+    # The monitor's probes and scrapes share the session: a request handed the connection one of
+    # them opened, which the server closes as it is reused, is sent again on a new connection.
+    p = await proxy(idle_close=True)
+    assert p.http is not None and p.replica.reach is not None
+    async with p.http.post(p.replica.reach.url("/v1/chat/completions"), json=CHAT) as resp:
+        assert resp.status == 200
+        await resp.read()
+    status, body = await p.chat()
+    assert answered(status, body, False), (status, body)
+    assert [c for c, *_ in p.fake.requests] == [1, 1, 2]
+    assert p.replica.failures == 0
