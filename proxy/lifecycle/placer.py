@@ -177,13 +177,18 @@ class Placer:
                     await self._wake.wait()
 
     def _plan_once(self, pool: "Pool") -> float | None:
-        decided = plan(self.views(), self.limits(), time.time())
+        views, limits, now = self.views(), self.limits(), time.time()
+        decided = plan(views, limits, now)
         for name in decided.idle_unloads:
             self._evicting.add(name)
             log.info("model %s: idle for %gs (idle_unload_s), unloading it", name,
                      self.models[name].config.idle_unload_s)
             pool.spawn(self._unload(pool, name, "idle"))
         for name, evict in decided.loads:
+            if evict:
+                # While what it evicts drains, its waiters wait for room: a wait that runs out says so.
+                short = room_for(name, views, limits, now, may_evict=False).blocked
+                self.models[name].admission.stall = insufficient(name, short, evict) if short else None
             self.reserve(name, self.models[name].config)
             self._evicting.update(evict)
             self.pending.append(name)
@@ -193,6 +198,8 @@ class Placer:
         mono = time.monotonic()
         self._blocked_since = {n: self._blocked_since.get(n, mono) for n in decided.waiting}
         for name, runtime in self.models.items():
+            if name in self._loading:
+                continue   # its stall (evictions draining) is its load's to clear
             short = decided.waiting.get(name)
             runtime.admission.stall = insufficient(name, short) if short is not None else None
         for name, short in decided.too_large.items():
@@ -222,11 +229,14 @@ class Placer:
                 self.pending.remove(name)
             self.settled(name)
 
-    async def make_room(self, pool: "Pool", evict: tuple[str, ...]) -> None:
-        """Unload `evict` (drained, their waiters kept) so that a load fits."""
+    async def make_room(self, pool: "Pool", runtime: ModelRuntime, evict: tuple[str, ...]) -> None:
+        """Unload `evict` (drained, their waiters kept) so that `runtime`'s load fits."""
         self._evicting.update(evict)
-        results = await asyncio.gather(*(self._unload(pool, name, "evicted") for name in evict),
-                                       return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(self._unload(pool, name, "evicted") for name in evict),
+                                           return_exceptions=True)
+        finally:
+            runtime.admission.stall = None   # from here on it loads: a wait that runs out is queue_timeout
         failed = [f"{name}: {r}" for name, r in zip(evict, results) if isinstance(r, BaseException)]
         if failed:
             raise Unavailable("could not make room: " + "; ".join(failed), code="insufficient_memory", retry_after=5)
@@ -350,6 +360,8 @@ def too_large(name: str, short: Shortfall) -> Conflict:
                     code="model_too_large", param="model")
 
 
-def insufficient(name: str, short: Shortfall) -> Unavailable:
-    return Unavailable(f"model {name!r} cannot be loaded now: {short.describe()}; the models that hold it are busy "
-                       "or loading", code="insufficient_memory", retry_after=5)
+def insufficient(name: str, short: Shortfall, evicting: tuple[str, ...] = ()) -> Unavailable:
+    why = (f"{', '.join(evicting)} {'is' if len(evicting) == 1 else 'are'} being unloaded to make room once "
+           "the requests running there end") if evicting else "the models that hold it are busy or loading"
+    return Unavailable(f"model {name!r} cannot be loaded now: {short.describe()}; {why}",
+                       code="insufficient_memory", retry_after=5)

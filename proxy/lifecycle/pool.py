@@ -33,14 +33,14 @@ from proxy.lifecycle.load_retry import retry_delay, worth_retrying
 from proxy.lifecycle.memory import Memory
 from proxy.lifecycle.monitor import Monitor
 from proxy.lifecycle.placer import Placer
-from proxy.lifecycle.programs import ProgramKind, Programs
+from proxy.lifecycle.programs import ProgramKind, Programs, live
 from proxy.lifecycle.remote import EndpointKind
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.lifecycle.runtime import LoadRetry, ModelRuntime
 from proxy.lifecycle.scaling import scale
 from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.orphans import PidRecord
-from proxy.supervisord.supervisor import ProcessState, SupervisorClient, SupervisorError
+from proxy.supervisord.supervisor import SupervisorClient, SupervisorError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,7 +95,7 @@ class Pool:
         """Load the enabled models, and adopt any other configured model whose replicas are still
         running (an admin loaded it before the proxy restarted). Groups left in the programs folder
         by models no longer configured are stopped and removed."""
-        running = {i.group for i in self.programs.processes.values() if i.state == ProcessState.RUNNING}
+        running = {i.group for i in self.programs.processes.values() if live(i)}
         for runtime in self.models.values():
             adopting = any(replica_index(runtime.name, g) is not None for g in running)
             if runtime.config.enabled or adopting:
@@ -199,7 +199,7 @@ class Pool:
         else:
             self.placer.reserve(name, config)
         if evict:
-            await self.placer.make_room(self, evict)
+            await self.placer.make_room(self, runtime, evict)
         runtime.move(ModelState.LOADING)
         started = time.monotonic()
         runtime.active = config
@@ -273,11 +273,9 @@ class Pool:
             runtime.move(ModelState.UNLOADING)
             runtime.unload_reason = reason
             started = time.monotonic()
-            if reason != "shutdown":
-                await self.placer.measure(runtime)   # after serving: its footprint as it grew with use
             keep_waiters = reason in ("idle", "evicted")
             try:
-                await self._teardown(runtime, drain=drain, keep_waiters=keep_waiters)
+                await self._teardown(runtime, drain=drain, keep_waiters=keep_waiters, measure=reason != "shutdown")
             except BaseException as exc:
                 # Never leave UNLOADING behind: it refuses requests and a second unload alike.
                 reason = "interrupted (the proxy is stopping)" if isinstance(exc, asyncio.CancelledError) else str(exc)
@@ -300,11 +298,14 @@ class Pool:
         """Start or stop replicas of a loaded model, leaving the others running (proxy/lifecycle/scaling.py)."""
         return await scale(self.get(name), replicas, self.monitor, self.settings.service.drain_timeout_s)
 
-    async def _teardown(self, runtime: ModelRuntime, drain: bool, keep_waiters: bool = False) -> None:
+    async def _teardown(self, runtime: ModelRuntime, drain: bool, keep_waiters: bool = False,
+                        measure: bool = False) -> None:
         if keep_waiters:
             runtime.admission.hold()   # they wait for its next load
         else:
             runtime.admission.close(Unavailable(f"model {runtime.name!r} is being unloaded", code="model_unloading"))
+        if measure:
+            await self.placer.measure(runtime)   # after serving: its footprint as it grew with use
         if drain:
             # The pool's own unloads (idle, evicted) never cut a request short: what runs ends by
             # itself, bounded by its timeouts. An admin's waits service.drain_timeout_s at most.

@@ -70,8 +70,10 @@ class Programs:
         return found
 
     def running(self, program: str) -> ProcessInfo | None:
+        """The program's process if it runs: RUNNING, or STARTING with a process (within supervisord's
+        startsecs; a replica is checked, and may serve, from the moment its process exists)."""
         info = self.processes.get(f"{program}:{program}")
-        return info if info is not None and info.state == ProcessState.RUNNING else None
+        return info if info is not None and live(info) else None
 
     async def start(self, runtime: ModelRuntime, config: ModelConfig, launcher: Launcher) -> None:
         files = self.replica_files(config.name)
@@ -271,3 +273,7 @@ class ProgramKind:
 
     def describe(self, config: ModelConfig) -> dict[str, object]:
         return {}
+
+
+def live(info: ProcessInfo) -> bool:
+    return info.state == ProcessState.RUNNING or (info.state == ProcessState.STARTING and info.pid > 0)

@@ -64,9 +64,13 @@ def test_chat_non_streamed_and_streamed(start_proxy, llama_model) -> None:
     assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
 
     assert [m.id for m in oai.models.list().data] == ["tiny"]
-    out = subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(proxy.supervisord_conf),
-                          "status"], capture_output=True, text=True, timeout=30).stdout
-    assert "RUNNING" in out and proxy.admin_model("tiny")["replicas"][0]["program"] in out
+    def status() -> str:
+        return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(proxy.supervisord_conf),
+                               "status"], capture_output=True, text=True, timeout=30).stdout
+    # A replica serves once its health check passes, which may be before supervisord's startsecs are
+    # over (STARTING until then): the program is RUNNING by then, or soon after.
+    out = wait_for(lambda: (lambda text: text if "RUNNING" in text else None)(status()), what="RUNNING")
+    assert proxy.admin_model("tiny")["replicas"][0]["program"] in out
 
 
 def test_stream_chunks_arrive_while_the_backend_is_still_generating(start_proxy, llama_model) -> None:
