@@ -203,6 +203,16 @@ class ProxyProcess:
         return survivors
 
 
+def supervisord_shows_running(status: Callable[[], str], program: str) -> str:
+    """supervisorctl's status text once it shows `program` RUNNING. A replica serves as soon as its
+    health check passes, which may be before supervisord's startsecs are over (STARTING until then)."""
+    def shown() -> str | None:
+        text = status()
+        line = next((row for row in text.splitlines() if row.split()[:1] == [program]), "")
+        return text if "RUNNING" in line else None
+    return wait_for(shown, what=f"supervisorctl to show {program} RUNNING")
+
+
 def gauge(text: str, name: str) -> float:
     """The value of metric `name` (one model label) in Prometheus text; fails the test if absent."""
     for line in text.splitlines():

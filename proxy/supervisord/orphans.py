@@ -47,36 +47,42 @@ def identity(pid: int) -> Identity | None:
 class PidRecord:
     """The processes supervisord runs, kept in `<state_dir>/replica-pids.json` (rewritten on change).
 
-    A process is recorded once supervisord calls it RUNNING: while STARTING it may not have reached
-    its exec yet and still carry supervisord's command line, which would never match it again."""
+    A STARTING process is recorded too (a replica serves from its first passed health check, which
+    may come before supervisord's startsecs are over), but read again on every update until it is
+    RUNNING: just after the fork it may not have reached its exec yet and still carry supervisord's
+    command line, which would never match it again."""
 
     def __init__(self, state_dir: Path) -> None:
         self.path = state_dir / RECORD_NAME
         self._known: dict[int, dict[str, object]] = {}
-        self._written: list[int] | None = None
+        self._written: list[dict[str, object]] | None = None
+        self._starting: set[int] = set()     # PIDs last seen STARTING: their identity is read again
 
     def update(self, infos: Iterable[ProcessInfo]) -> None:
-        live = {i.pid: i for i in infos if i.pid > 0 and i.state in (ProcessState.RUNNING, ProcessState.STOPPING)}
+        live = {i.pid: i for i in infos if i.pid > 0 and i.state in (ProcessState.STARTING, ProcessState.RUNNING,
+                                                                     ProcessState.STOPPING)}
         known = {}
         for pid, info in live.items():
             entry = self._known.get(pid)
-            if entry is None:
+            if entry is None or pid in self._starting:
                 who = identity(pid)
                 if who is None:
                     continue
                 entry = {"program": info.fullname, "pid": pid, "cmdline": who.cmdline, "start": who.start}
             known[pid] = entry
+        self._starting = {pid for pid, info in live.items() if info.state == ProcessState.STARTING}
         self._known = known
-        if sorted(known) == self._written:
+        entries = [known[p] for p in sorted(known)]
+        if entries == self._written:
             return
         try:
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps([known[p] for p in sorted(known)], indent=1))
+            tmp.write_text(json.dumps(entries, indent=1))
             tmp.replace(self.path)
         except OSError as exc:   # a record we cannot write must not stop the pool; it is tried again
             log.warning("cannot record model-server PIDs in %s: %s", self.path, exc.strerror)
             return
-        self._written = sorted(known)
+        self._written = entries
 
 
 async def stop_orphans(state_dir: Path, timeout_s: float = 10.0) -> list[int]:

@@ -187,8 +187,9 @@ def test_a_supervisord_killed_under_a_running_proxy_is_started_again_with_its_re
     after = wait_for(started_again, what="the replicas running again under a new supervisord")
     assert int((proxy.state_dir / "supervisord.pid").read_text()) != supervisord
     assert not [pid for pid in before.values() if pid_alive(pid)]    # what the dead one left was stopped
-    status = proxy.supervisorctl("status").stdout
-    assert status.count("RUNNING") == 3, status
+    # READY may come before supervisord's startsecs are over: RUNNING by then, or soon after.
+    status = wait_for(lambda: (lambda text: text if text.count("RUNNING") == 3 else None)(
+        proxy.supervisorctl("status").stdout), what="supervisorctl to show the 3 replicas RUNNING")
     assert all(str(pid) in status for pid in after.values())
     assert chat(proxy, "pair")[0] == 200 and chat(proxy, "sim")[0] == 200
     _, _, health = http("GET", proxy.url + "/health")

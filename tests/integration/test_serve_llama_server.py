@@ -16,7 +16,7 @@ import openai
 import pytest
 import yaml
 
-from helpers import ProxyProcess, http, pid_alive, wait_for
+from helpers import ProxyProcess, http, pid_alive, supervisord_shows_running, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -64,13 +64,10 @@ def test_chat_non_streamed_and_streamed(start_proxy, llama_model) -> None:
     assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
 
     assert [m.id for m in oai.models.list().data] == ["tiny"]
-    def status() -> str:
-        return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(proxy.supervisord_conf),
-                               "status"], capture_output=True, text=True, timeout=30).stdout
-    # A replica serves once its health check passes, which may be before supervisord's startsecs are
-    # over (STARTING until then): the program is RUNNING by then, or soon after.
-    out = wait_for(lambda: (lambda text: text if "RUNNING" in text else None)(status()), what="RUNNING")
-    assert proxy.admin_model("tiny")["replicas"][0]["program"] in out
+    supervisord_shows_running(lambda: subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c",
+                                                      str(proxy.supervisord_conf), "status"],
+                                                     capture_output=True, text=True, timeout=30).stdout,
+                              proxy.admin_model("tiny")["replicas"][0]["program"])
 
 
 def test_stream_chunks_arrive_while_the_backend_is_still_generating(start_proxy, llama_model) -> None:

@@ -16,7 +16,7 @@ import openai
 import pytest
 import yaml
 
-from helpers import ProxyProcess, http, pid_alive, wait_for
+from helpers import ProxyProcess, http, pid_alive, supervisord_shows_running, wait_for
 from proxy.config import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -81,8 +81,7 @@ def test_seed_example_loads_and_serves_both_apis(start_proxy, shim_model) -> Non
     assert "event: response.output_text.delta" in events and "event: response.completed" in events
 
     assert [m.id for m in oai.models.list().data] == ["tiny"]
-    status_out = proxy.supervisorctl("status").stdout
-    assert replica["program"] in status_out and "RUNNING" in status_out
+    supervisord_shows_running(lambda: proxy.supervisorctl("status").stdout, replica["program"])
     assert replica_metric(replica, "vllm:request_success_total") >= 4
 
 

@@ -28,3 +28,16 @@ async def test_a_recorded_pid_now_used_by_another_process_is_left_alone(tmp_path
     finally:
         other.kill()
         other.wait()
+
+
+async def test_a_process_still_starting_is_recorded_and_stopped(tmp_path: Path) -> None:
+    # A replica may serve before supervisord's startsecs are over: a supervisord killed then must
+    # not leave it running.
+    starting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        PidRecord(tmp_path).update([ProcessInfo("g", "p", ProcessState.STARTING, starting.pid, 0, "")])
+        assert await stop_orphans(tmp_path) == [starting.pid]
+        assert starting.wait(10) == -signal.SIGTERM
+    finally:
+        starting.kill()
+        starting.wait()
