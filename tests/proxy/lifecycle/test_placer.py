@@ -1,0 +1,55 @@
+"""The placer's admission of a request for a model that is not loaded (Placer.demand)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.admission import Admission
+from proxy.config import load_settings
+from proxy.errors import BackendError, Unavailable
+from proxy.gpu.footprint import GpuTotals
+from proxy.gpu.vram_estimate import Estimator
+from proxy.lifecycle.footprints import Footprints
+from proxy.lifecycle.memory import Memory
+from proxy.lifecycle.placer import Placer
+from proxy.lifecycle.runtime import Backoff, ModelRuntime
+
+
+def placer(tmp_path: Path) -> tuple[Placer, ModelRuntime]:
+    (tmp_path / "pool.yaml").write_text(f"service: {{state_dir: {tmp_path}}}\n"
+                                        "engine: {models: {m: {backend: sim, load_on_demand: true}}}\n")
+    settings = load_settings(tmp_path / "pool.yaml")
+    runtime = ModelRuntime(config=settings.models["m"], admission=Admission())
+    memory = Memory(settings.lifecycle, Footprints(tmp_path / "footprints.json"), Estimator(), GpuTotals({}))
+    return Placer(settings, {"m": runtime}, memory), runtime
+
+
+async def test_a_request_for_a_model_being_swapped_out_queues_without_reopening_it(tmp_path: Path) -> None:
+    placer_, runtime = placer(tmp_path)
+    runtime.admission.set_capacity(1)
+    runtime.admission.hold()                # being evicted: its queue waits for its next load
+    placer_.demand(runtime)
+    assert runtime.admission.capacity == 0  # a slot granted now would keep it from ever draining
+    runtime.admission.enqueue("k")          # and the request may queue
+    assert runtime.admission.waiting == 1
+
+
+async def test_after_an_admins_unload_or_a_failed_load_requests_may_queue_again(tmp_path: Path) -> None:
+    placer_, runtime = placer(tmp_path)
+    runtime.admission.close(Unavailable("gone", code="model_unloading"))
+    placer_.demand(runtime)
+    runtime.admission.enqueue("k")
+    assert runtime.admission.waiting == 1
+
+
+def test_a_model_backing_off_is_refused_at_once_with_when_it_is_tried_again(tmp_path: Path) -> None:
+    import time
+
+    placer_, runtime = placer(tmp_path)
+    runtime.backoff = Backoff(2, time.time() + 60, BackendError("model 'm' failed to load: boom",
+                                                                code="model_load_failed"))
+    with pytest.raises(BackendError) as caught:
+        placer_.demand(runtime)
+    assert caught.value.code == "model_load_failed" and "next load is tried in" in caught.value.message
+    assert caught.value.retry_after is not None and caught.value.retry_after > 50
