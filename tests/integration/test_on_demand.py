@@ -30,8 +30,11 @@ CHAT = [{"role": "user", "content": "hi"}]
 def big(llama_model: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
     """A tiny GGUF with a big KV cache on the CPU that loads on demand (not at startup)."""
     def make(**fields: Any) -> dict[str, Any]:
+        # --context-shift: without it llama-server ends a generation at the model's training context
+        # (2048 tokens), and a "long" stream meant to keep a model busy ends within a second.
         return llama_model(**{"llama_server_n_ctx": BIG_CTX, "llama_server_n_gpu_layers": 0, "enabled": False,
-                              "load_on_demand": True, "target_inflight": 1, **fields})
+                              "load_on_demand": True, "target_inflight": 1,
+                              "llama_server_extra_args": ["--context-shift"], **fields})
     return make
 
 
@@ -120,7 +123,8 @@ def test_fairness_holds_while_the_model_is_cold(start_proxy, big, llama_server_b
     held = tmp_path / "held-llama-server"
     held.write_text(f"#!/bin/sh\nwhile [ ! -e {gate} ]; do sleep 0.05; done\nexec {llama_server_bin} \"$@\"\n")
     held.chmod(0o755)
-    proxy = pool(start_proxy, {"a": big(llama_server_binary=str(held))})
+    # No extra args: checking them would run the held binary's --help, which waits for the gate too.
+    proxy = pool(start_proxy, {"a": big(llama_server_binary=str(held), llama_server_extra_args=[])})
     order: list[str] = []
     lock = threading.Lock()
 
