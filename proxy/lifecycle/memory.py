@@ -15,8 +15,8 @@ from launchers import launcher_for
 from proxy.config import LifecycleSettings, ModelConfig, Settings
 from proxy.gpu.footprint import GpuTotals, gpu_device, gpu_totals
 from proxy.gpu.report import load_nvml
-from proxy.gpu.vram_estimate import MIB, Estimator
-from proxy.lifecycle.footprints import Footprints
+from proxy.gpu.vram_estimate import MIB, Estimate, Estimator
+from proxy.lifecycle.footprints import Footprints, Measured
 from proxy.lifecycle.placement import Limits, ModelView, room_for
 
 CPU = "cpu"
@@ -74,13 +74,18 @@ class Memory:
         if not devices:
             return Need({}, {}, "none", {})
         measured = self.footprints.measured(config, devices)
+        return self._need(config, devices, measured, None if measured is not None else self.estimator.estimate(config))
+
+    def _need(self, config: ModelConfig, devices: tuple[str, ...], measured: Measured | None,
+              estimate: Estimate | None) -> Need:
+        """The measured figure where there is one, else `estimate`."""
         if measured is not None:
             per_replica = dict(measured.per_replica)
             detail: dict[str, Any] = {"samples": measured.samples, "percentile": self.footprints.percentile,
                                       "margin": self.footprints.margin}
             source = "measured"
         else:
-            estimate = self.estimator.estimate(config)
+            assert estimate is not None
             # A model given several GPUs is assumed to spread evenly over them.
             per_replica = {d: estimate.total_bytes // len(devices) for d in devices}
             detail = {"counted": estimate.counted, "not_counted": estimate.not_counted}
@@ -90,9 +95,10 @@ class Memory:
     def describe(self, config: ModelConfig) -> dict[str, Any]:
         """The model's footprint as the admin view shows it: both figures, with their sources."""
         placement = self.placement(config)
-        need = self.need(config)
         estimate = self.estimator.estimate(config) if placement.devices else None
         measured = self.footprints.measured(config, placement.devices) if placement.devices else None
+        need = self._need(config, placement.devices, measured, estimate) if placement.devices \
+            else Need({}, {}, "none", {})
         return {
             "devices": list(placement.devices),
             "why": placement.why,
