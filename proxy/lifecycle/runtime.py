@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -69,7 +70,8 @@ class ModelRuntime:
     unloads: dict[str, int] = field(default_factory=dict)   # finished unloads by reason
     loaded_at: float = 0.0                  # when it last became LOADED (monotonic)
     _turn: int = 0
-    _home_waiters: int = 0      # requests waiting for their affinity key's full replica (affinity.Wait)
+    # Requests waiting for their affinity key's full replica, per replica index (affinity.Wait).
+    _waiters: Counter[int] = field(default_factory=Counter)
     keys: affinity.KeyTable = field(default_factory=affinity.KeyTable)   # where recent affinity keys went
     # Serialises admin operations on this model; request routing never takes it.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -124,33 +126,29 @@ class ModelRuntime:
             self._changed.set()
             self._changed = asyncio.Event()
 
-    def _set_capacity(self, taking: Replica | None = None) -> None:
+    def _set_capacity(self) -> None:
         """Admission lets in target_inflight requests per READY replica, and one more for each request
-        that waits for its key's full replica while another replica has a place free (up to those
-        places): a waiter is queued at its replica, not using a place, and holding its ticket would
-        leave that place idle while the requests queued behind it could use it. `taking`: a replica
-        just picked, whose place its caller is about to fill."""
-        ready = self.ready()
-        capacity = len(ready) * self.target_inflight
-        if self._home_waiters:
-            free = sum(max(0, self.target_inflight - r.inflight) for r in ready) - (taking is not None)
-            capacity += min(self._home_waiters, max(0, free))
-        self.admission.set_capacity(capacity)
+        that waits for its key's full replica (up to as many again): a waiter is queued at its
+        replica, not using a place, and holding its ticket would leave a place elsewhere idle while
+        the requests queued behind it, some of them that place's own conversations, could use it.
+        The admitted requests that have no replica yet are then at most the places free."""
+        places = len(self.ready()) * self.target_inflight
+        self.admission.set_capacity(places + min(self._waiters.total(), places))
 
     def release(self, replica: Replica) -> None:
         """A request sent to `replica` ended: its place there is free for one that waits for it."""
         replica.inflight -= 1
-        if self._home_waiters:
-            self._set_capacity()
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def stop_waiting(self, wait: affinity.Wait | None, taking: Replica | None = None) -> None:
+    def stop_waiting(self, wait: affinity.Wait | None) -> None:
         """The request of `wait` no longer waits for its key's replica (it took a replica, or left)."""
         if wait is not None and wait.waiting:
             wait.waiting = False
-            self._home_waiters -= 1
-            self._set_capacity(taking)
+            assert wait.home is not None
+            self._waiters[wait.home] -= 1
+            wait.home = None
+            self._set_capacity()
 
     async def wait_changed(self, timeout: float) -> None:
         # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation (the client left)
@@ -165,9 +163,9 @@ class ModelRuntime:
         return bool(self.model.get("routing") == "affinity")
 
     def max_imbalance(self) -> float:
-        """affinity_max_imbalance, or its default: half of target_inflight, at least 1."""
+        """affinity_max_imbalance, or its default: target_inflight (README: why)."""
         margin = self.model.get("affinity_max_imbalance")
-        return float(margin) if margin is not None else float(max(1, self.target_inflight // 2))
+        return float(margin) if margin is not None else float(self.target_inflight)
 
     def max_wait_s(self) -> float:
         """affinity_max_wait_s: how long a request may wait for its key's full replica; null: as long
@@ -195,8 +193,13 @@ class ModelRuntime:
 
     def _affine(self, key: str, cap: int, wait: affinity.Wait | None) -> Replica | None:
         ready = {r.index: r for r in self.ready()}
-        choice = affinity.choose(key, [affinity.Candidate(i, r.load()[0], r.inflight < cap) for i, r in ready.items()],
-                                 self.max_imbalance(), patient=wait is not None and wait.patient)
+        # The requests waiting for a replica are its load too (a queue there), this one's own aside:
+        # a key that many requests share spills as soon as one of them waits.
+        own = wait.home if wait is not None and wait.waiting else None
+        candidates = [affinity.Candidate(i, r.load()[0] + self._waiters[i] - (i == own), r.inflight < cap)
+                      for i, r in ready.items()]
+        choice = affinity.choose(key, candidates, self.max_imbalance(), patient=wait is not None and wait.patient,
+                                 moved=self.keys.moved(key))
         if choice is None:
             return None
         replica = ready[choice.index]
@@ -205,17 +208,19 @@ class ModelRuntime:
             if not wait.waited:
                 wait.waited = True
                 replica.affinity_waits += 1
-            if not wait.waiting:
-                wait.waiting = True
-                self._home_waiters += 1
+            if wait.home != choice.index:
+                self.stop_waiting(wait)   # its home changed while it waited (a replica came or went)
+                wait.waiting, wait.home = True, choice.index
+                self._waiters[choice.index] += 1
                 self._set_capacity()
             return None
-        self.stop_waiting(wait, taking=replica)
+        self.stop_waiting(wait)
         if choice.spilled:
             ready[choice.home].affinity_spills += 1
         else:
             replica.affinity_picks += 1
-        self.keys.note(key, choice.index)
+        # Away from its rendezvous first (a spill now or before): its cache is here from now on.
+        self.keys.note(key, choice.index, moved=choice.away)
         return replica
 
     def describe(self) -> dict[str, object]:

@@ -2,8 +2,8 @@
 least_loaded and affinity side by side in one run.
 
 Models on the tiny GGUF, the same but for routing (least_loaded; affinity with its defaults; affinity
-with affinity_max_wait_s 0, the rule before the wait; and with null, no time limit): three
-llama-server replicas each, 2 slots each. Rounds alternate between them; a round runs SESSIONS concurrent multi-turn sessions (streamed
+with affinity_max_wait_s 0, the rule before the wait; and with the earlier default bound): three
+llama-server replicas each, 2 slots and one thread each. Rounds alternate between them; a round runs SESSIONS concurrent multi-turn sessions (streamed
 chat, each turn the whole history so far plus a new question), every session with a system prompt
 of its own (long: about 1,100 tokens, 1,100 to 1,900 with the history; short: a few words). Printed
 per prompt length and policy: the fraction of prompt tokens served from the engines' prefix cache
@@ -16,12 +16,17 @@ is: the default 8 GiB holds about 10,000 of these tiny-model conversations (0.8 
 conversation the benchmark has, so any replica that saw a conversation once serves its later turns
 from cache whatever the router did. A deployment's cache holds a few conversations per replica
 (an 8B model's 2,000-token conversation is about 256 MiB of KV), not all the pool serves: with the
-default 2 MiB a replica keeps its 2 slots' prompts and about 2 more, roughly its share of the
+default 4 MiB a replica keeps its 2 slots' prompts and about 4 more, roughly its share of the
 sessions under affinity and a third of them under least_loaded. --cache-mib 0 leaves only the slots
 (as vLLM's cache is its KV blocks); more sessions than slots then miss under any router.
 
+One thread per replica (--threads 1): llama.cpp's default is a thread per core, and several
+replicas' spinning thread pools on one machine's few cores then spend most of the CPU waiting on
+each other (measured: every turn 5 times slower under both policies), which is nothing a GPU
+deployment, one device per replica, pays.
+
     .venv/bin/python tests/bench/bench_affinity.py [--sessions 8] [--turns 8] [--rounds 3] \
-        [--replicas 3] [--cache-mib 2]
+        [--replicas 3] [--cache-mib 4] [--threads 1]
 """
 from __future__ import annotations
 
@@ -48,13 +53,14 @@ from helpers import ProxyProcess  # noqa: E402
 WORDS = ("archive ledger harbor signal meadow copper lantern orbit valley cipher summit ember quartz "
          "river falcon marble glacier tundra beacon violet anchor prism").split()
 # Model name: its routing fields. affinity-wait0 is affinity with the rule before
-# affinity_max_wait_s (a full home spills at once), for the difference the wait makes; affinity-nolimit
-# waits as long as the load bound holds, for what the default 1 s limit gives up on a slow machine.
+# affinity_max_wait_s (a full home spills at once), for the difference the wait makes; affinity-half
+# has the earlier default bound (half of target_inflight: 1 request here) for the difference the
+# default target_inflight makes.
 POLICIES: dict[str, dict[str, Any]] = {
     "least_loaded": {"routing": "least_loaded"},
     "affinity-wait0": {"routing": "affinity", "affinity_max_wait_s": 0},
+    "affinity-half": {"routing": "affinity", "affinity_max_imbalance": 1},
     "affinity": {"routing": "affinity"},
-    "affinity-nolimit": {"routing": "affinity", "affinity_max_wait_s": None},
 }
 
 
@@ -133,6 +139,7 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "cached_all": sum(t["cached"] for t in turns) / max(1, sum(t["prompt"] for t in turns)),
         "ttft_p50": statistics.median(ttfts) * 1000,
         "ttft_p95": ttfts[int(0.95 * (len(ttfts) - 1))] * 1000,
+        "ttft_later_p50": statistics.median(t["ttft"] for t in later) * 1000,
         "total": sum(r["elapsed"] for r in rounds),
         "per_replica": dict(sorted(Counter(t["replica"] for t in turns).items())),
         "prompt_tokens": statistics.mean(t["prompt"] for t in turns),
@@ -147,6 +154,8 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=3, help="replicas per policy, 2 slots each")
     parser.add_argument("--cache-mib", type=int, default=4,
                         help="each replica's host prompt cache (llama-server --cache-ram, MiB; 0: only its slots)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="llama-server --threads per replica (0: its default, every core)")
     parser.add_argument("--only", choices=("long", "short"), help="one prompt length only")
     args = parser.parse_args()
     from proxy.setup.demo_model import write_tiny_gguf
@@ -155,17 +164,19 @@ def main() -> None:
     base = {"backend": "llama_server", "model_path": str(gguf), "llama_server_binary": str(build_llama_server()),
             "llama_server_n_ctx": 2048, "target_inflight": 2, "replicas": args.replicas,
             "replica_max": args.replicas, "enabled": True,
-            "llama_server_extra_args": ["--cache-ram", str(args.cache_mib)]}
+            "llama_server_extra_args": ["--cache-ram", str(args.cache_mib),
+                                        *(["--threads", str(args.threads)] if args.threads else [])]}
     proxy = ProxyProcess({p: {**base, **fields} for p, fields in POLICIES.items()}, service={"log_level": "warning"})
     try:
         proxy.start()
         for p in POLICIES:
             proxy.wait_replicas_ready(p, args.replicas, timeout=120)
         print(f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}; {args.sessions} sessions x {args.turns} turns, "
-              f"{args.replicas} replicas x 2 slots per policy, --cache-ram {args.cache_mib} MiB each, "
+              f"{args.replicas} replicas x 2 slots per policy, --cache-ram {args.cache_mib} MiB and "
+              f"--threads {args.threads or 'default'} each, "
               f"{args.rounds} round(s) each, alternated", flush=True)
         print(f"{'prompts':<7} {'policy':<16} {'tokens':>6} {'cached 2+':>9} {'cached':>7} {'ttft p50':>9} "
-              f"{'ttft p95':>9} {'total s':>8}  requests per replica; affinity: picks/spills/waits")
+              f"{'ttft p95':>9} {'ttft 2+':>9} {'total s':>8}  requests per replica; affinity: picks/spills/waits")
         seed = 1
         lengths = [(label, chars) for label, chars in (("long", 1100), ("short", 24)) if args.only in (None, label)]
         for label, chars in lengths:
@@ -183,13 +194,15 @@ def main() -> None:
                 extra = "" if POLICIES[policy]["routing"] != "affinity" else \
                     f"  {c['affinity_picks']}/{c['affinity_spills']}/{c['affinity_waits']}"
                 print(f"{label:<7} {policy:<16} {s['prompt_tokens']:>6.0f} {s['cached_later']:>9.3f} "
-                      f"{s['cached_all']:>7.3f} {s['ttft_p50']:>7.1f}ms {s['ttft_p95']:>7.1f}ms {s['total']:>8.2f}  "
+                      f"{s['cached_all']:>7.3f} {s['ttft_p50']:>7.1f}ms {s['ttft_p95']:>7.1f}ms {s['ttft_later_p50']:>7.1f}ms "
+                      f"{s['total']:>8.2f}  "
                       f"{s['per_replica']}{extra}", flush=True)
             ll = figures["least_loaded"]
             for policy in (p for p in POLICIES if p != "least_loaded"):
                 aff = figures[policy]
                 print(f"{label:<7} {policy} / least_loaded: ttft p50 {ll['ttft_p50'] / aff['ttft_p50']:.2f}x better, "
-                      f"p95 {ll['ttft_p95'] / aff['ttft_p95']:.2f}x, total time {ll['total'] / aff['total']:.2f}x",
+                      f"p95 {ll['ttft_p95'] / aff['ttft_p95']:.2f}x, turns 2+ p50 {ll['ttft_later_p50'] / aff['ttft_later_p50']:.2f}x, "
+                      f"total time {ll['total'] / aff['total']:.2f}x",
                       flush=True)
     finally:
         survivors = proxy.cleanup()

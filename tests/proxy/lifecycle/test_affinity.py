@@ -90,7 +90,7 @@ def test_the_home_replica_is_taken_while_it_has_room_and_is_within_the_bound() -
 def test_a_full_home_replica_spills_to_the_next_in_the_keys_order() -> None:
     home, second, third = order("chat", [0, 1, 2])
     cands = [Candidate(home, 4.0, False), Candidate(second, 3.0, True), Candidate(third, 0.0, True)]
-    assert choose("chat", cands, max_imbalance=4.0) == affinity.Choice(index=second, home=home, spilled=True)
+    assert choose("chat", cands, max_imbalance=4.0) == affinity.Choice(index=second, home=home, spilled=True, away=True)
 
 
 def test_a_home_replica_busier_than_the_bound_spills() -> None:
@@ -155,15 +155,59 @@ def test_pick_replica_spills_a_full_home_and_counts_it_there() -> None:
     assert rt.replicas[home].affinity_spills == 1 and rt.replicas[second].affinity_picks == 0
 
 
-def test_the_default_bound_is_half_of_target_inflight() -> None:
+def test_a_key_that_spilled_has_the_replica_it_spilled_to_first_and_keeps_the_bound() -> None:
+    home, second, third = order("chat", [0, 1, 2])
+    cands = idle([0, 1, 2])
+    assert choose("chat", cands, max_imbalance=1.0, moved=second) == \
+        affinity.Choice(index=second, home=second, spilled=False, away=True)
+    busy = [Candidate(i, 3.0 if i == second else 0.0, True) for i in (0, 1, 2)]
+    # Too busy now: the next in the key's order is its rendezvous first, so it is not away any more.
+    assert choose("chat", busy, max_imbalance=1.0, moved=second) == \
+        affinity.Choice(index=home, home=second, spilled=True, away=False)
+    # A replica it spilled to that is not READY any more is no preference.
+    assert choose("chat", idle([home, third]), max_imbalance=1.0, moved=second) == \
+        affinity.Choice(index=home, home=home, spilled=False)
+
+
+def test_a_conversation_that_spilled_stays_where_its_cache_now_is() -> None:
     rt = runtime()
-    assert rt.max_imbalance() == 2.0
-    home = order("chat", [0, 1, 2])[0]
-    rt.replicas[home].inflight = 2                               # 2 over idle replicas: still home
+    home, second, _ = order("chat", [0, 1, 2])
+    rt.replicas[home].inflight = 4                               # full: the conversation spills
+    assert rt.pick_replica("chat") is rt.replicas[second]
+    rt.replicas[home].inflight = 0                               # its first has room again
+    assert rt.pick_replica("chat") is rt.replicas[second]        # but its last turn is cached here
+    assert rt.replicas[second].affinity_picks == 1
+    rt.set_replica_state(rt.replicas[second], ReplicaState.STARTING)   # that cache is gone
     assert rt.pick_replica("chat") is rt.replicas[home]
-    rt.replicas[home].inflight = 3                               # 3 over: spills
-    assert rt.pick_replica("chat") is not rt.replicas[home]
+    rt.set_replica_state(rt.replicas[second], ReplicaState.READY)
+    assert rt.pick_replica("chat") is rt.replicas[home]          # back on its rendezvous order
+
+
+def test_the_default_bound_is_target_inflight() -> None:
+    rt = runtime()
+    assert rt.max_imbalance() == 4.0
+    home = order("chat", [0, 1, 2])[0]
+    rt.replicas[home].inflight = 3                               # 3 over idle replicas: still home
+    assert rt.pick_replica("chat") is rt.replicas[home]
+    wait = affinity.Wait()
+    rt.replicas[home].inflight = 4                               # full, 4 over: worth waiting for
+    assert rt.pick_replica("chat", wait) is None and wait.waiting
     assert runtime(affinity_max_imbalance=0).max_imbalance() == 0.0
+
+
+def test_requests_waiting_for_a_replica_count_as_its_load() -> None:
+    rt = runtime()
+    home, second, _ = order("chat", [0, 1, 2])
+    rt.replicas[home].inflight = 4
+    first = affinity.Wait()
+    assert rt.pick_replica("chat", first) is None                # 4 over idle ones: waits
+    assert rt.pick_replica("chat", first) is None                # its own wait is not its load
+    # One more for the same key: the replica has 4 running and 1 waiting, 5 over the idle ones.
+    assert rt.pick_replica("chat", affinity.Wait()) is rt.replicas[second]
+    assert rt.replicas[home].affinity_spills == 1
+    rt.stop_waiting(first)                                       # the queue there is gone:
+    key = next(k for k in (f"conv-{i}" for i in range(100)) if order(k, [0, 1, 2])[0] == home)
+    assert rt.pick_replica(key, affinity.Wait()) is None         # another of its keys waits again
 
 
 def test_a_replica_that_stops_loses_its_keys_and_only_they_move() -> None:
@@ -189,14 +233,14 @@ def test_a_patient_request_waits_for_its_full_home_while_it_is_within_the_bound(
     assert choose("chat", cands, max_imbalance=1.0, patient=True) == \
         affinity.Choice(index=home, home=home, spilled=False, wait=True)
     # Impatient (affinity_max_wait_s spent, or 0): the next in the key's order, as before.
-    assert choose("chat", cands, max_imbalance=1.0) == affinity.Choice(index=second, home=home, spilled=True)
+    assert choose("chat", cands, max_imbalance=1.0) == affinity.Choice(index=second, home=home, spilled=True, away=True)
 
 
 def test_a_patient_request_spills_once_its_full_home_is_beyond_the_bound() -> None:
     home, second, third = order("chat", [0, 1, 2])
     cands = [Candidate(home, 2.0, False), Candidate(second, 2.0, False), Candidate(third, 0.0, True)]
     assert choose("chat", cands, max_imbalance=1.0, patient=True) == \
-        affinity.Choice(index=third, home=home, spilled=True)
+        affinity.Choice(index=third, home=home, spilled=True, away=True)
 
 
 @given(KEYS, st.lists(st.tuples(st.floats(min_value=0, max_value=50), st.booleans()), min_size=1, max_size=8),
@@ -236,21 +280,30 @@ def test_a_request_no_longer_patient_spills_and_one_that_leaves_gives_back_its_e
     wait.patient = False                         # affinity_max_wait_s is over
     assert rt.pick_replica("chat", wait) is rt.replicas[second]
     assert rt.replicas[home].affinity_spills == 1 and rt.admission.capacity == 12
+    # "chat" has its cache on `second` now; another conversation whose first is the full home:
+    key = next(k for k in (f"conv-{i}" for i in range(100)) if order(k, [0, 1, 2])[0] == home)
     other = affinity.Wait()
-    assert rt.pick_replica("chat", other) is None and rt.admission.capacity == 13
+    assert rt.pick_replica(key, other) is None and rt.admission.capacity == 13
     rt.stop_waiting(other)                       # the client left while it waited
     assert rt.admission.capacity == 12
-    assert rt.pick_replica("chat") is rt.replicas[second]     # no Wait: never waits
+    assert rt.pick_replica(key) is not None      # no Wait: never waits
     assert rt.replicas[home].affinity_waits == 2
 
 
-def test_the_extra_places_of_waiting_requests_are_at_most_the_places_free_elsewhere() -> None:
+def test_every_waiting_request_gives_its_place_to_the_queue_up_to_as_many_again() -> None:
     rt = runtime()
     home, second, third = order("chat", [0, 1, 2])
     rt.replicas[home].inflight, rt.replicas[second].inflight, rt.replicas[third].inflight = 4, 3, 3
     waits = [affinity.Wait() for _ in range(3)]
     assert all(rt.pick_replica("chat", w) is None for w in waits)
-    assert rt.admission.capacity == 12 + 2
+    # 10 running and 3 waiting of 15 admitted: the 2 admitted next have the 2 free places, whoever
+    # they are for (it was 14: one place stayed idle while its own conversations queued behind).
+    assert rt.admission.capacity == 12 + 3
+    patient = runtime(affinity_max_imbalance=100)             # a bound that lets every request wait
+    patient.replicas[home].inflight = 4
+    more = [affinity.Wait() for _ in range(14)]
+    assert all(patient.pick_replica("chat", w) is None for w in more)
+    assert patient.admission.capacity == 12 + 12
 
 
 def test_affinity_max_wait_s_null_waits_as_long_as_the_bound_holds() -> None:
