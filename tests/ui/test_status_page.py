@@ -162,7 +162,7 @@ def test_a_flood_shows_waiting_counts_per_key_and_the_request_rate(page: Any, po
         expect(sim.locator('table.keys tbody tr[data-key="alice"] td').nth(0)).to_have_text("alice")
         expect(overview_cell(page, "sim", 4)).to_have_text(some)          # waiting
         expect(overview_cell(page, "sim", 6)).not_to_have_text(re.compile(r"^(–|0\.00)$"))   # requests/s
-        page.screenshot(path=str(artifacts / "status-page-under-load.png"))
+        page.screenshot(path=str(artifacts / "status-page-under-load.png"), full_page=True)
         print(f"screenshot: {artifacts / 'status-page-under-load.png'}")
         assert [f.result() for f in flood] == [200] * 13
     expect(overview_cell(page, "sim", 11)).to_have_text(str(before + 13))   # requests, the proxy's counter

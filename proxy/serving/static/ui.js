@@ -64,6 +64,7 @@
       previous = row;
     }
     for (const row of existing.values()) row.remove();
+    tbody.parentNode.hidden = items.length === 0;   // an empty table says nothing its caption would not
   }
 
   // A column of numbers has its header aligned as its values are.
