@@ -43,8 +43,9 @@ async def test_the_page_and_every_file_it_links_are_served_with_their_types_and_
             policy = resp.headers["Content-Security-Policy"]
         assert "script-src 'self'" in policy and "connect-src 'self'" in policy and "frame-ancestors 'none'" in policy
         linked = re.findall(r'(?:src|href)="(ui/[^"]+)"', html)
-        assert sorted(linked) == ["ui/ui.css", "ui/ui.js"]
-        for path, kind in (("ui/ui.js", "text/javascript"), ("ui/ui.css", "text/css")):
+        assert sorted(linked) == ["ui/ui-dom.js", "ui/ui-form.js", "ui/ui.css", "ui/ui.js"]
+        for path in linked:
+            kind = "text/css" if path.endswith(".css") else "text/javascript"
             async with session.get(f"{url}/{path}") as resp:
                 assert (resp.status, resp.content_type) == (200, kind)
                 assert resp.headers["X-Content-Type-Options"] == "nosniff"
@@ -53,7 +54,7 @@ async def test_the_page_and_every_file_it_links_are_served_with_their_types_and_
 
 def test_the_page_loads_nothing_from_another_origin() -> None:
     """No CDN, no font service: the machine running the proxy may have no internet."""
-    for name in ("ui.html", "ui.js", "ui.css"):
+    for name in (ui.PAGE, *ui.ASSETS):
         text = (STATIC / name).read_text(encoding="utf-8")
         assert not re.search(r"""(?:src|href)\s*=\s*["'](?:https?:)?//""", text), name
         assert not re.search(r"""(?:fetch\(|url\()\s*["']?(?:https?:)?//""", text), name
