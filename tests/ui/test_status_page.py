@@ -101,6 +101,9 @@ def test_a_load_from_the_form_with_an_override_then_its_log_followed_then_an_unl
     form = demo.locator("form.load")
     result = form.get_by_role("status")
     n_ctx = form.get_by_label("llama_server_n_ctx", exact=True)
+    unlabelled = page.evaluate("() => [...document.querySelectorAll('input, select, textarea')]"
+                               ".filter((e) => !e.labels || !e.labels.length).map((e) => e.outerHTML)")
+    assert unlabelled == []   # every control of the page and the form has its label
     # The schema's range, from load_constraints, is checked before anything is sent.
     n_ctx.fill("-1")
     form.get_by_role("button", name="Load demo").click()

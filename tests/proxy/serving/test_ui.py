@@ -104,3 +104,19 @@ def test_a_build_of_the_package_carries_the_page(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     for name in (ui.PAGE, *ui.ASSETS):
         assert (build / "proxy" / "serving" / "static" / name).read_bytes() == (STATIC / name).read_bytes()
+
+
+def _luminance(hex_colour: str) -> float:
+    channels = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+def test_every_text_colour_of_the_page_meets_wcag_aa_contrast_on_its_backgrounds() -> None:
+    css = (STATIC / "ui.css").read_text(encoding="utf-8")
+    colours = dict(re.findall(r"--([\w-]+):\s*(#[0-9a-fA-F]{6})", css))
+    for text in ("text", "muted", "ok", "warn", "bad", "info"):
+        for background in ("bg", "panel"):
+            light, dark = sorted((_luminance(colours[text]), _luminance(colours[background])), reverse=True)
+            ratio = (light + 0.05) / (dark + 0.05)
+            assert ratio >= 4.5, f"--{text} on --{background}: {ratio:.2f}:1"
