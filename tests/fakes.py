@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import threading
 import time
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from aiohttp import web
 from supervisor.xmlrpc import Faults
@@ -813,3 +814,26 @@ def serve_fast_upstream(argv: list[str]) -> None:
         asyncio.run(main())
     else:
         uvloop.run(main())
+
+
+class FakeApt:
+    """FAKE apt-get (a unit test must not install packages): records the commands
+    proxy.setup.browser.ensure_browser runs; `installs_on` is the
+    attempt (1-based) after which the browser is on PATH."""
+
+    def __init__(self, installs_on: int | None) -> None:
+        self.calls: list[list[str]] = []
+        self.installs_on = installs_on
+
+    def run(self, argv: Sequence[str]) -> "subprocess.CompletedProcess[str]":
+        self.calls.append(list(argv))
+        installs = [c for c in self.calls if c[1] == "install"]
+        ok = argv[1] != "install" or len(installs) == self.installs_on
+        return subprocess.CompletedProcess(list(argv), 0 if ok else 100, "", "" if ok else "E: Unable to locate package")
+
+    def which(self, name: str) -> str | None:
+        if name == "apt-get":
+            return "/usr/bin/apt-get"
+        installs = [c for c in self.calls if c[1] == "install"]
+        done = self.installs_on is not None and len(installs) >= self.installs_on
+        return "/usr/bin/chromium" if done and name == "chromium" else None

@@ -16,6 +16,7 @@ from proxy.supervisord import managed
 from proxy.serving import routes_admin
 from proxy.serving import routes_public
 from proxy.serving import routes_responses
+from proxy.serving import ui
 from proxy.config import Settings
 from proxy.errors import NotFound
 from proxy.serving.errors_http import ERROR_CODE, error_middleware
@@ -71,13 +72,15 @@ def _error_code(request: web.Request, response: web.StreamResponse | None) -> st
 
 
 def admin_listener_middleware(admin_port: int) -> Any:
-    """With service.admin_port, the admin API answers on that listener only, and nothing else does
-    (but /health): a public port that never routes /v1/admin/* cannot expose it by mistake."""
+    """With service.admin_port, the admin API and its status page (/ui) answer on that listener only,
+    and nothing else does (but /health): a public port that never routes /v1/admin/* cannot expose
+    it by mistake."""
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         sockname = request.transport.get_extra_info("sockname") if request.transport else None
         on_admin = isinstance(sockname, tuple) and sockname[1] == admin_port
-        if request.path.startswith("/v1/admin/") != on_admin and request.path != "/health":
+        admin_path = request.path.startswith("/v1/admin/") or ui.is_ui_path(request.path)
+        if admin_path != on_admin and request.path != "/health":
             raise NotFound(f"no route {request.path} on this listener", code="not_found")
         return await handler(request)
     return middleware
@@ -101,6 +104,7 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
     app.add_routes(routes_public.routes)
     app.add_routes(routes_admin.routes)
     app.add_routes(routes_responses.routes)
+    app.add_routes(ui.routes)
 
     async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
         http = upstream_session()

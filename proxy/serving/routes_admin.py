@@ -1,4 +1,5 @@
-"""The admin API: model state, load with temporary overrides, graceful unload, GPU memory, replica logs."""
+"""The admin API: model state, load with temporary overrides, graceful unload, GPU memory, replica
+logs, the proxy's request counters."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,8 @@ from proxy.errors import BadRequest, Conflict, Unauthorized, Unavailable
 from proxy.serving.body import read_json
 from proxy.lifecycle.pool import Pool
 from proxy.gpu.report import ModelSnapshot, gpu_report
-from proxy.serving.keys import POOL, SETTINGS, VRAM
+from proxy.serving.keys import METRICS, POOL, SETTINGS, VRAM
+from proxy.serving.traffic import traffic
 from proxy.supervisord.supervisor import SupervisorError
 
 routes = web.RouteTableDef()
@@ -119,6 +121,14 @@ async def admin_memory(request: web.Request) -> web.Response:
     reserve, the count cap, and the loads in flight and waiting for room, in order."""
     _authorize(request)
     return web.json_response(request.app[POOL].placer.describe())
+
+
+@routes.get("/v1/admin/traffic")
+async def admin_traffic(request: web.Request) -> web.Response:
+    """The proxy's request counters per model (what /metrics exports), for a reader without
+    Prometheus: the status page takes rates and quantiles from two readings."""
+    _authorize(request)
+    return web.json_response(traffic(request.app[METRICS], request.app[POOL].models))
 
 
 MAX_LOG_BYTES = 1024 * 1024

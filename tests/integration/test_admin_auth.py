@@ -17,7 +17,8 @@ def test_admin_endpoints_need_the_bearer_token_and_the_log_never_shows_it(proxie
     proxies.append(proxy)
     proxy.start()
     for method, path in (("GET", "/v1/admin/models"), ("POST", "/v1/admin/models/sim/load"),
-                         ("GET", "/v1/admin/gpu-memory"), ("GET", "/v1/admin/models/sim/logs")):
+                         ("GET", "/v1/admin/gpu-memory"), ("GET", "/v1/admin/models/sim/logs"),
+                         ("GET", "/v1/admin/traffic")):
         status, _, body = http(method, proxy.url + path)
         assert (status, body["error"]["code"]) == (401, "invalid_admin_token")
         status, _, body = http(method, proxy.url + path, headers={"Authorization": "Bearer wrong"})
@@ -46,3 +47,6 @@ def test_a_separate_admin_listener_serves_the_admin_api_and_only_it(proxies) -> 
     assert http("GET", admin + "/v1/models")[0] == 404
     assert http("GET", proxy.url + "/v1/models")[0] == 200
     assert http("GET", admin + "/health")[0] == 200
+    # The status page reads the admin API, so it is served beside it and only there.
+    assert http("GET", proxy.url + "/ui")[0] == 404
+    assert http("GET", admin + "/ui")[0] == 200

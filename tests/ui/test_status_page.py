@@ -1,0 +1,193 @@
+"""The status page (GET /ui) in a real headless Chromium against a live `llm-pool serve`, with the
+sim and the demo llama-server under a real supervisord, and an admin token.
+
+One proxy serves the whole file (starting one costs more than a test here); each test opens its
+own browser tab, types the token, and leaves the pool as it found it.
+"""
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from helpers import ProxyProcess, http
+
+pytestmark = pytest.mark.integration
+expect = pytest.importorskip("playwright.sync_api", reason="the `playwright` package is not installed").expect
+
+TOKEN_ENV = "LLM_POOL_TEST_UI_TOKEN"
+TOKEN = "ui-admin-token-for-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+LOAD_S = 90_000   # ms: a llama-server load on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_gguf: Path, llama_server_bin: Path) -> Iterator[ProxyProcess]:
+    proxy = ProxyProcess({
+        # One slot of a slow engine: a handful of requests builds a queue that lasts seconds.
+        "sim": {"backend": "sim", "enabled": True, "target_inflight": 1, "replica_max": 2,
+                "sim": {"max_seqs": 1, "ttft_ms": 5, "decode_tokens_per_s": 40}},
+        "demo": {"backend": "llama_server", "model_path": str(tiny_gguf), "llama_server_binary": str(llama_server_bin),
+                 "llama_server_n_ctx": 4096, "target_inflight": 2, "enabled": False},
+    }, service={"admin_token_env": TOKEN_ENV})
+    proxy.env[TOKEN_ENV] = TOKEN
+    try:
+        proxy.start()
+        yield proxy
+    finally:
+        survivors = proxy.cleanup()
+        assert not survivors, f"processes outlived the tests and were killed: {survivors}"
+
+
+@pytest.fixture
+def page(browser: Any, pool: ProxyProcess) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1366, "height": 900})
+    tab = context.new_page()
+    errors: list[str] = []
+    tab.on("pageerror", lambda exc: errors.append(str(exc)))
+    tab.goto(pool.url + "/ui")
+    yield tab
+    context.close()
+    assert not errors, f"the page's script failed: {errors}"
+
+
+def admin_model(pool: ProxyProcess, name: str) -> dict[str, Any]:
+    """The model's admin row, read with the token (and its PIDs noted for the cleanup's check)."""
+    status, _, body = http("GET", pool.url + "/v1/admin/models", headers=AUTH)
+    assert status == 200, body
+    (model,) = [m for m in body["data"] if m["id"] == name]
+    pool.seen_pids.update(r["pid"] for r in model["replicas"] if r["pid"])
+    return dict(model)
+
+
+def sign_in(page: Any, token: str) -> None:
+    page.get_by_label("Admin token").fill(token)
+    page.get_by_role("button", name="Use token").click()
+
+
+def card(page: Any, model: str) -> Any:
+    return page.locator(f'section.model[data-model="{model}"]')
+
+
+def overview_cell(page: Any, model: str, column: int) -> Any:
+    return page.locator(f'#overview tbody tr[data-key="{model}"] td').nth(column)
+
+
+def test_a_wrong_admin_token_shows_the_401_message_and_the_right_one_lists_the_models(page: Any) -> None:
+    banner = page.get_by_role("alert")
+    expect(banner).to_contain_text("401 invalid_admin_token")
+    expect(banner).to_contain_text("type the admin token")
+    sign_in(page, "not-the-token")
+    expect(banner).to_contain_text("the token typed above was refused")
+    expect(page.locator("#overview tbody tr")).to_have_count(0)
+    sign_in(page, TOKEN)
+    expect(banner).to_be_hidden()
+    expect(overview_cell(page, "sim", 1)).to_have_text("loaded")
+    expect(overview_cell(page, "demo", 1)).to_have_text("unloaded")
+    # The token is kept for the tab: a reload needs no typing.
+    page.reload()
+    expect(overview_cell(page, "sim", 1)).to_have_text("loaded")
+    expect(banner).to_be_hidden()
+
+
+def test_a_load_from_the_form_with_an_override_then_its_log_followed_then_an_unload(
+        page: Any, pool: ProxyProcess) -> None:
+    sign_in(page, TOKEN)
+    demo = card(page, "demo")
+    demo.get_by_role("button", name="Load…").click()
+    form = demo.locator("form.load")
+    result = form.get_by_role("status")
+    n_ctx = form.get_by_label("llama_server_n_ctx", exact=True)
+    unlabelled = page.evaluate("() => [...document.querySelectorAll('input, select, textarea')]"
+                               ".filter((e) => !e.labels || !e.labels.length).map((e) => e.outerHTML)")
+    assert unlabelled == []   # every control of the page and the form has its label
+    # The schema's range, from load_constraints, is checked before anything is sent.
+    n_ctx.fill("-1")
+    form.get_by_role("button", name="Load demo").click()
+    expect(result).to_contain_text("llama_server_n_ctx must be at least 0")
+    expect(n_ctx).to_have_attribute("aria-invalid", "true")
+    assert admin_model(pool, "demo")["state"] == "unloaded"
+
+    n_ctx.fill("2048")
+    form.get_by_role("button", name="Load demo").click()
+    expect(result).to_contain_text("demo is loaded: 1 of 1 replicas ready", timeout=LOAD_S)
+    expect(demo.locator('[data-field="overrides"]')).to_have_text("llama_server_n_ctx=2048")
+    expect(demo.locator("table.replicas tbody tr")).to_have_count(1)
+    expect(demo.locator("table.replicas tbody tr td").nth(1)).to_have_text("ready")
+    replica = admin_model(pool, "demo")["replicas"][0]
+    argv = (Path("/proc") / str(replica["pid"]) / "cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--ctx-size") + 1] == b"4096"   # 2048 per request, 2 slots: the override ran
+
+    # The server's refusal is shown in place: loaded with other settings.
+    n_ctx.fill("1024")
+    form.get_by_role("button", name="Load demo").click()
+    expect(result).to_contain_text("409 model_already_loaded")
+
+    # The replica's log: its start, then what is written to it after, as it comes.
+    demo.get_by_role("button", name="Log of demo replica 0").click()
+    log_text = page.locator("#log-text")
+    expect(log_text).to_contain_text("model loaded", timeout=10_000)
+    expect(log_text).to_contain_text(f"listening on http://127.0.0.1:{replica['port']}")
+    log_file = pool.state_dir / "logs" / f"{replica['program']}.log"
+    with log_file.open("a") as f:
+        f.write("a line written after the log was opened\n")
+    expect(log_text).to_contain_text("a line written after the log was opened")
+    page.get_by_role("button", name="Close the log").click()
+    expect(page.locator("#log")).to_be_hidden()
+
+    page.once("dialog", lambda dialog: dialog.accept())
+    demo.get_by_role("button", name="Unload").click()
+    expect(demo.locator('output[data-role="action-result"]')).to_contain_text("demo is unloaded", timeout=LOAD_S)
+    expect(overview_cell(page, "demo", 1)).to_have_text("unloaded")
+    assert admin_model(pool, "demo")["replicas"] == []
+
+
+def _chat(url: str, key: str) -> int:
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "fairness_key": key}
+    return http("POST", url + "/v1/chat/completions", body)[0]
+
+
+def test_a_flood_shows_waiting_counts_per_key_and_the_request_rate(page: Any, pool: ProxyProcess,
+                                                                    artifacts: Path) -> None:
+    sign_in(page, TOKEN)
+    expect(overview_cell(page, "sim", 1)).to_have_text("loaded")
+    before = int(overview_cell(page, "sim", 11).inner_text())
+    sim = card(page, "sim")
+    some = re.compile(r"^[1-9]\d*$")
+    with ThreadPoolExecutor(16) as pool_of_clients:
+        flood = [pool_of_clients.submit(_chat, pool.url, "batch") for _ in range(10)]
+        flood += [pool_of_clients.submit(_chat, pool.url, "alice") for _ in range(3)]
+        # Fairness keys' rows: key, active, waiting, weight, running time.
+        expect(sim.locator('table.keys tbody tr[data-key="batch"] td').nth(2)).to_have_text(some)
+        expect(sim.locator('table.keys tbody tr[data-key="alice"] td').nth(0)).to_have_text("alice")
+        expect(overview_cell(page, "sim", 4)).to_have_text(some)          # waiting
+        expect(overview_cell(page, "sim", 6)).not_to_have_text(re.compile(r"^(–|0\.00)$"))   # requests/s
+        page.screenshot(path=str(artifacts / "status-page-under-load.png"), full_page=True)
+        print(f"screenshot: {artifacts / 'status-page-under-load.png'}")
+        assert [f.result() for f in flood] == [200] * 13
+    expect(overview_cell(page, "sim", 11)).to_have_text(str(before + 13))   # requests, the proxy's counter
+    expect(overview_cell(page, "sim", 8)).to_have_text(re.compile(r"\d+ (ms|s)$"))   # latency p50
+    expect(sim.locator('table.keys tbody tr[data-key="batch"] td').nth(2)).to_have_text("0")
+
+
+def test_scale_from_the_page_up_and_back_down(page: Any, pool: ProxyProcess) -> None:
+    sign_in(page, TOKEN)
+    sim = card(page, "sim")
+    replicas = sim.get_by_label("Replicas", exact=True)
+    result = sim.locator('output[data-role="action-result"]')
+    expect(sim.locator("table.replicas tbody tr")).to_have_count(1)
+    replicas.fill("3")
+    sim.get_by_role("button", name="Scale").click()
+    expect(result).to_contain_text("replicas must be a whole number from 1 to 2")
+    replicas.fill("2")
+    sim.get_by_role("button", name="Scale").click()
+    expect(result).to_contain_text("sim is loaded: 2 of 2 replicas ready", timeout=LOAD_S)
+    expect(sim.locator("table.replicas tbody tr")).to_have_count(2)
+    assert len(admin_model(pool, "sim")["replicas"]) == 2
+    replicas.fill("1")
+    replicas.press("Enter")   # the keyboard works as the button does
+    expect(result).to_contain_text("sim is loaded: 1 of 1 replicas ready", timeout=LOAD_S)
+    expect(sim.locator("table.replicas tbody tr")).to_have_count(1)
