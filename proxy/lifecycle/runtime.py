@@ -183,9 +183,21 @@ class ModelRuntime:
         that bound, and waits for it. Without a key, the least loaded (see Replica.load); ties
         rotate, so idle replicas share sequential traffic."""
         cap = self.target_inflight
+        ready = self.ready()
+        if len(ready) == 1:
+            # One READY replica (most models run one) is every request's choice: nothing to weigh,
+            # and this runs once per request.
+            only = ready[0]
+            if only.inflight >= cap:
+                return None
+            if key is not None and self.affinity_routing:
+                self.stop_waiting(wait)
+                only.affinity_picks += 1
+                self.keys.note(key, only.index)
+            return only
         if key is not None and self.affinity_routing:
             return self._affine(key, cap, wait)
-        ready = [r for r in self.ready() if r.inflight < cap]
+        ready = [r for r in ready if r.inflight < cap]
         if not ready:
             return None
         self._turn += 1
