@@ -27,7 +27,8 @@ SSE = "text/event-stream"
 MODEL_ERRORS = (400, 403, 404, 409, 413, 429, 502, 503, 504)
 ADMIN_ERRORS = (400, 401, 404, 409, 413, 502, 503, 504)
 STATUS_TEXT = {400: "the request is wrong (`param` says where)", 401: "no or a wrong admin token",
-               403: "not allowed for this request", 404: "no such model or route", 409: "the pool's state forbids it now",
+               403: "not allowed for this request", 404: "no such model or route",
+               409: "the pool's state forbids it now",
                413: "the body is over service.max_body_bytes", 429: "queue full or waited too long",
                502: "the model server failed", 503: "not available now; come back after Retry-After",
                504: "the model server did not answer in time"}

@@ -145,7 +145,8 @@ def health() -> dict[str, Any]:
     return {"type": "object", "required": ["status", "supervisord", "models", "errors"],
             "properties": {"status": {"enum": ["ok", "degraded", "shutting_down"]},
                            "supervisord": {"type": "object"},
-                           "models": {"type": "object", "additionalProperties": {"enum": [s.value for s in ModelState]}},
+                           "models": {"type": "object",
+                                      "additionalProperties": {"enum": [s.value for s in ModelState]}},
                            "errors": {"type": "object", "additionalProperties": {"type": "string"}}}}
 
 
