@@ -22,6 +22,7 @@ routes = web.RouteTableDef()
 
 OPENAPI_VERSION = "3.1.0"
 SSE = "text/event-stream"
+RESPONSE_EVENTS = ("response.created", "response.output_text.delta", "response.metrics", "response.completed")
 # The statuses of each kind of route's errors, each with the error envelope; 429 and 503 with
 # Retry-After (errors.PoolError.headers). A backend's own status passes on: `default`.
 MODEL_ERRORS = (400, 403, 404, 409, 413, 429, 502, 503, 504)
@@ -45,6 +46,7 @@ class Operation:
     admin: bool = False
     parameters: tuple[dict[str, Any], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)   # more responses (status: response object)
+    links: tuple[str, ...] = ()     # what may follow a 200 for the same model (admin: load, scale, unload)
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -58,7 +60,7 @@ def _query(name: str, lo: int, hi: int, what: str) -> dict[str, Any]:
 
 def operations() -> tuple[Operation, ...]:
     """Every route of the app (schemas read from the code and conf/schema.json, so built on call)."""
-    chat_answer = {**_json({"type": "object"}), SSE: {"schema": {"type": "string"}}}
+    chat_answer = {**_json({"type": "object"}), SSE: {"schema": schemas.sse_event(["message", "error"])}}
     pass_through = tuple(
         Operation("post", path, f"OpenAI {path.rsplit('/', 1)[1]}, passed to a replica of the model", chat_answer,
                   body=schemas.pass_through_request(path), errors=MODEL_ERRORS)
@@ -70,7 +72,8 @@ def operations() -> tuple[Operation, ...]:
             Operation("post", "/v1/responses", "the llm-pool request: input or messages, decoding, thinking, "
                       "translation; JSON or SSE (response.created, response.output_text.delta, response.metrics, "
                       "response.completed, error)",
-                      {**_json(schemas.responses_answer()), SSE: {"schema": {"type": "string"}}},
+                      {**_json(schemas.responses_answer()),
+                       SSE: {"schema": schemas.sse_event([*RESPONSE_EVENTS, "error"])}},
                       body=schemas.responses_request(), errors=MODEL_ERRORS),
             Operation("get", "/v1/models", "the loaded public model ids", _json(schemas.models_list())),
             Operation("get", "/health", "liveness, with every model's state", _json(schemas.health())),
@@ -84,11 +87,13 @@ def operations() -> tuple[Operation, ...]:
             Operation("get", "/v1/admin/models", "every configured model: state, replicas, load constraints, "
                       "definition (secrets redacted)", _json(schemas.admin_models()), errors=(401,), admin=True),
             Operation("post", "/v1/admin/models/{name}/load", "load (or adopt) with temporary overrides",
-                      state, body=schemas.load_request(), errors=ADMIN_ERRORS, admin=True, parameters=by_name),
+                      state, body=schemas.load_request(), errors=ADMIN_ERRORS, admin=True, parameters=by_name,
+                      links=("scale", "unload", "logs")),
             Operation("post", "/v1/admin/models/{name}/unload", "drain, then stop", state, errors=ADMIN_ERRORS,
-                      admin=True, parameters=by_name),
+                      admin=True, parameters=by_name, links=("load",)),
             Operation("post", "/v1/admin/models/{name}/scale", "change a loaded model's replica count", state,
-                      body=schemas.scale_request(), errors=ADMIN_ERRORS, admin=True, parameters=by_name),
+                      body=schemas.scale_request(), errors=ADMIN_ERRORS, admin=True, parameters=by_name,
+                      links=("scale", "unload", "load")),
             Operation("get", "/v1/admin/models/{name}/logs", "a replica's log through supervisord (tail or follow)",
                       _json(schemas.logs()), errors=(400, 401, 404, 409, 503), admin=True,
                       parameters=(*by_name, _query("replica", 0, 2 ** 31, "replica index (default 0)"),
@@ -117,6 +122,12 @@ def _error_response(status: int) -> dict[str, Any]:
 
 def _operation(op: Operation, models: list[str]) -> dict[str, Any]:
     responses: dict[str, Any] = {"200": {"description": "OK", "content": op.ok}}
+    if op.links:
+        # The admin's walk through a model's states (a fuzzer's stateful run follows them).
+        responses["200"]["links"] = {
+            then: {"operationId": _operation_id(Operation("get" if then == "logs" else "post",
+                                                          f"/v1/admin/models/{{name}}/{then}", "", {})),
+                   "parameters": {"name": "$request.path.name"}} for then in op.links}
     for status in op.errors:
         responses[str(status)] = _error_response(status)
     responses.update(op.extra)

@@ -15,7 +15,7 @@ from launchers import LAUNCHERS
 from proxy.config import SCHEMA_PATH
 from proxy.errors import CODES
 from proxy.lifecycle.replicas import ModelState, ReplicaState
-from proxy.serving.body import REQUIRED
+from proxy.serving.body import ITEMS, REQUIRED
 from proxy.serving.relay import KNOWN_BACKEND_CODES
 from proxy.serving.responses import REQUEST_SCHEMA
 
@@ -56,6 +56,8 @@ def pass_through_request(path: str) -> dict[str, Any]:
     required_field: dict[str, Any] = {"type": [_JSON_TYPES[t] for t in types], "description": what}
     if list in types:
         required_field["minItems"] = 1
+    if path in ITEMS:
+        required_field["items"] = {"type": _JSON_TYPES[ITEMS[path][0]]}
     return {"type": "object", "required": ["model", name], "additionalProperties": True,
             "properties": {**PROXY_READS, name: required_field}}
 
@@ -163,6 +165,13 @@ def logs() -> dict[str, Any]:
             "properties": {"model": {"type": "string"}, "replica": {"type": "integer"},
                            "program": {"type": ["string", "null"]}, "text": {"type": "string"},
                            "offset": {"type": "integer", "minimum": 0}, "overflow": {"type": "boolean"}}}
+
+
+def sse_event(events: list[str]) -> dict[str, Any]:
+    """One server-sent event of a stream (`message` is an event without an `event:` line: the
+    backend's chunks, then `[DONE]`); `error` is a failure after the stream began, then the end."""
+    return {"type": "object", "required": ["data"],
+            "properties": {"event": {"enum": events}, "data": {"type": "string"}, "id": {"type": "string"}}}
 
 
 def any_object(description: str) -> dict[str, Any]:
