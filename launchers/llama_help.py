@@ -14,6 +14,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from proxy.atomic_file import write_atomic
 
 HELP_TIMEOUT_S = 30.0
 # An option's first line starts at column 0 with its flags; its description continues indented.
@@ -62,9 +63,7 @@ def help_text(binary: str | os.PathLike[str], cache_dir: Path) -> str:
     if "--port" not in text:
         raise HelpUnavailable(f"{binary} --help printed no option list (exit {done.returncode})")
     cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(cached)
+    write_atomic(cached, text)
     return text
 
 

@@ -119,6 +119,71 @@ class BackendTimeout(PoolError):
     code = "backend_timeout"
 
 
+# Every `code` the proxy itself answers with, and when: the published contract (GET /openapi.json
+# lists them) and the set tests/proxy/test_error_codes.py holds the source to, so a new code cannot
+# ship undocumented. A backend's own code passes on as it sent it (proxy/serving/relay.py).
+CODES: dict[str, str] = {
+    "invalid_request": "a field breaks the request schema of /v1/responses",
+    "invalid_request_error": "a backend refused the request as malformed (its message and status pass on)",
+    "context_length_exceeded": "the prompt does not fit the model's context (a backend's refusal)",
+    "invalid_json": "the body is not a JSON object, or is nested too deep",
+    "missing_model": "`model` is missing or not a non-empty string",
+    "missing_required_parameter": "the pass-through endpoint's required field is missing",
+    "invalid_type": "the pass-through endpoint's required field has the wrong JSON type",
+    "invalid_fairness_key": "`fairness_key` is not a string",
+    "invalid_input": "not exactly one of `input` and `messages`, or the prompt format needs `input`",
+    "invalid_messages": "a role other than user/assistant, or the last message is not the user's",
+    "invalid_file": "a file item the remote provider cannot take",
+    "image_url_not_allowed": "an image URL that the model's image_url_* rules refuse",
+    "modality_unsupported": "an image or file item for a model that does not take them",
+    "multi_turn_unsupported": "`messages` for a single-turn model",
+    "thinking_unsupported": "a `thinking` mode the model does not offer",
+    "target_lang_required": "the translation prompt format needs `target_lang_code`",
+    "instructions_not_allowed": "the translation prompt format carries its own instructions",
+    "embeddings_unsupported": "/v1/embeddings for a model that serves none",
+    "invalid_load_request": "a load body with unknown fields, a bad override or replica count",
+    "invalid_scale_request": "a scale body that is not {\"replicas\": N} within 1..replica_max",
+    "invalid_log_request": "a log query parameter out of range",
+    "method_not_allowed": "the route exists but not with this method (405)",
+    "invalid_admin_token": "admin routes need `Authorization: Bearer <token>` (service.admin_token_env)",
+    "forbidden": "not allowed",
+    "remote_not_allowed": "a remote model needs `allow_remote: true` in the request (403)",
+    "remote_auth_failed": "the remote provider refused the configured credentials (502)",
+    "model_not_found": "no model of that name is configured",
+    "not_found": "no such route (on this listener)",
+    "conflict": "the pool's state forbids it now",
+    "model_not_loaded": "the model is configured but not loaded, and does not load on demand",
+    "model_already_loaded": "a load asked for a model that is loaded with other settings",
+    "model_not_loadable": "this version cannot run the model's backend",
+    "no_process_log": "a remote replica has no process log",
+    "backend_not_supported": "the backend has no launcher in this version",
+    "request_too_large": "the body is over service.max_body_bytes",
+    "queue_full": "the model's queue is full",
+    "fairness_key_queue_full": "this fairness key has max_pending_per_key requests waiting",
+    "executor_queue_full": "the model has max_pending_per_executor requests waiting",
+    "queue_timeout": "the request waited max_queue_wait_s without a slot",
+    "remote_rate_limited": "the remote provider rate-limits the configured account",
+    "internal_error": "a bug in llm-pool (the trace is in the proxy log)",
+    "http_error": "an HTTP error aiohttp raised itself",
+    "backend_error": "the model server failed, or answered something that is not an OpenAI answer",
+    "backend_response_too_large": "the backend's answer is over service.max_response_bytes",
+    "backend_timeout": "the model server did not answer, or went silent, within the model's timeouts",
+    "remote_timeout": "the remote provider did not answer in time",
+    "model_unavailable": "the model has no healthy replica right now",
+    "model_loading": "the model is loading",
+    "model_unloading": "the model is being unloaded",
+    "model_load_failed": "the model's load failed (an on-demand load's back-off says when it is tried again)",
+    "model_too_large": "the model can never fit the memory budgets, even with all else unloaded (409)",
+    "insufficient_memory": "no room now: loaded models are busy or pinned",
+    "model_scale_failed": "a scale could not start its replicas",
+    "scale_failed": "a scale could not be carried out",
+    "unload_failed": "an unload could not stop the model's replicas",
+    "no_free_port": "no free port in supervisor.port_range",
+    "supervisor_unavailable": "supervisord does not answer",
+    "shutting_down": "the proxy is stopping and takes no new work",
+}
+
+
 def sse_error_event(err: PoolError) -> bytes:
     """The error as an SSE event, for failures after a stream has started (headers already sent)."""
     return b"event: error\ndata: " + json.dumps(err.body()).encode() + b"\n\n"

@@ -12,13 +12,13 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from proxy.config import ModelConfig
+from proxy.atomic_file import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,6 @@ class Footprints:
     def _write(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"version": 1, "models": self._data}, indent=1, sort_keys=True), encoding="utf-8")
-            os.replace(tmp, self.path)   # whole or not at all, should the proxy die mid-write
+            write_atomic(self.path, json.dumps({"version": 1, "models": self._data}, indent=1, sort_keys=True))
         except OSError as exc:
             log.warning("could not write %s: %s", self.path, exc)

@@ -231,9 +231,14 @@ def _eviction_order(idle: list[ModelView], now: float) -> list[ModelView]:
     """Least recently used first; of those idle within CLOSE of the longest idle, the cheaper reload first."""
     left = sorted(idle, key=lambda m: m.last_used)
     order = []
+    # Idle times are wall clock: a clock set back makes a last use "in the future", which counts as
+    # no idle time (found by the property tests: the longest idle went negative and matched nothing).
+    def idle_s(m: ModelView) -> float:
+        return max(0.0, now - m.last_used)
+
     while left:
-        longest = now - left[0].last_used
-        close = [m for m in left if now - m.last_used >= longest * (1 - CLOSE)]
+        longest = idle_s(left[0])
+        close = [m for m in left if idle_s(m) >= longest * (1 - CLOSE)]
         pick = min(close, key=lambda m: (m.reload_s if m.reload_s is not None else math.inf, m.last_used))
         order.append(pick)
         left.remove(pick)

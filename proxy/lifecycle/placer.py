@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -36,6 +35,7 @@ from proxy.lifecycle.memory import CPU, Memory
 from proxy.lifecycle.placement import Limits, ModelView, Shortfall, Status, plan, room_for
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.lifecycle.runtime import Backoff, ModelRuntime
+from proxy.atomic_file import write_atomic
 
 if TYPE_CHECKING:
     from proxy.lifecycle.pool import Pool
@@ -292,9 +292,7 @@ class Placer:
         if usage == self._saved_usage or (not force and time.monotonic() - self._saved_at < USAGE_SAVE_S):
             return
         try:
-            tmp = self.usage_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"last_used": usage}, sort_keys=True), encoding="utf-8")
-            os.replace(tmp, self.usage_path)
+            write_atomic(self.usage_path, json.dumps({"last_used": usage}, sort_keys=True))
         except OSError as exc:
             log.warning("could not write %s: %s", self.usage_path, exc)
             return

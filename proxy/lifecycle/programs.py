@@ -26,6 +26,7 @@ from proxy.lifecycle.replicas import Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.supervisord.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning,
                                           SupervisorClient, SupervisorError)
+from proxy.atomic_file import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +121,7 @@ class Programs:
                 continue
             await self.remove_group(spec.program)
             log_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".conf.tmp")
-            tmp.write_text(text)
-            tmp.replace(path)
+            write_atomic(path, text)
             to_start.append((replica, spec))
         if to_start:
             await self.supervisor.reload_config()

@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy.supervisord import managed
+from proxy.serving import openapi
 from proxy.serving import routes_admin
 from proxy.serving import routes_public
 from proxy.serving import routes_responses
@@ -105,6 +106,7 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
     app.add_routes(routes_admin.routes)
     app.add_routes(routes_responses.routes)
     app.add_routes(ui.routes)
+    app.add_routes(openapi.routes)
 
     async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
         http = upstream_session()

@@ -26,6 +26,9 @@ REQUIRED: dict[str, tuple[str, tuple[type, ...], str]] = {
     "/v1/completions": ("prompt", (str, list), "a string or an array"),
     "/v1/embeddings": ("input", (str, list), "a string or an array"),
 }
+# And what each item of it must be, where an engine would otherwise fail on it with a 500 of its
+# own (the sim, for one, on `messages: [null]`): a client's mistake then became a replica's failure.
+ITEMS: dict[str, tuple[type, str]] = {"/v1/chat/completions": (dict, "an object")}
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -123,3 +126,8 @@ def check_required(path: str, body: dict[str, Any]) -> None:
     value = body[name]
     if not isinstance(value, types) or (isinstance(value, list) and not value):
         raise BadRequest(f"'{name}' must be {what}, not empty", code="invalid_type", param=name)
+    if path in ITEMS and isinstance(value, list):
+        item_type, item_what = ITEMS[path]
+        for i, item in enumerate(value):
+            if not isinstance(item, item_type):
+                raise BadRequest(f"'{name}.{i}' must be {item_what}", code="invalid_type", param=f"{name}.{i}")

@@ -8,6 +8,7 @@ so there is no second copy of it to drift. Fairness keys are labels only for the
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Iterator, Mapping
 
@@ -125,6 +126,18 @@ class PoolCollector(Collector):
                     sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache, affine, spills,
                     waits, held, cached, hits, loads, unloads)
         yield from self._memory()
+        yield from self._tasks()
+
+    def _tasks(self) -> Iterator[Metric]:
+        # A task that never ends (a relay left behind by a client that went away) is a leak that
+        # shows here long before it shows in memory (tests/bench/soak.py follows it).
+        try:
+            count = len(asyncio.all_tasks())
+        except RuntimeError:   # collected off the event loop: nothing to count
+            return
+        tasks = GaugeMetricFamily("llm_pool_event_loop_tasks", "asyncio tasks alive in the proxy")
+        tasks.add_metric([], count)
+        yield tasks
 
     def _memory(self) -> Iterator[Metric]:
         d = ["device"]

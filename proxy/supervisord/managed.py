@@ -18,6 +18,7 @@ from proxy.config import Settings
 from proxy.supervisord.environment import model_server_environ
 from proxy.supervisord.orphans import identity, stop_orphans
 from proxy.supervisord.supervisor import SupervisorClient, SupervisorError
+from proxy.atomic_file import write_atomic
 
 START_TIMEOUT_S = 15.0
 
@@ -90,7 +91,7 @@ def prepare_state_dir(settings: Settings) -> Path:
     path = conf_path(settings)
     text = supervisord_conf(settings)
     if not path.exists() or path.read_text() != text:
-        path.write_text(text)
+        write_atomic(path, text)
     return path
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 from proxy.supervisord.supervisor import ProcessInfo, ProcessState
+from proxy.atomic_file import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,9 @@ def identity(pid: int) -> Identity | None:
     except OSError:
         return None
     fields = stat.rsplit(") ", 1)[1].split()
-    if fields[0] == "Z":
+    # Between fork and exec (measured: right after Popen returns, now and then) the command line
+    # reads empty: recorded so, it would never match the process again. It is read again later.
+    if fields[0] == "Z" or not cmdline:
         return None
     return Identity(cmdline=[a.decode(errors="replace") for a in cmdline.split(b"\0") if a], start=int(fields[19]))
 
@@ -76,9 +79,7 @@ class PidRecord:
         if entries == self._written:
             return
         try:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(entries, indent=1))
-            tmp.replace(self.path)
+            write_atomic(self.path, json.dumps(entries, indent=1))
         except OSError as exc:   # a record we cannot write must not stop the pool; it is tried again
             log.warning("cannot record model-server PIDs in %s: %s", self.path, exc.strerror)
             return

@@ -13,7 +13,11 @@ Every request is classified by what the client saw:
 
 and the proxy's RSS is read at the start and at the end.
 
-    .venv/bin/python tests/bench/bench_chaos.py [--duration 180] [--quick]
+With `--engine llama-server` the replicas are real llama-servers on the tiny GGUF (no fault rate:
+the faults are the chaos): besides SIGKILL, a replica is now and then frozen with SIGSTOP for a few
+seconds and thawed with SIGCONT (a stalled engine: the proxy's timeouts and ejection must answer).
+
+    .venv/bin/python tests/bench/bench_chaos.py [--duration 180] [--quick] [--engine sim|llama-server]
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import os
 import random
 import signal
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -46,9 +51,18 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def start(replicas: int, fault_rate: float) -> ProxyProcess:
-    model = {"backend": "sim", "enabled": True, "replicas": replicas, "replica_max": replicas, "target_inflight": 8,
-             "sim": {"max_seqs": 8, "decode_tokens_per_s": 200, "ttft_ms": 5, "fault_rate": fault_rate}}
+def start(replicas: int, fault_rate: float, engine: str = "sim") -> ProxyProcess:
+    model: dict[str, Any] = {"enabled": True, "replicas": replicas, "replica_max": replicas, "target_inflight": 8}
+    if engine == "sim":
+        model |= {"backend": "sim",
+                  "sim": {"max_seqs": 8, "decode_tokens_per_s": 200, "ttft_ms": 5, "fault_rate": fault_rate}}
+    else:
+        from proxy.setup.demo_model import write_tiny_gguf
+        from proxy.setup.llama_build import build_llama_server
+
+        gguf = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="chaos-")) / "tiny.gguf")
+        model |= {"backend": "llama_server", "model_path": str(gguf), "llama_server_binary": str(build_llama_server()),
+                  "llama_server_n_ctx": 8192}
     service = {"log_level": "warning", "first_byte_timeout_s": 10, "stream_idle_timeout_s": 5,
                "health_interval_s": 0.5, "health_timeout_s": 1, "eject_after_failures": 5, "eject_base_s": 5}
     fairness = {"max_queue_wait_s": 15, "max_pending_per_key": 1000, "max_pending_per_executor": 2000}
@@ -119,7 +133,9 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random, outc
 
 
 async def killer(proxy: ProxyProcess, session: aiohttp.ClientSession, rng: random.Random, every_s: float,
-                 stop: asyncio.Event, kills: list[int]) -> None:
+                 stop: asyncio.Event, kills: list[int], freezes: list[int] | None = None) -> None:
+    """SIGKILL a random ready replica every few seconds (while another is ready); with `freezes`,
+    every other time SIGSTOP one instead and SIGCONT it a few seconds later."""
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), rng.uniform(0.5, 1.5) * every_s)
@@ -132,12 +148,21 @@ async def killer(proxy: ProxyProcess, session: aiohttp.ClientSession, rng: rando
         if len(pids) > 1:
             pid = rng.choice(pids)
             proxy.seen_pids.add(pid)
+            if freezes is not None and rng.random() < 0.5:
+                os.kill(pid, signal.SIGSTOP)
+                freezes.append(pid)
+                try:
+                    await asyncio.wait_for(stop.wait(), rng.uniform(1.0, 6.0))
+                except asyncio.TimeoutError:
+                    pass
+                os.kill(pid, signal.SIGCONT)
+                continue
             os.kill(pid, signal.SIGKILL)
             kills.append(pid)
 
 
 async def drive(proxy: ProxyProcess, duration: float, clients: int, hang_s: float, leave_rate: float,
-                kill_every_s: float, seed: int) -> tuple[Counter[str], list[int]]:
+                kill_every_s: float, seed: int, freezes: list[int] | None = None) -> tuple[Counter[str], list[int]]:
     rng = random.Random(seed)
     outcomes: Counter[str] = Counter()
     stop = asyncio.Event()
@@ -148,7 +173,7 @@ async def drive(proxy: ProxyProcess, duration: float, clients: int, hang_s: floa
             while not stop.is_set():
                 await one(session, proxy.url, mine, outcomes, hang_s, leave_rate)
 
-        chaos = asyncio.create_task(killer(proxy, session, rng, kill_every_s, stop, kills))
+        chaos = asyncio.create_task(killer(proxy, session, rng, kill_every_s, stop, kills, freezes))
         workers = [asyncio.create_task(client(i)) for i in range(clients)]
         await asyncio.sleep(duration)
         stop.set()
@@ -167,23 +192,27 @@ def main() -> None:
     parser.add_argument("--kill-every-s", type=float, default=8.0)
     parser.add_argument("--hang-s", type=float, default=60.0, help="a request longer than this is hung")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--engine", choices=("sim", "llama-server"), default="sim",
+                        help="replicas: sim with a fault rate, or real llama-servers on the tiny GGUF (+ SIGSTOP/SIGCONT)")
     args = parser.parse_args()
     duration = 30.0 if args.quick else args.duration
-    proxy = start(args.replicas, args.fault_rate)
+    proxy = start(args.replicas, args.fault_rate, args.engine)
+    freezes: list[int] | None = [] if args.engine == "llama-server" else None
     try:
         assert proxy.proc is not None
         rss_start = rss_mb(proxy.proc.pid)
         began = time.monotonic()
         outcomes, kills = asyncio.run(drive(proxy, duration, args.clients, args.hang_s, args.leave_rate,
-                                            args.kill_every_s, args.seed))
+                                            args.kill_every_s, args.seed, freezes))
         elapsed = time.monotonic() - began
         rss_end = rss_mb(proxy.proc.pid)
         states = [r["state"] for r in proxy.admin_model(MODEL)["replicas"]]
     finally:
         survivors = proxy.cleanup()
     failed = {k.split(":", 1)[1]: v for k, v in outcomes.items() if k.startswith("failed:")}
-    print(f"chaos: {elapsed:.0f} s, {args.clients} clients, {args.replicas} sim replicas, fault rate "
-          f"{args.fault_rate}, clients leaving {args.leave_rate}, {len(kills)} replica SIGKILLs")
+    faults = f"fault rate {args.fault_rate}" if args.engine == "sim" else f"{len(freezes or [])} SIGSTOP/SIGCONT"
+    print(f"chaos: {elapsed:.0f} s, {args.clients} clients, {args.replicas} {args.engine} replicas, {faults}, "
+          f"clients leaving {args.leave_rate}, {len(kills)} replica SIGKILLs")
     print(f"  requests sent     {outcomes['sent']}")
     print(f"  completed         {outcomes['completed']}")
     print(f"  failed with error {sum(failed.values())}  {dict(sorted(failed.items()))}")

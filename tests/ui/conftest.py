@@ -16,7 +16,9 @@ from proxy.setup.browser import find_browser
 ARTIFACTS_ENV = "LLM_POOL_ARTIFACTS"
 
 
-@pytest.fixture(scope="session")
+# Per module, not per session: Playwright's sync API keeps an event loop running in the main thread
+# while it is open, and every later test that runs asyncio.run() would fail under it.
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     sync_api = pytest.importorskip("playwright.sync_api",
                                    reason="the `playwright` package is not installed: pip install -e '.[test]'")

@@ -145,3 +145,22 @@ def test_bound_children_count_into_the_registry_and_are_bound_once() -> None:
     metrics.count_usage("m", "other", {"prompt_tokens": 5})
     text = generate_latest(metrics.registry).decode()
     assert 'llm_pool_prompt_tokens_total{key="other",model="m"} 12.0' in text
+
+
+async def test_the_event_loops_tasks_are_a_gauge(tmp_path: Path) -> None:
+    """What the soak follows for leaks: one more task alive, one more on the gauge."""
+    import asyncio
+
+    from proxy.serving.metrics import PoolCollector
+
+    def tasks() -> float:
+        (family,) = [f for f in PoolCollector._tasks(None) if f.name == "llm_pool_event_loop_tasks"]  # type: ignore[arg-type]
+        return family.samples[0].value
+
+    before = tasks()
+    blocker = asyncio.Event()
+    waiting = asyncio.create_task(blocker.wait())
+    assert tasks() == before + 1
+    blocker.set()
+    await waiting
+    assert tasks() == before

@@ -8,13 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from proxy.supervisord.orphans import PidRecord, stop_orphans
+from helpers import wait_for
+from proxy.supervisord.orphans import PidRecord, identity, stop_orphans
 from proxy.supervisord.supervisor import ProcessInfo, ProcessState
 
 
 async def test_a_recorded_pid_now_used_by_another_process_is_left_alone(tmp_path: Path) -> None:
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+        wait_for(lambda: identity(other.pid), 10, what="the child's exec")   # its command line, not an empty one
         PidRecord(tmp_path).update([ProcessInfo("g", "p", ProcessState.RUNNING, other.pid, 0, "")])
         record = tmp_path / "replica-pids.json"
         entries = json.loads(record.read_text())
@@ -35,7 +37,11 @@ async def test_a_process_still_starting_is_recorded_and_stopped(tmp_path: Path) 
     # not leave it running.
     starting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        PidRecord(tmp_path).update([ProcessInfo("g", "p", ProcessState.STARTING, starting.pid, 0, "")])
+        # Polled as the monitor does: just after the fork its command line reads empty and it is
+        # not recorded until the exec is done.
+        record = PidRecord(tmp_path)
+        wait_for(lambda: record.update([ProcessInfo("g", "p", ProcessState.STARTING, starting.pid, 0, "")])
+                 or record.path.exists() and json.loads(record.path.read_text()), 10, what="the starting process to be recorded")
         assert await stop_orphans(tmp_path) == [starting.pid]
         assert starting.wait(10) == -signal.SIGTERM
     finally:

@@ -1,0 +1,44 @@
+"""Files the proxy writes for itself (PID records, footprints, last use, program files,
+supervisord.conf, cached help texts): whole or not at all.
+
+Each is written to a temporary name in the same folder, flushed to disk and renamed over the old
+one, so a proxy killed at any moment (kill -9, the OOM killer, a full disk) leaves the old file or
+the new one, never half of one: a half-written PID record would stop nothing after a crash, a
+half-written program file would start a broken replica. The temporary name is unique to the writer,
+so two writers (two proxies' help caches, say) cannot rename each other's half file.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` (UTF-8) in one step; raises OSError (and leaves no temporary file)
+    when it cannot."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            # Without it a power loss after the rename can leave an empty file under the new name.
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    """The rename itself reaches the disk (best effort: some file systems cannot sync a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

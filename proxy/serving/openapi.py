@@ -1,0 +1,199 @@
+"""GET /openapi.json: the API as an OpenAPI 3.1 document, built from the code's own schemas.
+
+Every route of the app is one entry of `operations()` (tests/proxy/serving/test_openapi.py fails on a
+route that has none); the schemas come from proxy/serving/openapi_schemas.py, which takes them from
+what the code validates with. The configured model ids are given as examples, so that a client
+generator or a fuzzer (tests/contract/) reaches real models.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from proxy.config import Settings
+from proxy.errors import CODES
+from proxy.serving import openapi_schemas as schemas
+from proxy.serving import ui
+from proxy.serving.keys import SETTINGS
+from proxy.serving.routes_admin import MAX_LOG_BYTES
+
+routes = web.RouteTableDef()
+
+OPENAPI_VERSION = "3.1.0"
+SSE = "text/event-stream"
+RESPONSE_EVENTS = ("response.created", "response.output_text.delta", "response.metrics", "response.completed")
+# The statuses of each kind of route's errors, each with the error envelope; 429 and 503 with
+# Retry-After (errors.PoolError.headers). A backend's own status passes on: `default`.
+MODEL_ERRORS = (400, 403, 404, 409, 413, 429, 502, 503, 504)
+ADMIN_ERRORS = (400, 401, 404, 409, 413, 502, 503, 504)
+STATUS_TEXT = {400: "the request is wrong (`param` says where)", 401: "no or a wrong admin token",
+               403: "not allowed for this request", 404: "no such model or route",
+               409: "the pool's state forbids it now",
+               413: "the body is over service.max_body_bytes", 429: "queue full or waited too long",
+               502: "the model server failed", 503: "not available now; come back after Retry-After",
+               504: "the model server did not answer in time"}
+
+
+@dataclass(frozen=True)
+class Operation:
+    method: str
+    path: str
+    summary: str
+    ok: dict[str, Any]                          # the 200's content, by media type
+    body: dict[str, Any] | None = None          # the request body's schema (JSON)
+    errors: tuple[int, ...] = ()
+    admin: bool = False
+    parameters: tuple[dict[str, Any], ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)   # more responses (status: response object)
+    links: tuple[str, ...] = ()     # what may follow a 200 for the same model (admin: load, scale, unload)
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _query(name: str, lo: int, hi: int, what: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "description": what,
+            "schema": {"type": "integer", "minimum": lo, "maximum": hi}}
+
+
+def operations() -> tuple[Operation, ...]:
+    """Every route of the app (schemas read from the code and conf/schema.json, so built on call)."""
+    chat_answer = {**_json({"type": "object"}), SSE: {"schema": schemas.sse_event(["message", "error"])}}
+    pass_through = tuple(
+        Operation("post", path, f"OpenAI {path.rsplit('/', 1)[1]}, passed to a replica of the model", chat_answer,
+                  body=schemas.pass_through_request(path), errors=MODEL_ERRORS)
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"))
+    state = _json(schemas.model_state())
+    by_name = ({"name": "name", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
+                "description": "a configured model id"},)
+    return (*pass_through,
+            Operation("post", "/v1/responses", "the llm-pool request: input or messages, decoding, thinking, "
+                      "translation; JSON or SSE (response.created, response.output_text.delta, response.metrics, "
+                      "response.completed, error)",
+                      {**_json(schemas.responses_answer()),
+                       SSE: {"schema": schemas.sse_event([*RESPONSE_EVENTS, "error"])}},
+                      body=schemas.responses_request(), errors=MODEL_ERRORS),
+            Operation("get", "/v1/models", "the loaded public model ids", _json(schemas.models_list())),
+            Operation("get", "/health", "liveness, with every model's state", _json(schemas.health())),
+            Operation("get", "/ready", "readiness: 503 until the startup loads are done, and while stopping",
+                      _json(schemas.ready(["ready"])),
+                      extra={"503": {"description": "loading, or shutting down", "headers": _retry_after(),
+                                     "content": _json(schemas.ready(["loading", "shutting_down"]))}}),
+            Operation("get", "/metrics", "Prometheus metrics",
+                      {"text/plain": {"schema": {"type": "string"}}}),
+            Operation("get", "/openapi.json", "this document", _json({"type": "object"})),
+            Operation("get", "/v1/admin/models", "every configured model: state, replicas, load constraints, "
+                      "definition (secrets redacted)", _json(schemas.admin_models()), errors=(401,), admin=True),
+            Operation("post", "/v1/admin/models/{name}/load", "load (or adopt) with temporary overrides",
+                      state, body=schemas.load_request(), errors=ADMIN_ERRORS, admin=True, parameters=by_name,
+                      links=("scale", "unload", "logs")),
+            Operation("post", "/v1/admin/models/{name}/unload", "drain, then stop", state, errors=ADMIN_ERRORS,
+                      admin=True, parameters=by_name, links=("load",)),
+            Operation("post", "/v1/admin/models/{name}/scale", "change a loaded model's replica count", state,
+                      body=schemas.scale_request(), errors=ADMIN_ERRORS, admin=True, parameters=by_name,
+                      links=("scale", "unload", "load")),
+            Operation("get", "/v1/admin/models/{name}/logs", "a replica's log through supervisord (tail or follow)",
+                      _json(schemas.logs()), errors=(400, 401, 404, 409, 503), admin=True,
+                      parameters=(*by_name, _query("replica", 0, 2 ** 31, "replica index (default 0)"),
+                                  _query("bytes", 1, MAX_LOG_BYTES, "at most this many bytes (default 16384)"),
+                                  _query("offset", 0, 2 ** 62, "what came after this offset (follow)"))),
+            Operation("get", "/v1/admin/gpu-memory", "NVML readings per GPU and per replica process",
+                      _json(schemas.any_object("the GPU report")), errors=(401,), admin=True),
+            Operation("get", "/v1/admin/memory", "placement's view: budgets, what models hold, loads waiting",
+                      _json(schemas.any_object("the placer's description")), errors=(401,), admin=True),
+            Operation("get", "/v1/admin/traffic", "the proxy's request counters per model (requests by status, "
+                      "latency, time-to-first-token and queue-wait histograms), with the reading's time",
+                      _json(schemas.any_object("the counters")), errors=(401,), admin=True),
+            # The status page: its files need no token (the page reads the admin API with the one typed
+            # into it); with service.admin_port they answer on the admin listener only.
+            Operation("get", "/ui", "the status page (HTML)", {"text/html": {"schema": {"type": "string"}}}),
+            Operation("get", "/ui/", "redirects to the status page", {},
+                      extra={"308": {"description": "to ../ui"}}),
+            Operation("get", "/ui/{asset}", "one of the status page's scripts and styles",
+                      {"text/javascript": {"schema": {"type": "string"}}, "text/css": {"schema": {"type": "string"}}},
+                      errors=(404,),
+                      parameters=({"name": "asset", "in": "path", "required": True,
+                                   "schema": {"type": "string", "enum": sorted(ui.ASSETS)}},)),
+            )
+
+
+
+def _retry_after() -> dict[str, Any]:
+    return {"Retry-After": {"required": True, "description": "seconds to wait before trying again",
+                            "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
+
+
+def _error_response(status: int) -> dict[str, Any]:
+    response: dict[str, Any] = {"description": STATUS_TEXT[status],
+                                "content": _json({"$ref": "#/components/schemas/Error"})}
+    if status in (429, 503):
+        response["headers"] = _retry_after()
+    return response
+
+
+def _operation(op: Operation, models: list[str]) -> dict[str, Any]:
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": op.ok}}
+    if op.links:
+        # The admin's walk through a model's states (a fuzzer's stateful run follows them).
+        responses["200"]["links"] = {
+            then: {"operationId": _operation_id(Operation("get" if then == "logs" else "post",
+                                                          f"/v1/admin/models/{{name}}/{then}", "", {})),
+                   "parameters": {"name": "$request.path.name"}} for then in op.links}
+    for status in op.errors:
+        responses[str(status)] = _error_response(status)
+    responses.update(op.extra)
+    # Any route: 500 (a bug), 405 (another method), and a backend's own status passed on.
+    responses["default"] = {"description": "an error, as the OpenAI envelope",
+                            "content": _json({"$ref": "#/components/schemas/Error"})}
+    out: dict[str, Any] = {"summary": op.summary, "operationId": _operation_id(op), "responses": responses}
+    parameters = [dict(p) for p in op.parameters]
+    for p in parameters:
+        if p["name"] == "name" and models:
+            p["examples"] = {m: {"value": m} for m in models}
+    if parameters:
+        out["parameters"] = parameters
+    if op.body is not None:
+        body = dict(op.body)
+        if "model" in body.get("properties", {}) and models:
+            body = {**body, "properties": {**body["properties"],
+                                           "model": {**body["properties"]["model"], "examples": models}}}
+        out["requestBody"] = {"required": op.method == "post" and "required" in body, "content": _json(body)}
+    if op.admin:
+        out["security"] = [{"adminToken": []}]
+        out["tags"] = ["admin"]
+    return out
+
+
+def _operation_id(op: Operation) -> str:
+    words = [w.strip("{}") for w in op.path.replace(".", "_").replace("-", "_").split("/") if w]
+    return "_".join([op.method, *words]) + ("_slash" if op.path.endswith("/") else "")
+
+
+def build(settings: Settings | None = None) -> dict[str, Any]:
+    """The OpenAPI document; with `settings`, the configured model ids as examples."""
+    models = sorted(settings.models) if settings is not None else []
+    paths: dict[str, dict[str, Any]] = {}
+    for op in operations():
+        paths.setdefault(op.path, {})[op.method] = _operation(op, models)
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": "llm-pool", "version": "0.1.0",
+                 "description": "One OpenAI-compatible endpoint in front of many LLM runtimes. Errors are the "
+                                "OpenAI envelope; `code` is one of components.schemas.Error's x-codes."},
+        "paths": paths,
+        "components": {
+            "schemas": {"Error": schemas.error_schema()},
+            # Required only when service.admin_token_env names a variable; then every admin call needs it.
+            "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer",
+                                               "description": "the token in service.admin_token_env's variable"}},
+        },
+        "x-error-codes": dict(CODES),
+    }
+
+
+@routes.get("/openapi.json")
+async def openapi_document(request: web.Request) -> web.Response:
+    return web.json_response(build(request.app[SETTINGS]))

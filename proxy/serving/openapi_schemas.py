@@ -1,0 +1,178 @@
+"""The JSON schemas of GET /openapi.json, each taken from what the code validates or answers with.
+
+Nothing here restates a rule: the /v1/responses request is responses.REQUEST_SCHEMA itself, the
+pass-through bodies are body.REQUIRED plus the fields the proxy reads (reach.PROXY_ONLY_FIELDS),
+a load's overrides are each launcher's LOAD_OVERRIDES with the rule conf/schema.json gives the
+field, the error codes are errors.CODES, and the states are the lifecycle's enums. So the
+document cannot say what the code does not do (tests/proxy/serving/test_openapi.py holds it to that).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from launchers import LAUNCHERS
+from proxy.config import SCHEMA_PATH
+from proxy.errors import CODES
+from proxy.lifecycle.replicas import ModelState, ReplicaState
+from proxy.serving.body import ITEMS, REQUIRED
+from proxy.serving.relay import KNOWN_BACKEND_CODES
+from proxy.serving.responses import REQUEST_SCHEMA
+
+_JSON_TYPES = {list: "array", str: "string", dict: "object", int: "integer", float: "number", bool: "boolean"}
+# What the proxy reads of a pass-through body besides the endpoint's required field (body.py,
+# affinity_key.py, the remote kind's gate); everything else goes to the backend as it is.
+PROXY_READS: dict[str, dict[str, Any]] = {
+    "model": {"type": "string", "minLength": 1, "description": "a configured model id (GET /v1/models)"},
+    "fairness_key": {"type": ["string", "null"],
+                     "description": "whose queue the request waits in (else the X-Fairness-Key header)"},
+    "allow_remote": {"type": "boolean", "description": "a remote model is used only when true"},
+    "prompt_cache_key": {"type": ["string", "null"], "description": "the affinity key: same key, same replica"},
+    "stream": {"type": "boolean", "description": "answer as server-sent events"},
+}
+
+
+def error_schema() -> dict[str, Any]:
+    """The OpenAI error envelope. `code` is one of the proxy's (errors.CODES) or, on an answer a
+    replica gave (the X-Replica header says which), the backend's own."""
+    return {
+        "type": "object", "required": ["error"], "additionalProperties": False,
+        "properties": {"error": {
+            "type": "object", "required": ["message", "type", "code", "param"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "code": {"type": "string", "description": "one of x-codes (the proxy's), or a backend's own code "
+                                                          "on an answer that carries X-Replica",
+                         "x-codes": dict(CODES), "x-backend-codes": sorted(KNOWN_BACKEND_CODES)},
+                "param": {"type": ["string", "null"]},
+            }}},
+    }
+
+
+def pass_through_request(path: str) -> dict[str, Any]:
+    """What the proxy itself reads of a pass-through body; the rest is the backend's (OpenAI's) and passes on."""
+    name, types, what = REQUIRED[path]
+    required_field: dict[str, Any] = {"type": [_JSON_TYPES[t] for t in types], "description": what}
+    if list in types:
+        required_field["minItems"] = 1
+    if path in ITEMS:
+        required_field["items"] = {"type": _JSON_TYPES[ITEMS[path][0]]}
+    return {"type": "object", "required": ["model", name], "additionalProperties": True,
+            "properties": {**PROXY_READS, name: required_field}}
+
+
+def responses_request() -> dict[str, Any]:
+    # A copy: the validator keeps the original, and the document may be changed by whoever reads it.
+    schema: dict[str, Any] = json.loads(json.dumps(REQUEST_SCHEMA))
+    schema["description"] = ("Unknown fields, at the top level and in `decoding`, are ignored and named back in "
+                             "the X-Ignored-Fields response header. Exactly one of `input` and `messages`.")
+    return schema
+
+
+def load_request() -> dict[str, Any]:
+    """POST .../load: each backend's temporary overrides (its launcher's LOAD_OVERRIDES), with the
+    rule the config schema gives each field. Which apply depends on the model's backend: a model's
+    own list, with its configured values, is its `load_constraints` in GET /v1/admin/models."""
+    config = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    fields = config["$defs"]["model"]["properties"]
+    by_backend = {backend: list(launcher.LOAD_OVERRIDES) for backend, launcher in sorted(LAUNCHERS.items())}
+    names = sorted({n for ns in by_backend.values() for n in ns})
+    return {
+        "type": "object", "additionalProperties": False,
+        "properties": {
+            "overrides": {"type": ["object", "null"], "additionalProperties": False,
+                          "properties": {n: fields[n] for n in names},
+                          "description": "only the model's backend's fields (x-overrides-by-backend)",
+                          "x-overrides-by-backend": by_backend},
+            "replicas": {"type": "integer", "minimum": 1, "description": "at most the model's replica_max"},
+        },
+    }
+
+
+def scale_request() -> dict[str, Any]:
+    return {"type": "object", "required": ["replicas"], "additionalProperties": False,
+            "properties": {"replicas": {"type": "integer", "minimum": 1,
+                                        "description": "at most the model's replica_max"}}}
+
+
+def model_state() -> dict[str, Any]:
+    """A model's runtime state (the answer of load, unload and scale)."""
+    return {
+        "type": "object", "required": ["id", "backend", "state", "replicas"], "additionalProperties": True,
+        "properties": {
+            "id": {"type": "string"},
+            "backend": {"type": "string"},
+            "state": {"enum": [s.value for s in ModelState]},
+            "replicas": {"type": "array", "items": {
+                "type": "object", "required": ["index", "state"], "additionalProperties": True,
+                "properties": {"index": {"type": "integer", "minimum": 0},
+                               "state": {"enum": [s.value for s in ReplicaState]},
+                               "pid": {"type": ["integer", "null"]}}}},
+            "last_error": {"type": ["string", "null"]},
+        },
+    }
+
+
+def admin_models() -> dict[str, Any]:
+    row = model_state()
+    row = {**row, "required": [*row["required"], "load_constraints", "definition"],
+           "properties": {**row["properties"],
+                          "load_constraints": {"type": "object", "required": ["loadable", "overrides", "replicas"]},
+                          "definition": {"type": "object"}}}
+    return {"type": "object", "required": ["object", "data"],
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": row},
+                           "supervisord": {"type": "object"}}}
+
+
+def models_list() -> dict[str, Any]:
+    return {"type": "object", "required": ["object", "data"],
+            "properties": {"object": {"const": "list"},
+                           "data": {"type": "array", "items": {
+                               "type": "object", "required": ["id", "object", "owned_by", "created"],
+                               "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                              "owned_by": {"type": "string"}, "created": {"type": "integer"}}}}}}
+
+
+def responses_answer() -> dict[str, Any]:
+    return {"type": "object", "required": ["id", "object", "model", "output", "output_text"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "response"}, "model": {"type": "string"},
+                           "output": {"type": "array", "items": {
+                               "type": "object", "required": ["type", "text"],
+                               "properties": {"type": {"const": "output_text"}, "text": {"type": "string"}}}},
+                           "output_text": {"type": "string"}, "metrics": {"type": "object"}}}
+
+
+def health() -> dict[str, Any]:
+    return {"type": "object", "required": ["status", "supervisord", "models", "errors"],
+            "properties": {"status": {"enum": ["ok", "degraded", "shutting_down"]},
+                           "supervisord": {"type": "object"},
+                           "models": {"type": "object",
+                                      "additionalProperties": {"enum": [s.value for s in ModelState]}},
+                           "errors": {"type": "object", "additionalProperties": {"type": "string"}}}}
+
+
+def ready(statuses: list[str]) -> dict[str, Any]:
+    return {"type": "object", "required": ["status", "models"],
+            "properties": {"status": {"enum": statuses}, "waiting_for": {"type": "array", "items": {"type": "string"}},
+                           "models": {"type": "object", "additionalProperties": {
+                               "type": "object", "required": ["state"],
+                               "properties": {"state": {"enum": [s.value for s in ModelState]}}}}}}
+
+
+def logs() -> dict[str, Any]:
+    return {"type": "object", "required": ["model", "replica", "program", "text", "offset", "overflow"],
+            "properties": {"model": {"type": "string"}, "replica": {"type": "integer"},
+                           "program": {"type": ["string", "null"]}, "text": {"type": "string"},
+                           "offset": {"type": "integer", "minimum": 0}, "overflow": {"type": "boolean"}}}
+
+
+def sse_event(events: list[str]) -> dict[str, Any]:
+    """One server-sent event of a stream (`message` is an event without an `event:` line: the
+    backend's chunks, then `[DONE]`); `error` is a failure after the stream began, then the end."""
+    return {"type": "object", "required": ["data"],
+            "properties": {"event": {"enum": events}, "data": {"type": "string"}, "id": {"type": "string"}}}
+
+
+def any_object(description: str) -> dict[str, Any]:
+    return {"type": "object", "description": description}

@@ -1,0 +1,38 @@
+"""check_required: what each pass-through endpoint needs is refused at the edge when missing or of
+the wrong JSON type, down to the items of `messages` (found by the contract fuzzer: `messages:
+[null]` reached the sim, whose 500 became a 502 and a failure counted against the replica)."""
+from __future__ import annotations
+
+import pytest
+
+from proxy.errors import BadRequest
+from proxy.serving.body import check_required
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.mark.parametrize("messages", [[None], ["hi"], [{"role": "user", "content": "x"}, 3]])
+def test_a_message_that_is_not_an_object_is_an_invalid_type_naming_it(messages: list[object]) -> None:
+    with pytest.raises(BadRequest) as caught:
+        check_required(CHAT, {"model": "m", "messages": messages})
+    index = next(i for i, m in enumerate(messages) if not isinstance(m, dict))
+    assert (caught.value.code, caught.value.param, caught.value.status) == ("invalid_type", f"messages.{index}", 400)
+
+
+def test_messages_that_are_objects_pass() -> None:
+    check_required(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+
+
+@pytest.mark.parametrize(("path", "body", "param", "code"), [
+    (CHAT, {}, "messages", "missing_required_parameter"),
+    (CHAT, {"messages": []}, "messages", "invalid_type"),
+    ("/v1/completions", {"prompt": 5}, "prompt", "invalid_type"),
+    ("/v1/embeddings", {"input": [None]}, None, None),   # items of other endpoints are the backend's to judge
+])
+def test_the_required_field(path: str, body: dict[str, object], param: str | None, code: str | None) -> None:
+    if code is None:
+        check_required(path, body)
+        return
+    with pytest.raises(BadRequest) as caught:
+        check_required(path, body)
+    assert (caught.value.code, caught.value.param) == (code, param)
