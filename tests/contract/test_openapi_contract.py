@@ -144,8 +144,20 @@ def test_stateful_admin_walks_leave_a_pool_that_can_load_and_serve(api: Any, pro
         def get_call_kwargs(self, case: Any) -> dict[str, Any]:
             return {"headers": AUTH, "timeout": CLIENT_TIMEOUT_S}
 
+    def admin_actions() -> int:
+        """Loads and unloads the pool has finished at an admin's word, and its replica counts."""
+        total = 0
+        status, _, body = http("GET", proxy.url + "/v1/admin/models", headers=AUTH)
+        assert status == 200, body
+        for model in body["data"]:
+            total += model["loads"].get("admin", 0) + model["unloads"].get("admin", 0)
+        return total
+
+    before = admin_actions()
     Walk.run(settings=settings(max_examples=max(3, EXAMPLES // 3), stateful_step_count=6, deadline=None,
                                derandomize=True, suppress_health_check=list(HealthCheck)))
+    # The walk followed the links into real models' states (4 loads and unloads here), not only 404s.
+    assert admin_actions() > before
     # No state the pool cannot leave: each model loads again with its configured settings and serves.
     for name in MODELS:
         status, _, body = http("POST", f"{proxy.url}/v1/admin/models/{name}/unload", headers=AUTH)
