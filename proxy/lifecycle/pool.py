@@ -38,6 +38,7 @@ from proxy.lifecycle.remote import EndpointKind
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.lifecycle.runtime import LoadRetry, ModelRuntime
 from proxy.lifecycle.scaling import scale
+from proxy.supervisord.hosts import build_hosts
 from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.orphans import PidRecord
 from proxy.supervisord.supervisor import SupervisorClient, SupervisorError
@@ -60,8 +61,9 @@ class Pool:
         self.models: dict[str, ModelRuntime] = {
             n: ModelRuntime(config=c, policy=policy, admission=Admission(policy, max_wait_s=max_wait_s))
             for n, c in settings.models.items()}
+        self.hosts = build_hosts(settings, supervisor, self.environ)
         self.programs = Programs(settings, supervisor, self.environ, self.models, lambda: self.monitor.wake(),
-                                 pid_record)
+                                 pid_record, self.hosts, lambda *a: self.placer.hosts_for(*a))
         self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, managed)
         kinds = kinds_for({c.backend for c in settings.models.values()}, ProgramKind(self.programs),
                           EndpointKind(http, self.environ))
@@ -73,6 +75,7 @@ class Pool:
                                 life.footprint_margin)
         self.nvml_loader = nvml_loader
         self.memory = Memory(life, footprints, Estimator(), gpu_totals(lambda: _no_nvml_yet()))
+        self.memory.hosts = {n: h for n, h in self.hosts.items() if not h.local}
         self.placer = Placer(settings, self.models, self.memory, nvml_loader)
         self._background: set[asyncio.Task[Any]] = set()
         # Models whose first load at startup has not finished (loaded or failed): /ready waits for them.

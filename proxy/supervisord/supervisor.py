@@ -25,6 +25,10 @@ class SupervisorUnavailable(SupervisorError):
     """supervisord did not answer: not running, socket gone, or the call timed out."""
 
 
+class SupervisorRefused(SupervisorUnavailable):
+    """supervisord answered 401: the username or password is wrong."""
+
+
 class SupervisorFault(SupervisorError):
     """supervisord answered with an XML-RPC fault."""
 
@@ -110,9 +114,11 @@ class SupervisorClient:
     `url` is `unix:///path/to/supervisor.sock` or `http://host:port` (the `/RPC2` path is added).
     """
 
-    def __init__(self, url: str, timeout: float = 10.0) -> None:
+    def __init__(self, url: str, timeout: float = 10.0, auth: tuple[str, str] | None = None) -> None:
         self.url = url
         self.timeout = timeout
+        # A node's username and password (inet_http_server): sent with each call, never logged.
+        self._auth = aiohttp.BasicAuth(auth[0], auth[1]) if auth is not None else None
         self._session: aiohttp.ClientSession | None = None
         parts = urlsplit(url)
         if parts.scheme == "unix":
@@ -140,9 +146,11 @@ class SupervisorClient:
     async def call(self, method: str, *params: Any) -> Any:
         body = xmlrpc.client.dumps(params, methodname=method, allow_none=False)
         try:
-            async with self._client().post(self._endpoint, data=body.encode(),
+            async with self._client().post(self._endpoint, data=body.encode(), auth=self._auth,
                                            headers={"Content-Type": "text/xml"}) as resp:
                 payload = await resp.read()
+                if resp.status == 401:
+                    raise SupervisorRefused(f"supervisord at {self.url} refused the username and password ({method})")
                 if resp.status != 200:
                     raise SupervisorError(f"{method}: HTTP {resp.status} from supervisord")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
