@@ -135,6 +135,18 @@ class Pool:
         """A model's admin row: its runtime's state with its lifecycle (placement) fields."""
         return {**runtime.describe(), **self.placer.describe_model(runtime)}
 
+    def describe_hosts(self) -> list[dict[str, object]]:
+        """GET /v1/admin/hosts (`llm-pool ctl hosts`): each host, with its memory and replicas."""
+        memory = self.placer.describe()["devices"]
+        rows = []
+        for name, host in self.hosts.items():
+            replicas = [f"{rt.name}/r{r.index}" for rt in self.models.values() for r in rt.replicas if r.host == name]
+            prefix = "" if host.local else f"{name}:"
+            devices = [{**d, "device": d["device"][len(prefix):]} for d in memory
+                       if (d["device"].startswith(prefix) if prefix else ":" not in d["device"])]
+            rows.append({**host.describe(), "memory": devices, "replicas": len(replicas), "replica_names": replicas})
+        return rows
+
     def get(self, name: str) -> ModelRuntime:
         try:
             return self.models[name]

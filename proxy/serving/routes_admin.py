@@ -121,6 +121,14 @@ async def admin_memory(request: web.Request) -> web.Response:
     return web.json_response(request.app[POOL].placer.describe())
 
 
+@routes.get("/v1/admin/hosts")
+async def admin_hosts(request: web.Request) -> web.Response:
+    """Every host replicas may run on: whether its supervisord answers, its devices (a node's as it
+    reported them), each limited device's budget and free memory, and the replicas it runs."""
+    _authorize(request)
+    return web.json_response({"object": "list", "data": request.app[POOL].describe_hosts()})
+
+
 MAX_LOG_BYTES = 1024 * 1024
 
 
