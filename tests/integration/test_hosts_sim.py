@@ -122,7 +122,7 @@ def test_the_plugin_refuses_a_wrong_password_and_names_that_are_not_llm_pools(no
     name = "tiny-0123abcd-r0"
     for text in (f"[program:{name}]\ncommand=/bin/true\nuser=root\n",
                  f"[program:{name}]\ncommand=/bin/true\n[include]\nfiles=/tmp/*.conf\n",
-                 f"[program:other-0123abcd-r0]\ncommand=/bin/true\n",
+                 "[program:other-0123abcd-r0]\ncommand=/bin/true\n",
                  f"[program:{name}]\ncommand=/bin/true\nstdout_logfile=/tmp/elsewhere.log\n"):
         with pytest.raises(xmlrpc.client.Fault) as refused_text:
             node.rpc().llm_pool.writeProgram(name, text)
@@ -168,6 +168,10 @@ def test_two_replicas_on_two_hosts_and_a_host_that_dies_takes_only_its_own(nodes
     status, _, hosts = http("GET", proxy.url + "/v1/admin/hosts")
     assert status == 200 and [h["name"] for h in hosts["data"]] == ["a", "b"], hosts
     assert all(h["answering"] and h["replicas"] == 1 for h in hosts["data"]), hosts
+    shown = subprocess.run([sys.executable, "-m", "proxy.cli", "ctl", "--url", proxy.url, "hosts"], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and [line.split()[0] for line in shown.stdout.splitlines()[1:]] == ["a", "b"], shown
+    assert "pa" not in shown.stdout and "pb" not in proxy.log_path.read_text()   # no password shown or logged
 
     nodes[0].kill()      # host a's supervisord: SIGKILL
     wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "a"] != ["ready"],
