@@ -171,6 +171,19 @@ def gpu_text(report: dict[str, Any]) -> str:
         rows.append([name, m.get("state"), used, est.get("per_replica_mib"), est.get("total_mib"),
                      None if fits is None else ",".join(f"{i}:{'yes' if ok else 'no'}" for i, ok in fits.items())])
     parts.append(table(["MODEL", "STATE", "USED MIB", "EST/REPLICA MIB", "EST TOTAL MIB", "FITS"], rows))
+    nodes = {n: h for n, h in (report.get("hosts") or {}).items() if n != "local"}
+    if nodes:
+        # Several hosts: the tables above are this machine's; each node's devices and replicas follow.
+        parts.append(table(["HOST", "DEVICE", "NAME", "USED MIB", "TOTAL MIB", "FREE MIB"],
+                           [[n, f"gpu{g['index']}", g["name"], g["used_mib"], g["total_mib"], g["free_mib"]]
+                            for n, h in nodes.items() for g in h.get("gpus") or []] +
+                           [[n, "cpu", None, None, (h.get("cpu") or {}).get("total_mib"),
+                             (h.get("cpu") or {}).get("available_mib")] for n, h in nodes.items() if h.get("cpu")] +
+                           [[n, None, h.get("reason"), None, None, None] for n, h in nodes.items()
+                            if not h.get("answering")]))
+        parts.append(table(["HOST", "REPLICA", "PROGRAM", "MEASURED MIB"],
+                           [[n, r["replica"], r["program"], ", ".join(f"{d} {b}" for d, b in r["measured_mib"].items())
+                             or None] for n, h in nodes.items() for r in h.get("replicas") or []]))
     return "\n\n".join(parts)
 
 

@@ -151,9 +151,10 @@ class Monitor:
                     await self._woken.wait()
 
     async def _pass(self) -> None:
-        taken = time.monotonic()
         try:
-            processes = await self.programs.snapshot()
+            # Other hosts get one poll interval to answer: a frozen one is judged on its own clock
+            # (its call's rpc_timeout_s) while the rest are watched as often as ever.
+            processes = await self.programs.snapshot(patience_s=self.settings.supervisor.poll_interval_s)
         except SupervisorError as exc:
             await self._not_answering(exc)
             # No process table: what runs keeps serving, and its health checks go on.
@@ -180,9 +181,10 @@ class Monitor:
                         # failing again ejects it again, for longer.
                         self.checks.maybe_recheck(runtime, replica)
                         continue
-                    # A replica whose state changed while the snapshot was in flight (a load
-                    # just started it) is judged on the next, fresher snapshot.
-                    if replica.state_since <= taken:
+                    # A replica whose state changed while its host's table was being read (a load
+                    # just started it) is judged on the next, fresher table.
+                    host = self.programs.hosts.get(replica.host)
+                    if host is not None and replica.state_since <= host.table_at:
                         await self.observe(runtime, replica, processes.get(process_key(replica.host,
                                                                                        replica.fullname)))
                     self._maybe_scrape(replica)

@@ -37,6 +37,8 @@ from proxy.lifecycle.memory import CPU, Memory, qualify
 from proxy.lifecycle.placement import HOLDING, Limits, ModelView, Shortfall, Status, plan, room_for, spread
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.lifecycle.runtime import Backoff, ModelRuntime
+from proxy.supervisord.hosts import Host
+from proxy.supervisord.supervisor import SupervisorError
 
 if TYPE_CHECKING:
     from proxy.lifecycle.pool import Pool
@@ -319,21 +321,38 @@ class Placer:
     # -- footprints -------------------------------------------------------------------------------
 
     async def measure(self, runtime: ModelRuntime) -> None:
-        """Record what each READY replica of `runtime` takes on its device now."""
+        """Record what each READY replica of `runtime` takes on its device now, measured on its own
+        host: this machine's /proc and NVML for a local replica, the node plugin's getFootprint
+        (the same walk, on that host) for a replica elsewhere."""
         config = runtime.model
-        devices = self.memory.placement(config).devices
-        if not devices:
-            return
         for replica in runtime.replicas:
             if replica.state != ReplicaState.READY or not replica.pid:
                 continue
-            if devices == (CPU,):
+            devices = self.memory.placement(config, replica.host).devices
+            if not devices:
+                continue
+            node = self.memory.hosts.get(replica.host) if replica.host != LOCAL_HOST else None
+            if node is not None:
+                sample = await self._measure_on(node, replica.spec.program if replica.spec else "", devices)
+            elif devices == (CPU,):
                 pss = await asyncio.to_thread(tree_pss_bytes, replica.pid)
                 sample = {CPU: pss} if pss else None
             else:
                 sample = await asyncio.to_thread(tree_gpu_bytes, replica.pid, self.nvml_loader)
             if sample:
                 self.memory.footprints.record(config, sample)
+
+    @staticmethod
+    async def _measure_on(node: Host, program: str, devices: tuple[str, ...]) -> dict[str, int] | None:
+        try:
+            found = await node.client.call("llm_pool.getFootprint", program)
+        except SupervisorError as exc:
+            log.warning("could not measure %s on host %s: %s", program, node.name, exc)
+            return None
+        # What the walk found on the devices the model counts against, as the local walk records it.
+        sample = {d: int(found[d]) for d in devices if found.get(d)} if devices == (CPU,) else \
+            {d: int(b) for d, b in found.items() if d != CPU and b}
+        return sample or None
 
     # -- usage times ------------------------------------------------------------------------------
 

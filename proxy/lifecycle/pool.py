@@ -117,6 +117,19 @@ class Pool:
                 await self.supervisor.reload_config()
             except SupervisorError as exc:
                 log.error("could not remove %s: %s", path.name, exc)
+        # The same on every other host that answers: a node keeps its files across proxy restarts.
+        for name, host in self.hosts.items():
+            if host.local or host.down_since is not None:
+                continue
+            try:
+                stale = [p for p in await host.texts(self.settings.supervisor.programs_dir)
+                         if not any(replica_index(model, p) is not None for model in self.models)]
+                for program in stale:
+                    log.warning("removing %s on host %s: its model is no longer configured", program, name)
+                if stale:
+                    await self.programs.remove([(name, p) for p in stale])
+            except SupervisorError as exc:
+                log.error("could not remove stale programs on host %s: %s", name, exc)
 
     async def close(self, stop_models: bool) -> None:
         for task in list(self._background):
@@ -127,6 +140,7 @@ class Pool:
             await asyncio.gather(*(self._unload(n, drain=False, reason="shutdown") for n, rt in self.models.items()
                                    if rt.state not in (ModelState.UNLOADED,)), return_exceptions=True)
         await self.monitor.close()
+        await self.programs.close()
         for runtime in self.models.values():
             for replica in runtime.replicas:
                 replica.cancel_tasks()
@@ -146,6 +160,11 @@ class Pool:
                        if (d["device"].startswith(prefix) if prefix else ":" not in d["device"])]
             rows.append({**host.describe(), "memory": devices, "replicas": len(replicas), "replica_names": replicas})
         return rows
+
+    def replica_programs(self, host: str) -> dict[str, str]:
+        """The program of each replica on `host`, by its admin name (`model/rN`)."""
+        return {f"{rt.name}/r{r.index}": r.spec.program for rt in self.models.values() for r in rt.replicas
+                if r.host == host and r.spec is not None}
 
     def get(self, name: str) -> ModelRuntime:
         try:

@@ -62,30 +62,68 @@ class Programs:
         self.wake = wake              # the pool's monitor: look again now, a program was started
         self.pid_record = pid_record  # managed mode: what to stop should supervisord die (proxy/supervisord/orphans.py)
         self.processes: dict[str, ProcessInfo] = {}
+        self._polls: dict[str, asyncio.Task[dict[str, ProcessInfo]]] = {}   # in flight, by host
         self.stop_grace_s = STOP_GRACE_S
 
-    async def snapshot(self) -> dict[str, ProcessInfo]:
+    async def snapshot(self, patience_s: float | None = None, only: str | None = None) -> dict[str, ProcessInfo]:
         """Every host's process table now, by process_key (kept as `processes` too). The local
         supervisord not answering raises, as it always did; another host that does not answer is
-        marked down (Host.down_since) and its processes are left out."""
-        hosts = list(self.hosts.values())
-        results = await asyncio.gather(*(self._host_snapshot(h) for h in hosts), return_exceptions=True)
-        merged: dict[str, ProcessInfo] = {}
+        marked down (Host.down_since) and its processes are left out.
+
+        Each host is asked by a poll of its own, at most one in flight per host. `patience_s` bounds
+        the wait for other hosts than the local one: one that has not answered by then keeps its last
+        table (Host.table_at says how old) and its poll runs on, to be taken by a later call, so
+        that one frozen host does not hold up every other host's monitoring for rpc_timeout_s.
+        None waits for each until it answers or its call times out. `only`: ask that host alone."""
+        asked = [self.hosts[only]] if only is not None else list(self.hosts.values())
+        polls = {h.name: self._poll(h) for h in asked}
+        local = [polls[h.name] for h in asked if h.local]
+        remote = [polls[h.name] for h in asked if not h.local]
+        if local:
+            await asyncio.wait(local)
+        if remote:
+            await asyncio.wait(remote, timeout=patience_s)
+        failed: set[str] = set()
         local_error: BaseException | None = None
-        for host, result in zip(hosts, results):
-            if isinstance(result, BaseException):
-                if not isinstance(result, SupervisorError) or host.local:
-                    local_error = local_error or result
-                elif host.mark_down(result):
-                    log.warning("host %s is not answering: %s; its replicas leave rotation", host.name, result)
+        for host in asked:
+            task = polls[host.name]
+            if not task.done():
+                continue   # still asking: its last table stands for it this time
+            if self._polls.get(host.name) is task:
+                del self._polls[host.name]
+            error = task.exception()
+            if error is None:
                 continue
-            merged.update({process_key(host.name, n): i for n, i in result.items()})
+            failed.add(host.name)
+            if not isinstance(error, SupervisorError) or host.local:
+                local_error = local_error or error
+            elif host.mark_down(error):
+                log.warning("host %s is not answering: %s; its replicas leave rotation", host.name, error)
+        merged: dict[str, ProcessInfo] = {}
+        for host in self.hosts.values():
+            if host.name not in failed and host.down_since is None:
+                merged.update({process_key(host.name, n): i for n, i in host.processes.items()})
         self.processes = merged
         if local_error is not None:
             raise local_error
         return merged
 
+    def _poll(self, host: Host) -> "asyncio.Task[dict[str, ProcessInfo]]":
+        task = self._polls.get(host.name)
+        if task is None:
+            task = self._polls[host.name] = asyncio.create_task(self._host_snapshot(host),
+                                                                name=f"llm-pool poll {host.name}")
+        return task
+
+    async def close(self) -> None:
+        """Cancel the polls still in flight (a frozen host's)."""
+        polls, self._polls = list(self._polls.values()), {}
+        for task in polls:
+            task.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+
     async def _host_snapshot(self, host: Host) -> dict[str, ProcessInfo]:
+        asked_at = time.monotonic()
         processes = await host.snapshot()
         if host.local and self.pid_record is not None:
             self.pid_record.update(processes.values())
@@ -94,7 +132,7 @@ class Programs:
             if host.down_since is not None:
                 log.warning("host %s answers again after %.1fs", host.name, time.monotonic() - host.down_since)
             host.down_since, host.error = None, None
-        host.processes = processes
+        host.processes, host.table_at = processes, asked_at
         return processes
 
     def host_of(self, replica: Replica) -> Host:
@@ -305,7 +343,7 @@ class Programs:
         deadline = time.monotonic() + self.settings.supervisor.stopwaitsecs + self.stop_grace_s
         client = self.hosts[host].client
         while True:
-            processes = {**(await self.snapshot())}
+            processes = {**(await self.snapshot(only=host))}
             members = [i for k, i in processes.items() if i.group == group and k == process_key(host, i.fullname)]
             if not members:
                 return   # never added, or removed by someone else

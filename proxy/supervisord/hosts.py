@@ -25,6 +25,7 @@ class Host:
     address: str | None = None            # where its replicas are reached; None: the launcher's (local)
     settings: HostSettings | None = None  # None: the local host
     processes: dict[str, ProcessInfo] = field(default_factory=dict)
+    table_at: float = 0.0                 # monotonic: when the poll that read `processes` began
     devices: dict[str, Any] | None = None  # a node's getDevices, when it last answered
     down_since: float | None = None       # monotonic; None while it answers
     error: str | None = None
@@ -52,6 +53,31 @@ class Host:
                                              self.client.call("llm_pool.getDevices"))
         self.log_dir = Path(info["log_dir"])
         self.devices = devices
+
+    async def gpu_memory(self, programs: Mapping[str, str]) -> dict[str, Any]:
+        """A node's part of GET /v1/admin/gpu-memory, read on the node now: its GPUs (NVML there),
+        its CPU memory, and the measured footprint of each replica program it runs (`programs`:
+        program name by the replica's admin name, e.g. `m/r0`)."""
+        assert not self.local, "this machine's GPUs are the report's own (proxy/gpu/report.py)"
+        try:
+            devices = await self.client.call("llm_pool.getDevices")
+            found = await asyncio.gather(*(self.client.call("llm_pool.getFootprint", p) for p in programs.values()))
+        except SupervisorError as exc:
+            return {"answering": False, "available": False, "reason": f"host {self.name} is not answering: {exc}",
+                    "gpus": [], "replicas": []}
+        gpus = [{"index": int(g["index"]), "name": g["name"], "used_mib": _mib(g["used_bytes"]),
+                 "total_mib": _mib(g["total_bytes"]), "free_mib": _mib(g["total_bytes"] - g["used_bytes"])}
+                for g in devices.get("gpus") or []]
+        cpu = devices.get("cpu") or {}
+        out: dict[str, Any] = {"answering": True, "available": bool(gpus), "gpus": gpus,
+                               "cpu": {"total_mib": _mib(cpu.get("total_bytes", 0)),
+                                       "available_mib": _mib(cpu.get("available_bytes", 0))},
+                               "replicas": [{"replica": r, "program": p,
+                                             "measured_mib": {d: _mib(b) for d, b in sorted(f.items())}}
+                                            for (r, p), f in zip(programs.items(), found)]}
+        if not gpus:
+            out["reason"] = devices.get("gpu_reason") or f"host {self.name} has no GPU"
+        return out
 
     def mark_down(self, exc: SupervisorError) -> bool:
         """True when it had answered until now."""
@@ -83,6 +109,10 @@ def build_hosts(settings: Settings, local: SupervisorClient | None, environ: Map
         hosts[name] = Host(name, node_client(conf, environ, settings.supervisor.rpc_timeout_s), None,
                            address=conf.address, settings=conf)
     return hosts
+
+
+def _mib(n: float) -> float:
+    return round(float(n) / (1024 * 1024), 1)
 
 
 def _read_texts(programs_dir: Path) -> dict[str, str]:

@@ -18,6 +18,7 @@ from typing import Mapping
 import proxy
 from proxy.config import DEFAULT_NODE_USERNAME
 from proxy.supervisord.environment import PASSED, PASSED_PREFIXES
+from proxy.supervisord.managed import running_supervisord
 from proxy.supervisord.orphans import stop_orphans
 
 PASSWORD_ENV = "LLM_POOL_NODE_PASSWORD"
@@ -105,13 +106,11 @@ def run_node(listen: str, state_dir: Path, username: str = DEFAULT_NODE_USERNAME
     environ = os.environ if environ is None else environ
     path = prepare(listen, state_dir, username, environ)
     # Only a supervisord of this folder that is gone leaves orphans; one that runs still owns them.
-    pidfile = state_dir / "supervisord.pid"
-    try:
-        old = int(pidfile.read_text().strip())
-        os.kill(old, 0)
+    # Judged as managed mode judges its own: by the command line, since the PID of one killed with
+    # -9 (or from before a reboot) may belong to another process by now.
+    old = running_supervisord(state_dir / "supervisord.pid")
+    if old:
         raise NodeError(f"{state_dir} already has a running supervisord (pid {old}); stop it first")
-    except (OSError, ValueError):
-        pass
     asyncio.run(stop_orphans(state_dir))
     argv = [sys.executable, "-m", "supervisor.supervisord", "-n", "-c", str(path)]
     os.execve(sys.executable, argv, node_environ(environ))

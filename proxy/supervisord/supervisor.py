@@ -7,6 +7,7 @@ that breaks is thrown away and rebuilt on the next call, so a restarted supervis
 from __future__ import annotations
 
 import asyncio
+import base64
 import enum
 import xmlrpc.client
 from dataclasses import dataclass
@@ -118,7 +119,10 @@ class SupervisorClient:
         self.url = url
         self.timeout = timeout
         # A node's username and password (inet_http_server): sent with each call, never logged.
-        self._auth = aiohttp.BasicAuth(auth[0], auth[1]) if auth is not None else None
+        self._headers = {"Content-Type": "text/xml"}
+        if auth is not None:
+            token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode("ascii")
+            self._headers["Authorization"] = f"Basic {token}"   # what supervisord's http server checks
         self._session: aiohttp.ClientSession | None = None
         parts = urlsplit(url)
         if parts.scheme == "unix":
@@ -146,8 +150,7 @@ class SupervisorClient:
     async def call(self, method: str, *params: Any) -> Any:
         body = xmlrpc.client.dumps(params, methodname=method, allow_none=False)
         try:
-            async with self._client().post(self._endpoint, data=body.encode(), auth=self._auth,
-                                           headers={"Content-Type": "text/xml"}) as resp:
+            async with self._client().post(self._endpoint, data=body.encode(), headers=self._headers) as resp:
                 payload = await resp.read()
                 if resp.status == 401:
                     raise SupervisorRefused(f"supervisord at {self.url} refused the username and password ({method})")

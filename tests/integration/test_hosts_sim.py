@@ -2,83 +2,24 @@
 inet_http_server port and password (each a "host"), driven by one `llm-pool serve` (mode hosts)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import tempfile
 import xmlrpc.client
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 import yaml
 
-from helpers import REPO, ProxyProcess, free_port, http, pid_alive, wait_for
+from helpers import REPO, Node, ProxyProcess, http, node_pool as pool, sim_model as sim, wait_for
 
 pytestmark = pytest.mark.integration
 
 CHAT = [{"role": "user", "content": "hi"}]
-
-
-class Node:
-    """One host: `llm-pool node` (which becomes supervisord) in its own state folder."""
-
-    def __init__(self, name: str, password: str) -> None:
-        self.name = name
-        self.password = password
-        self.port = free_port()
-        self.state = Path(tempfile.mkdtemp(prefix=f"lp-node-{name}-", dir="/tmp"))
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.pids: set[int] = set()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def rpc(self, password: str | None = None) -> Any:
-        return xmlrpc.client.ServerProxy(f"http://llm-pool:{password or self.password}@127.0.0.1:{self.port}/RPC2")
-
-    def start(self) -> "Node":
-        env = {**os.environ, "LLM_POOL_NODE_PASSWORD": self.password}
-        log = open(self.state.parent / f"{self.state.name}.log", "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "node", "--listen", f"127.0.0.1:{self.port}",
-                                      "--state-dir", str(self.state)], cwd=REPO, env=env, stdout=log,
-                                     stderr=subprocess.STDOUT)
-        self.pids.add(self.proc.pid)
-
-        def answers() -> bool:
-            try:
-                return bool(self.rpc().supervisor.getState())
-            except OSError:
-                return False
-        wait_for(answers, what=f"node {self.name} on {self.url}")
-        return self
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def remember(self) -> None:
-        try:
-            self.pids.update(p["pid"] for p in self.rpc().supervisor.getAllProcessInfo() if p["pid"])
-        except OSError:
-            pass
-
-    def stop(self) -> None:
-        self.remember()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pid in self.pids:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -87,21 +28,6 @@ def nodes() -> Iterator[list[Node]]:
     yield started
     for node in started:
         node.stop()
-
-
-def pool(nodes: list[Node], models: dict[str, Any], budgets: dict[str, float] | None = None) -> ProxyProcess:
-    proxy = ProxyProcess(models)
-    proxy.config["supervisor"].update(mode="hosts", hosts={
-        n.name: {"url": n.url, "password_env": f"NODE_{n.name.upper()}_PASSWORD",
-                 **({"cpu_budget_mib": budgets[n.name]} if budgets and n.name in budgets else {})} for n in nodes})
-    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
-    proxy.env = {f"NODE_{n.name.upper()}_PASSWORD": n.password for n in nodes}
-    return proxy
-
-
-def sim(**fields: Any) -> dict[str, Any]:
-    return {"backend": "sim", "enabled": True, "target_inflight": 4, "sim": {"ttft_ms": 1, "tokens_per_s": 2000},
-            **fields}
 
 
 def ask(proxy: ProxyProcess, model: str) -> int:
@@ -172,6 +98,30 @@ def test_two_replicas_on_two_hosts_and_a_host_that_dies_takes_only_its_own(nodes
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and [line.split()[0] for line in shown.stdout.splitlines()[1:]] == ["a", "b"], shown
     assert "pa" not in shown.stdout and "pb" not in proxy.log_path.read_text()   # no password shown or logged
+    # A replica's log comes from its own host's supervisord (the sim writes nothing: a line is added
+    # to each log file on its host, which supervisord reads back).
+    for replica in model["replicas"]:
+        node = {n.name: n for n in nodes}[replica["host"]]
+        with open(node.state / "logs" / f"{replica['program']}.log", "a") as log_file:
+            log_file.write(f"written on host {replica['host']}\n")
+        logs = subprocess.run([sys.executable, "-m", "proxy.cli", "ctl", "--url", proxy.url, "--json", "logs", "m",
+                               "--replica", str(replica["index"])], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert logs.returncode == 0, logs
+        chunk = json.loads(logs.stdout.splitlines()[0])
+        assert chunk["host"] == replica["host"] and chunk["text"] == f"written on host {replica['host']}\n", chunk
+    # gpu-memory has each host's devices, and each node's replicas measured there.
+    status, _, gpu = http("GET", proxy.url + "/v1/admin/gpu-memory")
+    assert status == 200 and set(gpu["hosts"]) == {"a", "b"}, gpu
+    for name in ("a", "b"):
+        host = gpu["hosts"][name]
+        assert host["answering"] and host["cpu"]["total_mib"] > 0, host
+        (measured,) = host["replicas"]
+        assert measured["replica"].startswith("m/r") and measured["measured_mib"]["cpu"] > 0, host
+    # Every per-replica metric names the host.
+    metrics = http("GET", proxy.url + "/metrics")[2].decode()
+    assert re.search(r'llm_pool_replica_ready\{host="a",model="m",replica="\d"\} 1', metrics), metrics
+    assert re.search(r'llm_pool_replica_ready\{host="b",model="m",replica="\d"\} 1', metrics), metrics
 
     nodes[0].kill()      # host a's supervisord: SIGKILL
     wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "a"] != ["ready"],
@@ -210,3 +160,76 @@ def test_a_host_that_stops_answering_and_returns_is_adopted_without_a_restart(no
     model = proxy.wait_replicas_ready("m", 2)
     (after,) = [r for r in model["replicas"] if r["host"] == "a"]
     assert after["pid"] == before["pid"] and after["restarts"] == before["restarts"]
+
+
+def test_a_frozen_host_does_not_hold_up_the_monitoring_of_the_others(nodes: list[Node],
+                                                                      proxies: list[ProxyProcess]) -> None:
+    nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
+    proxy = pool(nodes, {"m": sim(replicas=2)})
+    # Far longer than the test waits: a pass that waits for host a's answer sees nothing in time.
+    proxy.config["supervisor"]["rpc_timeout_s"] = 3600
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxies.append(proxy)
+    proxy.start()
+    model = proxy.wait_replicas_ready("m", 2)
+    (on_b,) = [r for r in model["replicas"] if r["host"] == "b"]
+    assert nodes[0].proc is not None
+    os.kill(nodes[0].proc.pid, signal.SIGSTOP)      # host a's supervisord answers nothing, and refuses nothing
+    try:
+        nodes[1].rpc().supervisor.stopProcess(f"{on_b['program']}:{on_b['program']}")
+        wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "b"] == ["stopped"],
+                 what="host b's stop to be seen while host a is frozen")
+        nodes[1].rpc().supervisor.startProcess(f"{on_b['program']}:{on_b['program']}")
+        wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "b"] == ["ready"],
+                 what="host b's replica back in rotation while host a is frozen")
+    finally:
+        os.kill(nodes[0].proc.pid, signal.SIGCONT)
+
+
+def test_program_files_of_models_no_longer_configured_are_removed_on_every_host(
+        nodes: list[Node], proxies: list[ProxyProcess]) -> None:
+    from launchers import sim as sim_launcher
+    from launchers.spec import program_name, render_replica
+    from proxy.config import load_settings
+
+    nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
+    # A model an earlier configuration placed on host b, running there.
+    proxy = pool(nodes, {"gone": sim(), "kept": sim()})
+    config = load_settings(proxy.config_path).models["gone"]
+    spec = sim_launcher.launch(config, 0, proxy.config["supervisor"]["port_range"][1], 5, {})
+    assert spec.program == program_name("gone", 0)
+    info = nodes[1].rpc().llm_pool.getInfo()
+    nodes[1].rpc().llm_pool.writeProgram(spec.program, render_replica("gone", spec, Path(info["log_dir"])))
+    nodes[1].rpc().supervisor.startProcess(f"{spec.program}:{spec.program}")
+    nodes[1].remember()
+    del proxy.config["engine"]["models"]["gone"]
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxies.append(proxy)
+    proxy.start()
+    proxy.wait_state("kept", "loaded")
+    wait_for(lambda: spec.program not in nodes[1].rpc().llm_pool.listPrograms(), what="b's stale program removed")
+    assert not (nodes[1].state / "programs" / f"{spec.program}.conf").exists()
+    assert all(p["name"] != spec.program for p in nodes[1].rpc().supervisor.getAllProcessInfo())
+    assert "removing " + spec.program + " on host b" in proxy.log_path.read_text()
+
+
+def test_a_node_whose_old_pid_is_now_another_process_starts_and_one_beside_a_running_node_is_refused(
+        nodes: list[Node]) -> None:
+    node = Node("a", "pa")
+    other = subprocess.Popen(["sleep", "300"])     # the old supervisord's PID, taken by another process
+    try:
+        (node.state / "supervisord.pid").write_text(f"{other.pid}\n")
+        nodes.append(node.start())
+    finally:
+        other.kill()
+        other.wait()
+    second = subprocess.run([sys.executable, "-m", "proxy.cli", "node", "--listen", "127.0.0.1:1",
+                             "--state-dir", str(node.state)], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "LLM_POOL_NODE_PASSWORD": "pa"})
+    assert second.returncode == 2 and "already has a running supervisord" in second.stderr, second
+    assert node.rpc().supervisor.getState()["statename"] == "RUNNING"   # the running one is untouched
+    unset = subprocess.run([sys.executable, "-m", "proxy.cli", "node", "--listen", "127.0.0.1:1",
+                            "--state-dir", str(node.state.parent / (node.state.name + "-x"))], cwd=REPO,
+                           capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "LLM_POOL_NODE_PASSWORD"})
+    assert unset.returncode == 2 and "LLM_POOL_NODE_PASSWORD is unset" in unset.stderr, unset
