@@ -298,6 +298,15 @@ class Node:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
+    def kill_with_replicas(self) -> None:
+        """The whole host dies: its supervisord and every process it runs, SIGKILL."""
+        running = [p["pid"] for p in self.rpc().supervisor.getAllProcessInfo() if p["pid"]]
+        self.pids.update(running)
+        self.kill()
+        for pid in running:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
     def remember(self) -> None:
         try:
             self.pids.update(p["pid"] for p in self.rpc().supervisor.getAllProcessInfo() if p["pid"])
@@ -331,5 +340,5 @@ def node_pool(nodes: list["Node"], models: dict[str, Any], budgets: dict[str, fl
 
 def sim_model(**fields: Any) -> dict[str, Any]:
     """A fast simulated model (backend sim) with these settings."""
-    return {"backend": "sim", "enabled": True, "target_inflight": 4, "sim": {"ttft_ms": 1, "tokens_per_s": 2000},
+    return {"backend": "sim", "enabled": True, "target_inflight": 4, "sim": {"ttft_ms": 1, "decode_tokens_per_s": 2000},
             **fields}
