@@ -13,12 +13,14 @@ import os
 from pathlib import Path
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
     """Replace `path` with `text` (UTF-8) in one step; raises OSError (and leaves no temporary file)
-    when it cannot."""
+    when it cannot. `mode`: the new file's permissions from its first byte (a file holding a secret
+    is never readable by others, even while it is written); else the umask's."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             # Without it a power loss after the rename can leave an empty file under the new name.

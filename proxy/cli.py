@@ -27,15 +27,20 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 def service_problems(settings: Settings, environ: Mapping[str, str] | None = None) -> list[str]:
-    """What stops the proxy itself from starting: an admin token variable that is named but not set."""
+    """What stops the proxy itself from starting: an admin token or a host's password variable that
+    is named but not set."""
     environ = os.environ if environ is None else environ
+    problems = []
     env = settings.service.admin_token_env
     if env and not environ.get(env, "").strip():
         # Fail closed: serving with the admin API open because a variable was forgotten is worse
         # than not serving. Name the variable, never a value.
-        return [settings.where(f"service.admin_token_env: {env} is unset or empty; set it to the admin token, "
-                               "or remove admin_token_env to leave the admin API without a token")]
-    return []
+        problems.append(settings.where(f"service.admin_token_env: {env} is unset or empty; set it to the admin "
+                                       "token, or remove admin_token_env to leave the admin API without a token"))
+    problems += [settings.where(f"supervisor.hosts.{name}.password_env: {host.password_env} is unset or empty; "
+                                f"set it to the password of the node at {host.url}")
+                 for name, host in settings.supervisor.hosts.items() if not environ.get(host.password_env, "")]
+    return problems
 
 
 def startup_problems(settings: Settings) -> list[str]:
@@ -202,6 +207,17 @@ def cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_node(args: argparse.Namespace) -> int:
+    from proxy.supervisord.node_host import NodeError, run_node
+
+    try:
+        run_node(args.listen, Path(args.state_dir), args.username)
+    except NodeError as exc:
+        print(f"llm-pool node: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0   # not reached: run_node becomes supervisord
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-pool",
                                      description="One OpenAI-compatible endpoint for many LLM runtimes.")
@@ -221,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     setup.add_argument("--all-engines", action="store_true",
                        help="also prepare every other engine's environment in the cache (what the tests need)")
     setup.set_defaults(func=cmd_setup)
+    node = sub.add_parser("node", help="run this host's supervisord as a node of a pool on another machine "
+                                       "(password from $LLM_POOL_NODE_PASSWORD)")
+    node.add_argument("--listen", required=True, help="HOST:PORT of its inet_http_server (a private address)")
+    node.add_argument("--state-dir", required=True, help="folder for its config, programs and logs")
+    node.add_argument("--username", default="llm-pool", help="the username the proxy logs in with")
+    node.set_defaults(func=cmd_node)
     ctl.add_parser(sub)
     for p in (serve, check, setup):
         p.add_argument("--config", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

@@ -15,6 +15,7 @@ import platform
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping
+from urllib.parse import urlsplit
 
 import jsonschema
 import yaml
@@ -109,6 +110,23 @@ class ServiceSettings:
 
 
 @dataclass(frozen=True)
+class HostSettings:
+    """supervisor.hosts.NAME: another host's supervisord with llm-pool's plugin (`llm-pool node`)."""
+
+    name: str
+    url: str
+    username: str
+    password_env: str                    # the variable holding its password: the value is never kept here
+    address: str                         # where its replicas are reached (default: the url's host)
+    cpu_budget_mib: float | None = None  # None: engine.lifecycle.memory.cpu_budget_mib
+
+
+# The name of the host that is this machine's own supervisord (managed or external mode).
+LOCAL_HOST = "local"
+DEFAULT_NODE_USERNAME = "llm-pool"
+
+
+@dataclass(frozen=True)
 class SupervisorSettings:
     mode: str
     url: str | None
@@ -118,6 +136,13 @@ class SupervisorSettings:
     rpc_timeout_s: float
     stopwaitsecs: int
     pass_env: tuple[str, ...] = ()       # variables passed to model servers besides the fixed few
+    hosts: Mapping[str, HostSettings] = field(default_factory=dict)   # other hosts, by name
+
+    @property
+    def host_names(self) -> tuple[str, ...]:
+        """Every host replicas may run on: this machine's supervisord first (unless mode is
+        `hosts`), then the configured ones in their order."""
+        return ((LOCAL_HOST,) if self.mode != "hosts" else ()) + tuple(self.hosts)
 
 
 @dataclass(frozen=True)
@@ -148,6 +173,7 @@ class ModelConfig:
     load_on_demand: bool = False        # a request while it is not loaded loads it
     idle_unload_s: float | None = None  # unloaded after this long without a request; None: never
     pinned: bool = False                # never unloaded by the pool (idle or to make room)
+    hosts: tuple[str, ...] = ()         # where its replicas may run; (): any host
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.options.get(key)
@@ -445,13 +471,23 @@ def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_d
         load_on_demand=bool(life["load_on_demand"]),
         idle_unload_s=None if life["idle_unload_s"] is None else float(life["idle_unload_s"]),
         pinned=bool(life["pinned"]),
+        hosts=tuple(data.get("hosts") or ()),
     )
+
+
+def _host(name: str, raw: Mapping[str, Any]) -> HostSettings:
+    url = str(raw["url"]).rstrip("/")
+    return HostSettings(name=name, url=url, username=str(raw.get("username") or DEFAULT_NODE_USERNAME),
+                        password_env=str(raw["password_env"]),
+                        address=str(raw.get("address") or urlsplit(url).hostname or ""),
+                        cpu_budget_mib=raw.get("cpu_budget_mib"))
 
 
 def secret_env_names(settings: Settings) -> set[str]:
     """Variables that hold the proxy's secrets: the admin token's, and every variable a model names
     in a `*_env` field (provider API keys). Model servers never see them."""
     names = {settings.service.admin_token_env} if settings.service.admin_token_env else set()
+    names.update(h.password_env for h in settings.supervisor.hosts.values())
     for model in settings.models.values():
         names.update(v for k, v in model.options.items() if k.endswith("_env") and isinstance(v, str) and v)
     return names
@@ -468,6 +504,17 @@ def semantic_problems(settings: Settings) -> list[str]:
     if settings.service.admin_port is not None and settings.service.admin_port == settings.service.port:
         problems.append(f"service.admin_port: {settings.service.admin_port} is service.port; the admin listener "
                         "needs a port of its own")
+    hosts = settings.supervisor.host_names
+    if LOCAL_HOST in settings.supervisor.hosts:
+        problems.append(f"supervisor.hosts.{LOCAL_HOST}: the name is this machine's own supervisord; give the "
+                        "host another name")
+    if settings.supervisor.mode == "hosts" and not settings.supervisor.hosts:
+        problems.append("supervisor.mode: hosts needs at least one host in supervisor.hosts")
+    for name, model in settings.models.items():
+        for host in model.hosts:
+            if host not in hosts:
+                problems.append(f"engine.models.{name}.hosts: {host!r} is not a host here"
+                                f"{did_you_mean(host, hosts)} (hosts: {', '.join(hosts) or 'none'})")
     lo, hi = settings.supervisor.port_range
     if lo > hi:
         problems.append(f"supervisor.port_range: start {lo} is above end {hi}")
@@ -519,7 +566,8 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                       poll_interval_s=float(supervisor["poll_interval_s"]),
                                       rpc_timeout_s=float(supervisor["rpc_timeout_s"]),
                                       stopwaitsecs=int(supervisor["stopwaitsecs"]),
-                                      pass_env=tuple(supervisor["pass_env"] or ())),
+                                      pass_env=tuple(supervisor["pass_env"] or ()),
+                                      hosts={n: _host(n, h) for n, h in (supervisor.get("hosts") or {}).items()}),
         decoding=dict(engine.get("decoding") or {}),
         fairness=dict(engine.get("fairness") or {}),
         models={name: _model(name, raw, engine.get("backend"), base_dir, lifecycle, engine.get("routing"))

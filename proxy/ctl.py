@@ -30,6 +30,9 @@ DEFAULT_URL = "http://127.0.0.1:8011"
 FOLLOW_INTERVAL_S = 1.0
 
 
+MIB = 1024 * 1024
+
+
 class CtlError(Exception):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
@@ -94,8 +97,28 @@ def models_table(data: list[dict[str, Any]]) -> str:
                      m.get("replica_max"), m.get("active"), m.get("waiting"), _idle(m),
                      "yes" if m.get("pinned") else None,
                      (error or "").splitlines()[0][:60] if error else None])
-    return table(["MODEL", "BACKEND", "STATE", "READY", "MAX", "ACTIVE", "WAITING", "IDLE", "PINNED", "LAST ERROR"],
-                 rows)
+    headers = ["MODEL", "BACKEND", "STATE", "READY", "MAX", "ACTIVE", "WAITING", "IDLE", "PINNED", "LAST ERROR"]
+    hosts = [sorted({r.get("host") or "local" for r in m.get("replicas") or []}) for m in data]
+    if any(h != ["local"] and h for h in hosts):
+        # Several hosts: where each model's replicas run (one host, the column says nothing).
+        headers.insert(4, "HOSTS")
+        for row, names in zip(rows, hosts):
+            row.insert(4, ",".join(names) or None)
+    return table(headers, rows)
+
+
+def hosts_table(data: list[dict[str, Any]]) -> str:
+    rows = []
+    for h in data:
+        devices = h.get("devices") or {}
+        gpus = devices.get("gpus") or []
+        memory = {d["device"]: d for d in h.get("memory") or []}
+        free = ", ".join(f"{name} {row['free_bytes'] / MIB:.0f}" for name, row in sorted(memory.items())
+                         if row.get("free_bytes") is not None)
+        rows.append([h["name"], h.get("url") or "(this machine)", "yes" if h.get("answering") else
+                     f"no ({h.get('down_for_s')}s)", len(gpus) if devices else None, free or None,
+                     h.get("replicas"), (h.get("error") or "")[:60] or None])
+    return table(["HOST", "URL", "ANSWERING", "GPUS", "FREE MIB", "REPLICAS", "ERROR"], rows)
 
 
 def _idle(m: dict[str, Any]) -> str | None:
@@ -148,6 +171,19 @@ def gpu_text(report: dict[str, Any]) -> str:
         rows.append([name, m.get("state"), used, est.get("per_replica_mib"), est.get("total_mib"),
                      None if fits is None else ",".join(f"{i}:{'yes' if ok else 'no'}" for i, ok in fits.items())])
     parts.append(table(["MODEL", "STATE", "USED MIB", "EST/REPLICA MIB", "EST TOTAL MIB", "FITS"], rows))
+    nodes = {n: h for n, h in (report.get("hosts") or {}).items() if n != "local"}
+    if nodes:
+        # Several hosts: the tables above are this machine's; each node's devices and replicas follow.
+        parts.append(table(["HOST", "DEVICE", "NAME", "USED MIB", "TOTAL MIB", "FREE MIB"],
+                           [[n, f"gpu{g['index']}", g["name"], g["used_mib"], g["total_mib"], g["free_mib"]]
+                            for n, h in nodes.items() for g in h.get("gpus") or []] +
+                           [[n, "cpu", None, None, (h.get("cpu") or {}).get("total_mib"),
+                             (h.get("cpu") or {}).get("available_mib")] for n, h in nodes.items() if h.get("cpu")] +
+                           [[n, None, h.get("reason"), None, None, None] for n, h in nodes.items()
+                            if not h.get("answering")]))
+        parts.append(table(["HOST", "REPLICA", "PROGRAM", "MEASURED MIB"],
+                           [[n, r["replica"], r["program"], ", ".join(f"{d} {b}" for d, b in r["measured_mib"].items())
+                             or None] for n, h in nodes.items() for r in h.get("replicas") or []]))
     return "\n\n".join(parts)
 
 
@@ -202,6 +238,10 @@ def _show(data: Any, as_text: Callable[[Any], str], args: argparse.Namespace, ou
         out.write(as_text(data) + "\n")
 
 
+def cmd_hosts(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
+    _show(client.call("GET", "/v1/admin/hosts"), lambda data: hosts_table(data["data"]), args, out)
+
+
 def cmd_gpu(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
     _show(client.call("GET", "/v1/admin/gpu-memory"), gpu_text, args, out)
 
@@ -231,7 +271,8 @@ def _write_log(chunk: dict[str, Any], args: argparse.Namespace, out: TextIO) -> 
 
 
 COMMANDS: dict[str, Callable[..., None]] = {"models": cmd_models, "load": cmd_load, "unload": cmd_unload,
-                                            "scale": cmd_scale, "logs": cmd_logs, "gpu": cmd_gpu}
+                                            "scale": cmd_scale, "logs": cmd_logs, "gpu": cmd_gpu,
+                                            "hosts": cmd_hosts}
 
 
 # -- wiring -----------------------------------------------------------------------------------------
@@ -263,7 +304,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     gpu = cmds.add_parser("gpu", help="GPU memory: measured per GPU and model, estimated per model")
     # Users type `ctl models --json` as often as `ctl --json models`: every command takes the
     # common options too, with no default of its own, so one given before the command is kept.
-    for command in (models, load, unload, scale, logs, gpu):
+    hosts = cmds.add_parser("hosts", help="every host: reachability, devices, free memory, replicas")
+    for command in (models, load, unload, scale, logs, gpu, hosts):
         _add_common(command, defaults=False)
     ctl.set_defaults(func=run)
     return ctl

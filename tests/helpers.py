@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import xmlrpc.client
 from pathlib import Path
 from typing import Any, Callable
 
@@ -256,3 +257,88 @@ def ready_runtime(config: Any, count: int) -> Any:
         runtime.set_replica_state(replica, ReplicaState.STARTING)
         runtime.set_replica_state(replica, ReplicaState.READY)
     return runtime
+
+
+class Node:
+    """One host: `llm-pool node` (which becomes supervisord) in its own state folder."""
+
+    def __init__(self, name: str, password: str) -> None:
+        self.name = name
+        self.password = password
+        self.port = free_port()
+        self.state = Path(tempfile.mkdtemp(prefix=f"lp-node-{name}-", dir="/tmp"))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pids: set[int] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def rpc(self, password: str | None = None) -> Any:
+        return xmlrpc.client.ServerProxy(f"http://llm-pool:{password or self.password}@127.0.0.1:{self.port}/RPC2")
+
+    def start(self) -> "Node":
+        env = {**os.environ, "LLM_POOL_NODE_PASSWORD": self.password}
+        log = open(self.state.parent / f"{self.state.name}.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "node", "--listen", f"127.0.0.1:{self.port}",
+                                      "--state-dir", str(self.state)], cwd=REPO, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT)
+        self.pids.add(self.proc.pid)
+
+        def answers() -> bool:
+            try:
+                return bool(self.rpc().supervisor.getState())
+            except OSError:
+                return False
+        wait_for(answers, what=f"node {self.name} on {self.url}")
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def kill_with_replicas(self) -> None:
+        """The whole host dies: its supervisord and every process it runs, SIGKILL."""
+        running = [p["pid"] for p in self.rpc().supervisor.getAllProcessInfo() if p["pid"]]
+        self.pids.update(running)
+        self.kill()
+        for pid in running:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+    def remember(self) -> None:
+        try:
+            self.pids.update(p["pid"] for p in self.rpc().supervisor.getAllProcessInfo() if p["pid"])
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        self.remember()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in self.pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def node_pool(nodes: list["Node"], models: dict[str, Any], budgets: dict[str, float] | None = None) -> ProxyProcess:
+    """One `llm-pool serve` in mode hosts over these nodes (each password in its own variable)."""
+    proxy = ProxyProcess(models)
+    proxy.config["supervisor"].update(mode="hosts", hosts={
+        n.name: {"url": n.url, "password_env": f"NODE_{n.name.upper()}_PASSWORD",
+                 **({"cpu_budget_mib": budgets[n.name]} if budgets and n.name in budgets else {})} for n in nodes})
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxy.env = {f"NODE_{n.name.upper()}_PASSWORD": n.password for n in nodes}
+    return proxy
+
+
+def sim_model(**fields: Any) -> dict[str, Any]:
+    """A fast simulated model (backend sim) with these settings."""
+    return {"backend": "sim", "enabled": True, "target_inflight": 4, "sim": {"ttft_ms": 1, "decode_tokens_per_s": 2000},
+            **fields}

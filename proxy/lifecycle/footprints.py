@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 # Samples kept per model and settings: enough for a percentile, few enough to follow a new engine build.
 KEEP = 20
 # Fields that do not change what a replica holds in memory.
-NOT_MEMORY_FIELDS = frozenset({"enabled", "replicas", "replica_max", "description", "load_on_demand",
+NOT_MEMORY_FIELDS = frozenset({"hosts", "enabled", "replicas", "replica_max", "description", "load_on_demand",
                                "idle_unload_s", "pinned", "first_byte_timeout_s", "stream_idle_timeout_s",
                                "warmup", "modalities", "image_url_schemes", "image_url_allow_private",
                                "llama_server_start_timeout_s", "vllm_serve_start_timeout_s"})

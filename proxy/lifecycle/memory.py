@@ -9,17 +9,24 @@ local memory. Its need is the measured footprint where one exists for its settin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from launchers import launcher_for
-from proxy.config import LifecycleSettings, ModelConfig, Settings
+from proxy.config import LOCAL_HOST, LifecycleSettings, ModelConfig, Settings
 from proxy.gpu.footprint import GpuTotals, gpu_device, gpu_totals
 from proxy.gpu.report import load_nvml
 from proxy.gpu.vram_estimate import MIB, Estimate, Estimator
 from proxy.lifecycle.footprints import Footprints, Measured
 from proxy.lifecycle.placement import Limits, ModelView, room_for
+from proxy.supervisord.hosts import Host
 
 CPU = "cpu"
+
+
+def qualify(host: str, device: str) -> str:
+    """A device as placement counts it: the local host's by its own name (cpu, gpu0), as always;
+    another host's prefixed with the host (`b:cpu`, `b:gpu0`)."""
+    return device if host == LOCAL_HOST else f"{host}:{device}"
 
 
 @dataclass(frozen=True)
@@ -45,16 +52,28 @@ class Memory:
         self.footprints = footprints
         self.estimator = estimator
         self.gpus = gpus
+        self.hosts: Mapping[str, Host] = {}   # other hosts than this machine's (the pool's, once started)
 
-    def placement(self, config: ModelConfig) -> Placement:
+    def host_gpus(self, host: str) -> GpuTotals:
+        if host == LOCAL_HOST:
+            return self.gpus
+        node = self.hosts.get(host)
+        devices = node.devices if node is not None else None
+        if not devices:
+            return GpuTotals({}, f"host {host} has not reported its devices")
+        return GpuTotals({gpu_device(int(g["index"])): int(g["total_bytes"]) for g in devices.get("gpus", [])},
+                         devices.get("gpu_reason") or None)
+
+    def placement(self, config: ModelConfig, host: str = LOCAL_HOST) -> Placement:
         launcher = launcher_for(config.backend)
         if launcher is None:
             return Placement((), "a remote endpoint holds no local memory")
         kind, why = launcher.device(config)
         if kind == CPU:
             return Placement((CPU,), why)
-        if not self.gpus.totals:
-            return Placement((CPU,), f"{why}, but no GPU is visible here ({self.gpus.reason}): it runs on the CPU")
+        gpus = self.host_gpus(host)
+        if not gpus.totals:
+            return Placement((CPU,), f"{why}, but no GPU is visible here ({gpus.reason}): it runs on the CPU")
         indices = config.gpus or (0,)
         devices = tuple(gpu_device(i) for i in indices)
         return Placement(devices, f"{why}; gpus: {list(config.gpus)}" if config.gpus else f"{why}; GPU 0")
@@ -67,7 +86,37 @@ class Memory:
         if self.lifecycle.gpu_headroom_mib is not None:
             headroom = int(self.lifecycle.gpu_headroom_mib * MIB)
             budgets.update({d: max(0, total - headroom) for d, total in self.gpus.totals.items()})
+        for name, host in self.hosts.items():
+            if host.local or host.down_since is not None or not host.devices:
+                continue   # a host that does not answer takes no loads
+            cpu_mib = host.settings.cpu_budget_mib if host.settings and host.settings.cpu_budget_mib is not None \
+                else self.lifecycle.cpu_budget_mib
+            if cpu_mib is not None:
+                budgets[qualify(name, CPU)] = int(cpu_mib * MIB)
+            if self.lifecycle.gpu_headroom_mib is not None:
+                headroom = int(self.lifecycle.gpu_headroom_mib * MIB)
+                budgets.update({qualify(name, d): max(0, total - headroom)
+                                for d, total in self.host_gpus(name).totals.items()})
         return budgets
+
+    def need_on(self, config: ModelConfig, hosts: tuple[str, ...]) -> dict[str, int]:
+        """What the model's replicas need with replica i on hosts[i], per host-qualified device."""
+        if all(h == LOCAL_HOST for h in hosts) and len(hosts) == config.replicas:
+            return self.need(config).per_device
+        out: dict[str, int] = {}
+        for host in hosts:
+            for device, n in self.per_replica(config, host).items():
+                out[qualify(host, device)] = out.get(qualify(host, device), 0) + n
+        return out
+
+    def per_replica(self, config: ModelConfig, host: str = LOCAL_HOST) -> dict[str, int]:
+        """One replica's need on `host`, by device there (unqualified)."""
+        devices = self.placement(config, host).devices
+        if not devices:
+            return {}
+        measured = self.footprints.measured(config, devices)
+        need = self._need(config, devices, measured, None if measured is not None else self.estimator.estimate(config))
+        return need.per_replica
 
     def need(self, config: ModelConfig) -> Need:
         devices = self.placement(config).devices

@@ -27,7 +27,7 @@ from proxy.config import Settings
 from proxy.lifecycle.engine_metrics import read_gauges
 from proxy.lifecycle.health import (HealthPolicy, ReadyChecks, note_exit, note_failure, note_success,
                                     state_after_check)
-from proxy.lifecycle.programs import Programs
+from proxy.lifecycle.programs import Programs, process_key
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.lifecycle.warmup import warm_up
@@ -151,9 +151,10 @@ class Monitor:
                     await self._woken.wait()
 
     async def _pass(self) -> None:
-        taken = time.monotonic()
         try:
-            processes = await self.programs.snapshot()
+            # Other hosts get one poll interval to answer: a frozen one is judged on its own clock
+            # (its call's rpc_timeout_s) while the rest are watched as often as ever.
+            processes = await self.programs.snapshot(patience_s=self.settings.supervisor.poll_interval_s)
         except SupervisorError as exc:
             await self._not_answering(exc)
             # No process table: what runs keeps serving, and its health checks go on.
@@ -164,21 +165,71 @@ class Monitor:
                         self.checks.maybe_recheck(runtime, replica)
             return
         self._answering()
+        down = self.programs.down_hosts()
         for runtime in self.models.values():
             if runtime.state in (ModelState.LOADING, ModelState.LOADED):
                 for replica in runtime.replicas:
+                    if replica.host in down:
+                        self._host_down(runtime, replica)
+                        continue
+                    if replica.host_lost:
+                        await self._host_back(runtime, replica, processes.get(process_key(replica.host,
+                                                                                          replica.fullname)))
                     if replica.spec is None:
                         # An endpoint: no program for supervisord to judge, no health path
                         # to probe. An ejected one comes back once its ejection is over;
                         # failing again ejects it again, for longer.
                         self.checks.maybe_recheck(runtime, replica)
                         continue
-                    # A replica whose state changed while the snapshot was in flight (a load
-                    # just started it) is judged on the next, fresher snapshot.
-                    if replica.state_since <= taken:
-                        await self.observe(runtime, replica, processes.get(replica.fullname))
+                    # A replica whose state changed while its host's table was being read (a load
+                    # just started it) is judged on the next, fresher table.
+                    host = self.programs.hosts.get(replica.host)
+                    if host is not None and replica.state_since <= host.table_at:
+                        await self.observe(runtime, replica, processes.get(process_key(replica.host,
+                                                                                       replica.fullname)))
                     self._maybe_scrape(replica)
                     self.checks.maybe_check(runtime, replica)
+
+    def _host_down(self, runtime: ModelRuntime, replica: Replica) -> None:
+        """Its host's supervisord does not answer: the replica leaves rotation (its process may
+        serve on, but nothing here can see or stop it); the host's return decides (_host_back)."""
+        if replica.host_lost:
+            return
+        replica.host_lost = True
+        replica.cancel_tasks()
+        error = f"host {replica.host} is not answering: {self.programs.hosts[replica.host].error}"
+        if replica.state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
+            runtime.set_replica_state(replica, ReplicaState.STARTING, error)
+        else:
+            replica.last_error = error
+
+    async def _host_back(self, runtime: ModelRuntime, replica: Replica, info: ProcessInfo | None) -> None:
+        """Its host answers again. A process that ran on (the same PID) is adopted: the next pass
+        probes it back to READY. One that is gone (the host's supervisord was restarted) is started
+        again from its program file, which the node kept."""
+        replica.host_lost = False
+        if info is not None and info.pid and info.pid == replica.pid and live_state(info):
+            log.info("model %s replica %d: host %s is back, adopting pid %d", runtime.name, replica.index,
+                     replica.host, info.pid)
+            return
+        if info is None:
+            runtime.set_replica_state(replica, ReplicaState.FAILED, f"host {replica.host} is back without its "
+                                                                    "program")
+            return
+        log.info("model %s replica %d: host %s is back without its process; starting it again", runtime.name,
+                 replica.index, replica.host)
+        if replica.alive:
+            replica.restarts += 1
+        replica.pid, replica.alive = 0, False
+        if replica.state != ReplicaState.STARTING:
+            runtime.set_replica_state(replica, ReplicaState.STARTING, f"host {replica.host} came back")
+        if info.state not in (ProcessState.STARTING, ProcessState.RUNNING):
+            try:
+                await self.programs.hosts[replica.host].client.start_process(replica.fullname)
+            except SupervisorError as exc:
+                runtime.set_replica_state(replica, ReplicaState.FAILED, f"not started again on host "
+                                                                        f"{replica.host}: {exc}")
+        self.wake()
 
     async def _not_answering(self, exc: SupervisorError) -> None:
         """Log once, then every DOWN_LOG_INTERVAL_S; in managed mode, start a dead supervisord again."""
@@ -361,7 +412,7 @@ class Monitor:
 
     async def _log_tail(self, replica: Replica, length: int = 2000) -> str:
         try:
-            text = await self.supervisor.tail_log(replica.fullname, length)
+            text = await self.programs.host_of(replica).client.tail_log(replica.fullname, length)
         except SupervisorError:
             return ""
         text = text.strip()
@@ -369,7 +420,7 @@ class Monitor:
 
     async def _stop_quietly(self, replica: Replica) -> None:
         try:
-            await self.supervisor.stop_process(replica.fullname)
+            await self.programs.host_of(replica).client.stop_process(replica.fullname)
         except SupervisorError:
             pass
 
@@ -412,3 +463,7 @@ def process_gone(replica: Replica) -> bool:
     except OSError:
         return False   # no /proc: alive, as far as can be told
     return stat.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"])
+
+
+def live_state(info: ProcessInfo) -> bool:
+    return info.state in (ProcessState.RUNNING, ProcessState.STARTING)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Literal, Mapping
+from typing import Callable, Iterable, Literal, Mapping, Sequence
 
 MIB = 1024 * 1024
 # Idle times within this fraction of each other count as equally long: the cheaper reload goes first.
@@ -260,3 +260,32 @@ def _count_shortfall(cap: int, holding: list[ModelView]) -> Shortfall:
 
 def _mib(n: int) -> float:
     return round(n / MIB, 1)
+
+
+def spread(count: int, per_replica: Mapping[str, int], hosts: Sequence[str], free: Mapping[str, int],
+           budgets: Mapping[str, int], qualify: Callable[[str, str], str],
+           already: Sequence[str] = ()) -> tuple[str, ...]:
+    """The host of each of `count` new replicas (README: Several hosts): where it fits beside what
+    the hosts hold (`free`, bytes per limited device, host-qualified), fewest of the model's replicas
+    there first (`already`: the hosts of those it has), then the most room, then the order of
+    `hosts`. A replica that fits nowhere goes where the budget is largest: there, room_for says
+    what must be evicted, or why it can never fit."""
+    free = dict(free)
+    placed = list(already)
+    out: list[str] = []
+
+    def limited(host: str) -> list[tuple[str, int]]:
+        return [(qualify(host, d), n) for d, n in per_replica.items() if qualify(host, d) in budgets]
+
+    for _ in range(count):
+        fitting = [h for h in hosts if all(n <= free.get(q, 0) for q, n in limited(h))]
+        if fitting:
+            pick = min(fitting, key=lambda h: (placed.count(h), -sum(free.get(q, 0) for q, _ in limited(h)),
+                                               hosts.index(h)))
+        else:
+            pick = max(hosts, key=lambda h: (sum(budgets[q] for q, _ in limited(h)), -hosts.index(h)))
+        for q, n in limited(pick):
+            free[q] = free.get(q, 0) - n
+        placed.append(pick)
+        out.append(pick)
+    return tuple(out)

@@ -24,18 +24,21 @@ import contextlib
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from proxy.config import ModelConfig, Settings
+from proxy.config import LOCAL_HOST, ModelConfig, Settings
 from proxy.errors import BackendError, Conflict, PoolError, Unavailable
 from proxy.gpu.footprint import tree_gpu_bytes, tree_pss_bytes
 from proxy.gpu.report import load_nvml
 from proxy.lifecycle.load_retry import retry_delay
-from proxy.lifecycle.memory import CPU, Memory
-from proxy.lifecycle.placement import Limits, ModelView, Shortfall, Status, plan, room_for
+from proxy.lifecycle.memory import CPU, Memory, qualify
+from proxy.lifecycle.placement import HOLDING, Limits, ModelView, Shortfall, Status, plan, room_for, spread
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.lifecycle.runtime import Backoff, ModelRuntime
 from proxy.atomic_file import write_atomic
+from proxy.supervisord.hosts import Host
+from proxy.supervisord.supervisor import SupervisorError
 
 if TYPE_CHECKING:
     from proxy.lifecycle.pool import Pool
@@ -64,6 +67,38 @@ class Placer:
         self._wake: asyncio.Event | None = None
         self._saved_usage: dict[str, float] = {}
         self._saved_at = 0.0
+        self._planned: dict[str, tuple[str, ...]] = {}   # the hosts of a cold model's replicas, as last placed
+
+    # -- hosts ------------------------------------------------------------------------------------
+
+    def answering_hosts(self, config: ModelConfig) -> list[str]:
+        """The hosts the model may run on that answer now, in the configured order."""
+        allowed = config.hosts or self.settings.supervisor.host_names
+        return [h for h in allowed if h == LOCAL_HOST or
+                (h in self.memory.hosts and self.memory.hosts[h].down_since is None and self.memory.hosts[h].devices)]
+
+    def _place(self, config: ModelConfig, holding: list[ModelView], count: int,
+               already: tuple[str, ...] = ()) -> tuple[str, ...]:
+        hosts = self.answering_hosts(config) or list(config.hosts or self.settings.supervisor.host_names)[:1]
+        budgets = self.memory.budgets()
+        free = {d: b - sum(m.needs.get(d, 0) for m in holding) for d, b in budgets.items()}
+        return spread(count, self.memory.per_replica(config), hosts, free, budgets, qualify, already)
+
+    def hosts_for(self, config: ModelConfig, indices: list[int], held: Mapping[int, str]) -> dict[int, str]:
+        """Programs' HostChooser: a replica whose file is on an allowed host that answers stays there
+        (adoption); the others go where placement put them, or are placed now (live scaling)."""
+        allowed = set(self.answering_hosts(config))
+        runtime = self.models[config.name]
+        planned = self._planned.get(config.name, ())
+        out = {i: held[i] for i in indices if i in held and held[i] in allowed}
+        rest = [i for i in indices if i not in out]
+        if rest and all(i < len(planned) for i in rest):
+            out.update({i: planned[i] for i in rest})
+        elif rest:
+            holding = [v for v in self.views() if v.status in HOLDING and v.name != config.name]
+            already = tuple(r.host for r in runtime.replicas if r.index not in rest) + tuple(out.values())
+            out.update(zip(rest, self._place(config, holding, len(rest), already)))
+        return out
 
     # -- the picture ------------------------------------------------------------------------------
 
@@ -72,6 +107,33 @@ class Placer:
                       swap_max_wait_s=self.settings.lifecycle.swap_max_wait_s)
 
     def views(self, target: tuple[str, ModelConfig] | None = None) -> list[ModelView]:
+        views = self._views(target)
+        if not self.settings.supervisor.hosts:
+            return views   # one host: every need is on this machine's devices, as it always was
+        # Models that hold memory are where their replicas are; a cold one is placed beside them.
+        holding = []
+        for view in views:
+            rt = self.models[view.name]
+            if view.status in HOLDING and rt.replicas and all(r.spec is not None for r in rt.replicas):
+                config = self._loading.get(view.name) or rt.model
+                view = replace(view, needs=self.memory.need_on(config, tuple(r.host for r in rt.replicas)))
+            holding.append(view)
+        out = []
+        for view in holding:
+            rt = self.models[view.name]
+            if view.counted and not (view.status in HOLDING and rt.replicas):
+                config = self._loading.get(view.name) or (target[1] if target and target[0] == view.name else rt.model)
+                if view.name in self._loading and view.name in self._planned:
+                    hosts = self._planned[view.name]
+                else:
+                    hosts = self._place(config, [v for v in holding if v.status in HOLDING and v.name != view.name],
+                                        config.replicas)
+                    self._planned[view.name] = hosts
+                view = replace(view, needs=self.memory.need_on(config, hosts))
+            out.append(view)
+        return out
+
+    def _views(self, target: tuple[str, ModelConfig] | None = None) -> list[ModelView]:
         now, mono = time.time(), time.monotonic()
         out = []
         for name, rt in self.models.items():
@@ -259,21 +321,38 @@ class Placer:
     # -- footprints -------------------------------------------------------------------------------
 
     async def measure(self, runtime: ModelRuntime) -> None:
-        """Record what each READY replica of `runtime` takes on its device now."""
+        """Record what each READY replica of `runtime` takes on its device now, measured on its own
+        host: this machine's /proc and NVML for a local replica, the node plugin's getFootprint
+        (the same walk, on that host) for a replica elsewhere."""
         config = runtime.model
-        devices = self.memory.placement(config).devices
-        if not devices:
-            return
         for replica in runtime.replicas:
             if replica.state != ReplicaState.READY or not replica.pid:
                 continue
-            if devices == (CPU,):
+            devices = self.memory.placement(config, replica.host).devices
+            if not devices:
+                continue
+            node = self.memory.hosts.get(replica.host) if replica.host != LOCAL_HOST else None
+            if node is not None:
+                sample = await self._measure_on(node, replica.spec.program if replica.spec else "", devices)
+            elif devices == (CPU,):
                 pss = await asyncio.to_thread(tree_pss_bytes, replica.pid)
                 sample = {CPU: pss} if pss else None
             else:
                 sample = await asyncio.to_thread(tree_gpu_bytes, replica.pid, self.nvml_loader)
             if sample:
                 self.memory.footprints.record(config, sample)
+
+    @staticmethod
+    async def _measure_on(node: Host, program: str, devices: tuple[str, ...]) -> dict[str, int] | None:
+        try:
+            found = await node.client.call("llm_pool.getFootprint", program)
+        except SupervisorError as exc:
+            log.warning("could not measure %s on host %s: %s", program, node.name, exc)
+            return None
+        # What the walk found on the devices the model counts against, as the local walk records it.
+        sample = {d: int(found[d]) for d in devices if found.get(d)} if devices == (CPU,) else \
+            {d: int(b) for d, b in found.items() if d != CPU and b}
+        return sample or None
 
     # -- usage times ------------------------------------------------------------------------------
 

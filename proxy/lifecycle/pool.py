@@ -38,6 +38,7 @@ from proxy.lifecycle.remote import EndpointKind
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.lifecycle.runtime import LoadRetry, ModelRuntime
 from proxy.lifecycle.scaling import scale
+from proxy.supervisord.hosts import build_hosts
 from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.orphans import PidRecord
 from proxy.supervisord.supervisor import SupervisorClient, SupervisorError
@@ -60,8 +61,9 @@ class Pool:
         self.models: dict[str, ModelRuntime] = {
             n: ModelRuntime(config=c, policy=policy, admission=Admission(policy, max_wait_s=max_wait_s))
             for n, c in settings.models.items()}
+        self.hosts = build_hosts(settings, supervisor, self.environ)
         self.programs = Programs(settings, supervisor, self.environ, self.models, lambda: self.monitor.wake(),
-                                 pid_record)
+                                 pid_record, self.hosts, lambda *a: self.placer.hosts_for(*a))
         self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, managed)
         kinds = kinds_for({c.backend for c in settings.models.values()}, ProgramKind(self.programs),
                           EndpointKind(http, self.environ))
@@ -73,6 +75,7 @@ class Pool:
                                 life.footprint_margin)
         self.nvml_loader = nvml_loader
         self.memory = Memory(life, footprints, Estimator(), gpu_totals(lambda: _no_nvml_yet()))
+        self.memory.hosts = {n: h for n, h in self.hosts.items() if not h.local}
         self.placer = Placer(settings, self.models, self.memory, nvml_loader)
         self._background: set[asyncio.Task[Any]] = set()
         # Models whose first load at startup has not finished (loaded or failed): /ready waits for them.
@@ -114,6 +117,19 @@ class Pool:
                 await self.supervisor.reload_config()
             except SupervisorError as exc:
                 log.error("could not remove %s: %s", path.name, exc)
+        # The same on every other host that answers: a node keeps its files across proxy restarts.
+        for name, host in self.hosts.items():
+            if host.local or host.down_since is not None:
+                continue
+            try:
+                stale = [p for p in await host.texts(self.settings.supervisor.programs_dir)
+                         if not any(replica_index(model, p) is not None for model in self.models)]
+                for program in stale:
+                    log.warning("removing %s on host %s: its model is no longer configured", program, name)
+                if stale:
+                    await self.programs.remove([(name, p) for p in stale])
+            except SupervisorError as exc:
+                log.error("could not remove stale programs on host %s: %s", name, exc)
 
     async def close(self, stop_models: bool) -> None:
         for task in list(self._background):
@@ -124,6 +140,7 @@ class Pool:
             await asyncio.gather(*(self._unload(n, drain=False, reason="shutdown") for n, rt in self.models.items()
                                    if rt.state not in (ModelState.UNLOADED,)), return_exceptions=True)
         await self.monitor.close()
+        await self.programs.close()
         for runtime in self.models.values():
             for replica in runtime.replicas:
                 replica.cancel_tasks()
@@ -131,6 +148,23 @@ class Pool:
     def describe(self, runtime: ModelRuntime) -> dict[str, object]:
         """A model's admin row: its runtime's state with its lifecycle (placement) fields."""
         return {**runtime.describe(), **self.placer.describe_model(runtime)}
+
+    def describe_hosts(self) -> list[dict[str, object]]:
+        """GET /v1/admin/hosts (`llm-pool ctl hosts`): each host, with its memory and replicas."""
+        memory = self.placer.describe()["devices"]
+        rows = []
+        for name, host in self.hosts.items():
+            replicas = [f"{rt.name}/r{r.index}" for rt in self.models.values() for r in rt.replicas if r.host == name]
+            prefix = "" if host.local else f"{name}:"
+            devices = [{**d, "device": d["device"][len(prefix):]} for d in memory
+                       if (d["device"].startswith(prefix) if prefix else ":" not in d["device"])]
+            rows.append({**host.describe(), "memory": devices, "replicas": len(replicas), "replica_names": replicas})
+        return rows
+
+    def replica_programs(self, host: str) -> dict[str, str]:
+        """The program of each replica on `host`, by its admin name (`model/rN`)."""
+        return {f"{rt.name}/r{r.index}": r.spec.program for rt in self.models.values() for r in rt.replicas
+                if r.host == host and r.spec is not None}
 
     def get(self, name: str) -> ModelRuntime:
         try:

@@ -10,6 +10,7 @@ half of the pool (the `Kind` seam, proxy/lifecycle/kinds.py); the pool's monitor
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
@@ -18,8 +19,9 @@ from typing import Any, Callable, Mapping
 
 from launchers import launcher_for
 from launchers.spec import Launcher, ProgramSpec, ports_in_file, program_name, render_replica, replica_index
-from proxy.config import ModelConfig, Settings
+from proxy.config import LOCAL_HOST, ModelConfig, Settings
 from proxy.errors import Unavailable
+from proxy.supervisord.hosts import Host
 from proxy.supervisord.orphans import PidRecord
 from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import Replica, ReplicaState
@@ -33,6 +35,15 @@ log = logging.getLogger(__name__)
 STOPPED_STATES = (ProcessState.STOPPED, ProcessState.EXITED, ProcessState.FATAL)
 # How long past stopwaitsecs (after which supervisord sends SIGKILL) a removal waits for a process.
 STOP_GRACE_S = 10.0
+# Chooses the host of each new replica: (model settings, replica indices, the hosts that hold a
+# program file of each index now) -> a host per index. The placer's (placer.Placer.hosts_for).
+HostChooser = Callable[[ModelConfig, list[int], Mapping[int, str]], Mapping[int, str]]
+
+
+def process_key(host: str, fullname: str) -> str:
+    """A process's key in the merged table: the local host's as supervisord names them (as always),
+    another host's prefixed with its name."""
+    return fullname if host == LOCAL_HOST else f"{host}/{fullname}"
 
 
 class Programs:
@@ -40,23 +51,112 @@ class Programs:
 
     def __init__(self, settings: Settings, supervisor: SupervisorClient, environ: Mapping[str, str],
                  runtimes: Mapping[str, ModelRuntime], wake: Callable[[], None],
-                 pid_record: PidRecord | None = None) -> None:
+                 pid_record: PidRecord | None = None, hosts: Mapping[str, Host] | None = None,
+                 choose: HostChooser | None = None) -> None:
         self.settings = settings
         self.supervisor = supervisor
+        self.hosts: dict[str, Host] = dict(hosts) if hosts is not None else \
+            {LOCAL_HOST: Host(LOCAL_HOST, supervisor, settings.service.state_dir / "logs")}
+        self.choose = choose
         self.environ = environ
         self.runtimes = runtimes      # every model's, for the ports their replicas hold
         self.wake = wake              # the pool's monitor: look again now, a program was started
         self.pid_record = pid_record  # managed mode: what to stop should supervisord die (proxy/supervisord/orphans.py)
         self.processes: dict[str, ProcessInfo] = {}
+        self._polls: dict[str, asyncio.Task[dict[str, ProcessInfo]]] = {}   # in flight, by host
         self.stop_grace_s = STOP_GRACE_S
 
-    async def snapshot(self) -> dict[str, ProcessInfo]:
-        """supervisord's process table now, by full name (kept as `processes` too)."""
-        infos = await self.supervisor.all_process_info()
-        if self.pid_record is not None:
-            self.pid_record.update(infos)
-        self.processes = {i.fullname: i for i in infos}
-        return self.processes
+    async def snapshot(self, patience_s: float | None = None, only: str | None = None) -> dict[str, ProcessInfo]:
+        """Every host's process table now, by process_key (kept as `processes` too). The local
+        supervisord not answering raises, as it always did; another host that does not answer is
+        marked down (Host.down_since) and its processes are left out.
+
+        Each host is asked by a poll of its own, at most one in flight per host. `patience_s` bounds
+        the wait for other hosts than the local one: one that has not answered by then keeps its last
+        table (Host.table_at says how old) and its poll runs on, to be taken by a later call, so
+        that one frozen host does not hold up every other host's monitoring for rpc_timeout_s.
+        None waits for each until it answers or its call times out. `only`: ask that host alone."""
+        asked = [self.hosts[only]] if only is not None else list(self.hosts.values())
+        polls = {h.name: self._poll(h) for h in asked}
+        local = [polls[h.name] for h in asked if h.local]
+        remote = [polls[h.name] for h in asked if not h.local]
+        if local:
+            await asyncio.wait(local)
+        if remote:
+            await asyncio.wait(remote, timeout=patience_s)
+        failed: set[str] = set()
+        local_error: BaseException | None = None
+        for host in asked:
+            task = polls[host.name]
+            if not task.done():
+                continue   # still asking: its last table stands for it this time
+            if self._polls.get(host.name) is task:
+                del self._polls[host.name]
+            error = task.exception()
+            if error is None:
+                continue
+            failed.add(host.name)
+            if not isinstance(error, SupervisorError) or host.local:
+                local_error = local_error or error
+            elif host.mark_down(error):
+                log.warning("host %s is not answering: %s; its replicas leave rotation", host.name, error)
+        merged: dict[str, ProcessInfo] = {}
+        for host in self.hosts.values():
+            if host.name not in failed and host.down_since is None:
+                merged.update({process_key(host.name, n): i for n, i in host.processes.items()})
+        self.processes = merged
+        if local_error is not None:
+            raise local_error
+        return merged
+
+    def _poll(self, host: Host) -> "asyncio.Task[dict[str, ProcessInfo]]":
+        task = self._polls.get(host.name)
+        if task is None:
+            task = self._polls[host.name] = asyncio.create_task(self._host_snapshot(host),
+                                                                name=f"llm-pool poll {host.name}")
+        return task
+
+    async def close(self) -> None:
+        """Cancel the polls still in flight (a frozen host's)."""
+        polls, self._polls = list(self._polls.values()), {}
+        for task in polls:
+            task.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+
+    async def _host_snapshot(self, host: Host) -> dict[str, ProcessInfo]:
+        asked_at = time.monotonic()
+        processes = await host.snapshot()
+        if host.local and self.pid_record is not None:
+            self.pid_record.update(processes.values())
+        if host.down_since is not None or (not host.local and host.log_dir is None):
+            await host.refresh()
+            if host.down_since is not None:
+                log.warning("host %s answers again after %.1fs", host.name, time.monotonic() - host.down_since)
+            host.down_since, host.error = None, None
+        host.processes, host.table_at = processes, asked_at
+        return processes
+
+    def host_of(self, replica: Replica) -> Host:
+        return self.hosts[replica.host]
+
+    def down_hosts(self) -> set[str]:
+        return {h.name for h in self.hosts.values() if h.down_since is not None}
+
+    async def texts(self) -> dict[str, dict[str, str]]:
+        """Every answering host's llm-pool program files, by host and program name."""
+        hosts = [h for h in self.hosts.values() if h.down_since is None]
+        found = await asyncio.gather(*(h.texts(self.settings.supervisor.programs_dir) for h in hosts))
+        return {h.name: t for h, t in zip(hosts, found)}
+
+    async def replica_texts(self, name: str) -> dict[int, tuple[str, str]]:
+        """Model `name`'s program files on every host: (host, text) by replica index."""
+        out: dict[int, tuple[str, str]] = {}
+        for host, texts in (await self.texts()).items():
+            for stem, text in texts.items():
+                index = replica_index(name, stem)
+                if index is not None:
+                    out[index] = (host, text)
+        return out
 
     def replica_file(self, name: str, index: int) -> Path:
         return self.settings.supervisor.programs_dir / f"{program_name(name, index)}.conf"
@@ -70,24 +170,26 @@ class Programs:
                 found[index] = path
         return found
 
-    def running(self, program: str) -> ProcessInfo | None:
+    def running(self, program: str, host: str = LOCAL_HOST) -> ProcessInfo | None:
         """The program's process if it runs: RUNNING, or STARTING with a process (within supervisord's
         startsecs; a replica is checked, and may serve, from the moment its process exists)."""
-        info = self.processes.get(f"{program}:{program}")
+        info = self.processes.get(process_key(host, f"{program}:{program}"))
         return info if info is not None and live(info) else None
 
     async def start(self, runtime: ModelRuntime, config: ModelConfig, launcher: Launcher) -> None:
-        files = self.replica_files(config.name)
         await self.snapshot()
+        files = await self.replica_texts(config.name)
         if config.replicas == runtime.config.replicas:
             # A proxy restarted after a live scale: running replicas past the configured count
             # (their files in place, contiguous) are the model's too, and are adopted with it.
             count = config.replicas
-            while count < config.replica_max and count in files and self.running(program_name(config.name, count)):
+            while count < config.replica_max and count in files and \
+                    self.running(program_name(config.name, count), files[count][0]):
                 count += 1
             if count != config.replicas:
                 config = runtime.active = runtime.with_replicas(count)
-        stale = [path.stem for index, path in files.items() if index >= config.replicas]
+        stale = [(host, program_name(config.name, index)) for index, (host, _) in files.items()
+                 if index >= config.replicas]
         if stale:
             await self.remove(stale)
         runtime.replicas = []   # those of a failed unload, if any: their programs are judged afresh below
@@ -99,53 +201,74 @@ class Programs:
         runtime.replicas. With `adopt`, a replica whose file is unchanged and whose program runs is
         taken over as it is."""
         await self.snapshot()
+        all_texts = await self.texts()
+        existing = await self.replica_texts(config.name)
         previous: dict[str, int] = {}
-        for path in self.replica_files(config.name).values():
-            previous.update(ports_in_file(path.read_text()))
-        ports = self._assign_ports(config, launcher, previous)
-        log_dir = self.settings.service.state_dir / "logs"
-        specs = [launcher.launch(config, i, ports[i], self.settings.supervisor.stopwaitsecs, self.environ)
-                 for i in indices]
+        for _host, text in existing.values():
+            previous.update(ports_in_file(text))
+        ports = self._assign_ports(config, launcher, previous, all_texts)
+        wanted = list(indices)
+        held = {i: existing[i][0] for i in wanted if i in existing}
+        where = dict(self.choose(config, wanted, held)) if self.choose is not None else {}
+        local_dir = self.settings.service.state_dir / "logs"
+        specs, hosts = [], []
+        for i in wanted:
+            host = self.hosts[where.get(i, LOCAL_HOST if LOCAL_HOST in self.hosts else next(iter(self.hosts)))]
+            spec = launcher.launch(config, i, ports[i], self.settings.supervisor.stopwaitsecs, self.environ)
+            specs.append(on_host(spec, host.address) if host.address else spec)
+            hosts.append(host)
         added = [Replica(model=config.name, index=i, spec=spec, fullname=f"{spec.program}:{spec.program}",
-                         reach=ProgramReach(spec)) for i, spec in zip(indices, specs)]
+                         reach=ProgramReach(spec), host=host.name) for i, spec, host in zip(wanted, specs, hosts)]
         runtime.replicas = runtime.replicas + added
         to_start: list[tuple[Replica, ProgramSpec]] = []
-        for replica, spec in zip(added, specs):
+        for replica, spec, host in zip(added, specs, hosts):
+            log_dir = host.log_dir or local_dir
             text = render_replica(config.name, spec, log_dir)
-            path = self.replica_file(config.name, replica.index)
-            info = self.running(spec.program)
-            if adopt and info is not None and path.exists() and path.read_text() == text:
-                log.info("model %s: adopting running replica %d (pid %d)", config.name, replica.index, info.pid)
+            info = self.running(spec.program, host.name)
+            if adopt and info is not None and all_texts.get(host.name, {}).get(spec.program) == text:
+                log.info("model %s: adopting running replica %d (pid %d) on host %s", config.name, replica.index,
+                         info.pid, host.name)
                 replica.pid, replica.alive = info.pid, True
                 runtime.set_replica_state(replica, ReplicaState.STARTING)
                 continue
-            await self.remove_group(spec.program)
-            log_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, text)
+            # Its file elsewhere (it ran on another host before) goes first: one file per replica.
+            old_host = existing.get(replica.index, (host.name, ""))[0]
+            if old_host != host.name and old_host in self.hosts:
+                await self.remove([(old_host, spec.program)])
+            await self.remove_group(spec.program, host.name)
+            if host.local:
+                path = self.replica_file(config.name, replica.index)
+                log_dir.mkdir(parents=True, exist_ok=True)
+                write_atomic(path, text)
+            else:
+                await host.client.call("llm_pool.writeProgram", spec.program, text)   # written and added
             to_start.append((replica, spec))
-        if to_start:
+        if any(self.hosts[r.host].local for r, _ in to_start):
             await self.supervisor.reload_config()
-            for replica, spec in to_start:
-                await self.supervisor.add_process_group(spec.program)
-                runtime.set_replica_state(replica, ReplicaState.STARTING)
-                await self.supervisor.start_process(replica.fullname)
+        for replica, spec in to_start:
+            client = self.hosts[replica.host].client
+            if self.hosts[replica.host].local:
+                await client.add_process_group(spec.program)
+            runtime.set_replica_state(replica, ReplicaState.STARTING)
+            await client.start_process(replica.fullname)
         self.wake()
         return added
 
-    def _assign_ports(self, config: ModelConfig, launcher: Launcher, previous: dict[str, int]) -> list[int]:
+    def _assign_ports(self, config: ModelConfig, launcher: Launcher, previous: dict[str, int],
+                      texts: Mapping[str, Mapping[str, str]] | None = None) -> list[int]:
         """Stable ports: the fixed port if configured, else the one this replica had, else the
         first free one in the range. Ports of other models' programs and ports in use are skipped."""
         fixed = config.get(launcher.PORT_FIELD)
         if fixed:
             return [int(fixed) + i for i in range(config.replicas)]
-        taken = self._ports_of_other_groups(config.name)
+        taken = self._ports_of_other_groups(config.name, texts or {})
         lo, hi = self.settings.supervisor.port_range
         ports: list[int] = []
         candidates = iter(range(lo, hi + 1))
         for i in range(config.replicas):
             program = program_name(config.name, i)
             old = previous.get(program)
-            ours_running = self.running(program) is not None
+            ours_running = any(self.running(program, h) is not None for h in self.hosts)
             if old and old not in taken and old not in ports and (ours_running or port_free(old)):
                 ports.append(old)
                 continue
@@ -157,11 +280,17 @@ class Programs:
                 raise Unavailable(f"no free port left in supervisor.port_range {lo}-{hi}", code="no_free_port")
         return ports
 
-    def _ports_of_other_groups(self, name: str) -> set[int]:
+    def _ports_of_other_groups(self, name: str, texts: Mapping[str, Mapping[str, str]]) -> set[int]:
+        # Ports are kept apart across hosts too: hosts on one machine (tests, benchmarks) share its ports.
         taken: set[int] = set()
         for path in self.settings.supervisor.programs_dir.glob("*.conf"):
             if replica_index(name, path.stem) is None:
                 taken.update(ports_in_file(path.read_text()).values())
+        for host, by_name in texts.items():
+            if host != LOCAL_HOST:
+                for stem, text in by_name.items():
+                    if replica_index(name, stem) is None:
+                        taken.update(ports_in_file(text).values())
         for runtime in self.runtimes.values():
             if runtime.name != name:
                 taken.update(r.spec.port for r in runtime.replicas if r.spec is not None)
@@ -170,18 +299,30 @@ class Programs:
     async def stop(self, name: str) -> None:
         """Stop every replica program of model `name` and remove their groups and files (the
         program kind's stop): those of its runtime and any other file of its in the folder."""
-        programs = {r.spec.program for r in self.runtimes[name].replicas if r.spec is not None}
-        programs.update(path.stem for path in self.replica_files(name).values())
+        programs = {(r.host, r.spec.program) for r in self.runtimes[name].replicas if r.spec is not None}
+        files = await self.replica_texts(name)
+        programs.update((host, program_name(name, index)) for index, (host, _) in files.items())
         await self.remove(sorted(programs))
 
-    async def remove(self, programs: list[str]) -> None:
-        """Stop these replica programs together, remove each one's group and file.
-        A file is removed only once its program is gone, so that a failed stop is retried."""
-        results = await asyncio.gather(*(self.remove_group(p) for p in programs), return_exceptions=True)
+    async def remove(self, programs: list[tuple[str, str]] | list[str]) -> None:
+        """Stop these replica programs (each `(host, program)`, or a local program's name) together,
+        remove each one's group and file. A file is removed only once its program is gone, so that a
+        failed stop is retried."""
+        pairs = [(LOCAL_HOST, p) if isinstance(p, str) else p for p in programs]
+        pairs = [(h, p) for h, p in pairs if h in self.hosts]
+        results = await asyncio.gather(*(self.remove_group(p, h) for h, p in pairs), return_exceptions=True)
         removed = False
-        for program, result in zip(programs, results):
+        for n, ((host, program), result) in enumerate(zip(pairs, results)):
+            if result is not None:
+                continue
+            if not self.hosts[host].local:
+                try:
+                    await self.hosts[host].client.call("llm_pool.removeProgram", program)
+                except SupervisorError as exc:
+                    results[n] = exc
+                continue
             path = self.settings.supervisor.programs_dir / f"{program}.conf"
-            if result is None and path.exists():
+            if path.exists():
                 path.unlink()
                 removed = True
         if removed:
@@ -190,7 +331,7 @@ class Programs:
             if isinstance(result, BaseException):
                 raise result
 
-    async def remove_group(self, group: str) -> None:
+    async def remove_group(self, group: str, host: str = LOCAL_HOST) -> None:
         """Stop every program of `group`, wait until each has exited, then remove the group.
 
         Judged afresh on every pass, because the table moves under us: a process that crashed
@@ -199,14 +340,16 @@ class Programs:
         removal (STILL_RUNNING) is simply another pass. Raises SupervisorError when a process
         outlives stopwaitsecs (supervisord's SIGKILL included) plus `stop_grace_s`."""
         deadline = time.monotonic() + self.settings.supervisor.stopwaitsecs + self.stop_grace_s
+        client = self.hosts[host].client
         while True:
-            members = [i for i in (await self.snapshot()).values() if i.group == group]
+            processes = {**(await self.snapshot(only=host))}
+            members = [i for k, i in processes.items() if i.group == group and k == process_key(host, i.fullname)]
             if not members:
                 return   # never added, or removed by someone else
             live = [i for i in members if i.state not in STOPPED_STATES]
             if not live:
                 try:
-                    await self.supervisor.remove_process_group(group)
+                    await client.remove_process_group(group)
                     return
                 except BadName:
                     return
@@ -215,7 +358,7 @@ class Programs:
             for info in live:
                 if info.state != ProcessState.STOPPING:
                     try:
-                        await self.supervisor.stop_process(info.fullname)
+                        await client.stop_process(info.fullname)
                     except (NotRunning, BadName):
                         pass   # it exited, or went away, between the snapshot and the call
             if time.monotonic() > deadline:
@@ -265,7 +408,7 @@ class ProgramKind:
 
     async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
         assert self.programs is not None
-        await self.programs.remove([r.spec.program for r in replicas if r.spec is not None])
+        await self.programs.remove([(r.host, r.spec.program) for r in replicas if r.spec is not None])
 
     def gate(self, config: ModelConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
         return None
@@ -276,3 +419,14 @@ class ProgramKind:
 
 def live(info: ProcessInfo) -> bool:
     return info.state == ProcessState.RUNNING or (info.state == ProcessState.STARTING and info.pid > 0)
+
+
+def on_host(spec: ProgramSpec, address: str) -> ProgramSpec:
+    """The spec of a replica on another host: it listens on, and is reached at, that host's address.
+    Every launcher gives its server the listen address as `--host <spec.host>` (llama-server, vllm
+    serve and the shims alike), so that one argument is what changes."""
+    argv = list(spec.argv)
+    for i in range(len(argv) - 1):
+        if argv[i] == "--host" and argv[i + 1] == spec.host:
+            argv[i + 1] = address
+    return dataclasses.replace(spec, argv=tuple(argv), host=address)

@@ -81,6 +81,8 @@ class Replica:
     spec: ProgramSpec | None = None   # the program serving it; None for an endpoint
     fullname: str = ""                # group:program, as supervisord names it; "" without a program
     reach: Reach = field(kw_only=True)  # how requests get to it (its kind made it)
+    host: str = field(default="local", kw_only=True)   # the supervisord it runs under (supervisor.hosts)
+    host_lost: bool = False           # out of rotation because its host stopped answering
     state: ReplicaState = ReplicaState.STOPPED
     pid: int = 0                      # its process, kept after an exit to tell a restart by its new pid
     alive: bool = False               # whether `pid` runs, as the last look at supervisord said
@@ -174,7 +176,8 @@ class Replica:
         return True
 
     def describe(self) -> dict[str, object]:
-        return {"index": self.index, "state": self.state.value, "pid": self.pid if self.alive and self.pid else None,
+        return {"index": self.index, "host": self.host, "state": self.state.value,
+                "pid": self.pid if self.alive and self.pid else None,
                 # The name `supervisorctl status` shows (each replica is a group of one).
                 "port": self.spec.port if self.spec else None, "program": self.spec.program if self.spec else None,
                 "restarts": self.restarts, "inflight": self.inflight, "reported": dict(self.reported),

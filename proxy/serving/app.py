@@ -110,6 +110,7 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
 
     async def pool_ctx(app: web.Application) -> AsyncIterator[None]:
         http = upstream_session()
+        # mode `hosts`: no supervisord on this machine; the client is never called (no local host).
         supervisor = SupervisorClient(settings.supervisor_url, timeout=settings.supervisor.rpc_timeout_s)
         try:
             if settings.supervisor.mode == "managed":
@@ -149,6 +150,7 @@ async def release_pool(app: web.Application) -> None:
     shutdown.pool_released = True
     pool, keep = app[POOL], shutdown.keep_models
     await pool.close(stop_models=not keep)
+    await asyncio.gather(*(h.client.close() for h in pool.hosts.values() if not h.local))
     if app[SETTINGS].supervisor.mode == "managed" and not keep:
         await managed.stop_supervisord(pool.supervisor)
         # A supervisord that died (and could not be started again) stopped nothing: what it left

@@ -33,7 +33,9 @@ class PoolCollector(Collector):
         self.pool = pool
 
     def collect(self) -> Iterator[Metric]:
-        m, mr = ["model"], ["model", "replica"]
+        # Every per-replica family names the replica's host: a configured name (supervisor.hosts, or
+        # `local`), so the label set stays as bounded as the replicas themselves.
+        m, mr = ["model"], ["model", "replica", "host"]
         ready = GaugeMetricFamily("llm_pool_replicas_ready", "READY replicas per model", labels=m)
         capacity = GaugeMetricFamily("llm_pool_capacity", "Request slots per model", labels=m)
         active = GaugeMetricFamily("llm_pool_requests_active", "Requests running per model", labels=m)
@@ -44,7 +46,7 @@ class PoolCollector(Collector):
         unload_s = GaugeMetricFamily("llm_pool_model_unload_seconds", "Duration of the model's last unload",
                                      labels=m)
         state = GaugeMetricFamily("llm_pool_replica_state", "1 for the replica's current state",
-                                  labels=["model", "replica", "state"])
+                                  labels=[*mr, "state"])
         in_rotation = GaugeMetricFamily("llm_pool_replica_ready", "1 when the replica is READY (in rotation)",
                                         labels=mr)
         inflight = GaugeMetricFamily("llm_pool_replica_inflight", "Requests the proxy has at the replica",
@@ -101,7 +103,7 @@ class PoolCollector(Collector):
             if runtime.unload_s is not None:
                 unload_s.add_metric([name], runtime.unload_s)
             for replica in runtime.replicas:
-                labels = [name, str(replica.index)]
+                labels = [name, str(replica.index), replica.host]
                 state.add_metric([*labels, replica.state.value], 1)
                 in_rotation.add_metric(labels, 1 if replica.state == ReplicaState.READY else 0)
                 inflight.add_metric(labels, replica.inflight)

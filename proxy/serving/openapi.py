@@ -104,6 +104,12 @@ def operations() -> tuple[Operation, ...]:
                       _json(schemas.any_object("the GPU report")), errors=(401,), admin=True),
             Operation("get", "/v1/admin/memory", "placement's view: budgets, what models hold, loads waiting",
                       _json(schemas.any_object("the placer's description")), errors=(401,), admin=True),
+            Operation("get", "/v1/admin/hosts", "every host replicas may run on: whether its supervisord "
+                      "answers, its devices, budgets and free memory, and its replicas",
+                      _json({"type": "object", "required": ["object", "data"],
+                             "properties": {"object": {"const": "list"},
+                                            "data": {"type": "array", "items": {"type": "object"}}}}),
+                      errors=(401,), admin=True),
             Operation("get", "/v1/admin/traffic", "the proxy's request counters per model (requests by status, "
                       "latency, time-to-first-token and queue-wait histograms), with the reading's time",
                       _json(schemas.any_object("the counters")), errors=(401,), admin=True),

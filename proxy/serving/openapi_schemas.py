@@ -164,6 +164,7 @@ def logs() -> dict[str, Any]:
     return {"type": "object", "required": ["model", "replica", "program", "text", "offset", "overflow"],
             "properties": {"model": {"type": "string"}, "replica": {"type": "integer"},
                            "program": {"type": ["string", "null"]}, "text": {"type": "string"},
+                           "host": {"type": "string", "description": "the host whose supervisord has the log"},
                            "offset": {"type": "integer", "minimum": 0}, "overflow": {"type": "boolean"}}}
 
 

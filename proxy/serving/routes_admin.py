@@ -11,7 +11,7 @@ from aiohttp import web
 
 from launchers import launcher_for
 from proxy.serving.admin_view import admin_row, model_schema
-from proxy.config import override_problems, replicas_problem
+from proxy.config import LOCAL_HOST, override_problems, replicas_problem
 from proxy.errors import BadRequest, Conflict, Unauthorized, Unavailable
 from proxy.serving.body import read_json
 from proxy.lifecycle.pool import Pool
@@ -111,7 +111,15 @@ async def admin_scale(request: web.Request) -> web.Response:
 async def admin_gpu_memory(request: web.Request) -> web.Response:
     _authorize(request)
     # NVML, /proc and model file headers are blocking reads: off the event loop.
-    report = await asyncio.to_thread(gpu_report, _snapshot(request.app[POOL]), request.app[VRAM])
+    pool = request.app[POOL]
+    report = await asyncio.to_thread(gpu_report, _snapshot(pool), request.app[VRAM])
+    if any(not h.local for h in pool.hosts.values()):
+        # Devices per host: this machine's are the report's own; each node reads its own, now.
+        nodes = [h for h in pool.hosts.values() if not h.local]
+        found = await asyncio.gather(*(h.gpu_memory(pool.replica_programs(h.name)) for h in nodes))
+        local = {"local": {k: report[k] for k in ("available", "gpus", "reason") if k in report}} \
+            if LOCAL_HOST in pool.hosts else {}
+        report["hosts"] = {**local, **{h.name: f for h, f in zip(nodes, found)}}
     return web.json_response(report)
 
 
@@ -129,6 +137,14 @@ async def admin_traffic(request: web.Request) -> web.Response:
     Prometheus: the status page takes rates and quantiles from two readings."""
     _authorize(request)
     return web.json_response(traffic(request.app[METRICS], request.app[POOL].models))
+
+
+@routes.get("/v1/admin/hosts")
+async def admin_hosts(request: web.Request) -> web.Response:
+    """Every host replicas may run on: whether its supervisord answers, its devices (a node's as it
+    reported them), each limited device's budget and free memory, and the replicas it runs."""
+    _authorize(request)
+    return web.json_response({"object": "list", "data": request.app[POOL].describe_hosts()})
 
 
 MAX_LOG_BYTES = 1024 * 1024
@@ -164,7 +180,10 @@ async def admin_logs(request: web.Request) -> web.Response:
         raise Conflict(f"replica {index} of model {runtime.name!r} is a remote endpoint, not a process of this "
                        "machine: it has no process log (the proxy's own log records its requests)",
                        code="no_process_log")
-    supervisor = request.app[POOL].supervisor
+    # The supervisord of the replica's host: a node's log is read through its own XML-RPC
+    # (tailProcessStdoutLog / readProcessStdoutLog, with its username and password).
+    host = request.app[POOL].programs.host_of(replica)
+    supervisor = host.client
     overflow = False
     try:
         if "offset" not in request.query:
@@ -178,8 +197,9 @@ async def admin_logs(request: web.Request) -> web.Response:
             text = await supervisor.read_log(replica.fullname, offset, size - offset) if size > offset else ""
             end = offset + len(text.encode("utf-8"))
     except SupervisorError as exc:
-        raise Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=1) from exc
-    return web.json_response({"model": runtime.name, "replica": index,
+        where = "" if host.local else f" of host {host.name}"
+        raise Unavailable(f"supervisord{where}: {exc}", code="supervisor_unavailable", retry_after=1) from exc
+    return web.json_response({"model": runtime.name, "replica": index, "host": replica.host,
                               "program": replica.spec.program if replica.spec else None,
                               "text": text, "offset": end, "overflow": overflow})
 
@@ -187,5 +207,7 @@ async def admin_logs(request: web.Request) -> web.Response:
 def _snapshot(pool: Pool) -> list[ModelSnapshot]:
     """What the GPU report needs of each model, taken on the event loop (the report runs in a thread)."""
     return [ModelSnapshot(config=rt.config, state=rt.state.value,
-                          replica_pids=tuple((r.index, r.pid) for r in rt.replicas if r.pid and r.alive))
+                          # This machine's PIDs only: another host's are measured there (Host.gpu_memory).
+                          replica_pids=tuple((r.index, r.pid) for r in rt.replicas
+                                             if r.pid and r.alive and r.host == LOCAL_HOST))
             for rt in pool.models.values()]

@@ -125,16 +125,22 @@ async def ensure_supervisord(settings: Settings, client: SupervisorClient) -> bo
     return True
 
 
-def supervisord_dead(settings: Settings) -> bool:
-    """Whether the supervisord of the pidfile is gone, not merely slow to answer: one that is alive
-    still owns its programs."""
-    pidfile = settings.service.state_dir / "supervisord.pid"
+def running_supervisord(pidfile: Path) -> int:
+    """The PID of the supervisord a pidfile names, if that process is alive and is a supervisord
+    (by its command line: a PID reused by another process after a reboot or a kill -9 is not it);
+    else 0."""
     try:
         pid = int(pidfile.read_text().strip())
     except (OSError, ValueError):
-        pid = 0
-    who = identity(pid) if pid else None
-    return who is None or not any("supervisord" in a for a in who.cmdline)
+        return 0
+    who = identity(pid) if pid > 0 else None
+    return pid if who is not None and any("supervisord" in a for a in who.cmdline) else 0
+
+
+def supervisord_dead(settings: Settings) -> bool:
+    """Whether the supervisord of the pidfile is gone, not merely slow to answer: one that is alive
+    still owns its programs."""
+    return not running_supervisord(settings.service.state_dir / "supervisord.pid")
 
 
 async def _stop_orphans_of_a_dead_supervisord(settings: Settings) -> None:

@@ -7,6 +7,7 @@ that breaks is thrown away and rebuilt on the next call, so a restarted supervis
 from __future__ import annotations
 
 import asyncio
+import base64
 import enum
 import xmlrpc.client
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ class SupervisorError(Exception):
 
 class SupervisorUnavailable(SupervisorError):
     """supervisord did not answer: not running, socket gone, or the call timed out."""
+
+
+class SupervisorRefused(SupervisorUnavailable):
+    """supervisord answered 401: the username or password is wrong."""
 
 
 class SupervisorFault(SupervisorError):
@@ -110,9 +115,14 @@ class SupervisorClient:
     `url` is `unix:///path/to/supervisor.sock` or `http://host:port` (the `/RPC2` path is added).
     """
 
-    def __init__(self, url: str, timeout: float = 10.0) -> None:
+    def __init__(self, url: str, timeout: float = 10.0, auth: tuple[str, str] | None = None) -> None:
         self.url = url
         self.timeout = timeout
+        # A node's username and password (inet_http_server): sent with each call, never logged.
+        self._headers = {"Content-Type": "text/xml"}
+        if auth is not None:
+            token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode("ascii")
+            self._headers["Authorization"] = f"Basic {token}"   # what supervisord's http server checks
         self._session: aiohttp.ClientSession | None = None
         parts = urlsplit(url)
         if parts.scheme == "unix":
@@ -140,9 +150,10 @@ class SupervisorClient:
     async def call(self, method: str, *params: Any) -> Any:
         body = xmlrpc.client.dumps(params, methodname=method, allow_none=False)
         try:
-            async with self._client().post(self._endpoint, data=body.encode(),
-                                           headers={"Content-Type": "text/xml"}) as resp:
+            async with self._client().post(self._endpoint, data=body.encode(), headers=self._headers) as resp:
                 payload = await resp.read()
+                if resp.status == 401:
+                    raise SupervisorRefused(f"supervisord at {self.url} refused the username and password ({method})")
                 if resp.status != 200:
                     raise SupervisorError(f"{method}: HTTP {resp.status} from supervisord")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:

@@ -179,6 +179,24 @@ def test_gpu_table_says_why_nothing_was_measured_and_shows_unknown_memory() -> N
     assert lines[-1].split() == ["q", "loaded", "unknown", "120.5", "241.0", "0:yes"]
 
 
+def test_gpu_text_shows_each_nodes_devices_and_replicas_and_a_node_that_does_not_answer() -> None:
+    report = {"available": False, "reason": "NVML unavailable", "gpus": [], "models": {},
+              "hosts": {"local": {"available": False, "gpus": []},
+                        "b": {"answering": True, "available": True,
+                              "gpus": [{"index": 0, "name": "L4", "used_mib": 100.0, "total_mib": 24000.0,
+                                        "free_mib": 23900.0}],
+                              "cpu": {"total_mib": 64000.0, "available_mib": 50000.0},
+                              "replicas": [{"replica": "m/r1", "program": "m-0123abcd-r1",
+                                            "measured_mib": {"cpu": 80.5, "gpu0": 900.0}}]},
+                        "c": {"answering": False, "available": False, "reason": "host c is not answering: timeout",
+                              "gpus": [], "replicas": []}}}
+    lines = ctl.gpu_text(report).splitlines()
+    assert ["b", "gpu0", "L4", "100.0", "24000.0", "23900.0"] in [line.split() for line in lines]
+    assert ["b", "cpu", "-", "-", "64000.0", "50000.0"] in [line.split() for line in lines]
+    assert any(line.startswith("c ") and "not answering: timeout" in line for line in lines)
+    assert ["b", "m/r1", "m-0123abcd-r1", "cpu", "80.5,", "gpu0", "900.0"] in [line.split() for line in lines]
+
+
 @pytest.mark.parametrize("argv", [["ctl", "--json", "--url", "http://a:1", "models"],
                                   ["ctl", "models", "--json", "--url", "http://a:1"],
                                   ["ctl", "--url", "http://a:1", "load", "qwen", "--json"],

@@ -120,6 +120,28 @@ def test_pool_state_is_read_at_scrape_time(pool: Pool) -> None:
     assert "llm_pool_backend_kv_cache_usage" not in {s.name for f in families(metrics).values() for s in f.samples}
 
 
+def test_every_per_replica_family_names_the_replicas_host(pool: Pool) -> None:
+    metrics = ProxyMetrics()
+    metrics.watch(pool)
+    runtime = pool.models["s"]
+    runtime.state = ModelState.LOADED
+    for index, host in enumerate(("local", "b")):
+        spec = ProgramSpec(program=f"s-{index}", argv=(), env=(), host="127.0.0.1", port=1 + index,
+                           health_path="/health", models_path=None, served_model="s", start_timeout_s=5,
+                           stopwaitsecs=5)
+        replica = Replica(model="s", index=index, spec=spec, reach=ProgramReach(spec), host=host)
+        runtime.replicas.append(replica)
+        runtime.set_replica_state(replica, ReplicaState.STARTING)
+        runtime.set_replica_state(replica, ReplicaState.READY)
+        replica.reported = {"running": 1.0, "waiting": 0.0, "kv_cache": 0.1}
+    per_replica = {name: f for name, f in families(metrics).items()
+                   if any("replica" in s.labels for s in f.samples)}
+    assert {"llm_pool_replica_ready", "llm_pool_backend_kv_cache_usage"} <= set(per_replica), sorted(per_replica)
+    for name, family in per_replica.items():
+        hosts = {(s.labels["replica"], s.labels.get("host")) for s in family.samples}
+        assert hosts == {("0", "local"), ("1", "b")}, name
+
+
 def test_every_name_the_dashboard_uses_is_exposed(pool: Pool) -> None:
     metrics = ProxyMetrics()
     metrics.watch(pool)

@@ -1,0 +1,235 @@
+"""Several hosts: real supervisords on loopback, each started by `llm-pool node` with its own
+inet_http_server port and password (each a "host"), driven by one `llm-pool serve` (mode hosts)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import xmlrpc.client
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import yaml
+
+from helpers import REPO, Node, ProxyProcess, http, node_pool as pool, sim_model as sim, wait_for
+
+pytestmark = pytest.mark.integration
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[Node]]:
+    started: list[Node] = []
+    yield started
+    for node in started:
+        node.stop()
+
+
+def ask(proxy: ProxyProcess, model: str) -> int:
+    return http("POST", proxy.url + "/v1/chat/completions", body={"model": model, "messages": CHAT,
+                                                                   "max_tokens": 4})[0]
+
+
+def test_the_plugin_refuses_a_wrong_password_and_names_that_are_not_llm_pools(nodes: list[Node]) -> None:
+    node = Node("a", "right-password").start()
+    nodes.append(node)
+    with pytest.raises(xmlrpc.client.ProtocolError) as refused:
+        node.rpc("wrong").llm_pool.listPrograms()
+    assert refused.value.errcode == 401
+    for name in ("../../etc/cron.d/x", "supervisord", "tiny-0123abcd-r0.conf", "x" * 60 + "-0123abcd-r0"):
+        with pytest.raises(xmlrpc.client.Fault) as bad:
+            node.rpc().llm_pool.writeProgram(name, f"[program:{name}]\ncommand=/bin/true\n")
+        assert bad.value.faultCode == 10, name   # BAD_NAME
+    name = "tiny-0123abcd-r0"
+    for text in (f"[program:{name}]\ncommand=/bin/true\nuser=root\n",
+                 f"[program:{name}]\ncommand=/bin/true\n[include]\nfiles=/tmp/*.conf\n",
+                 "[program:other-0123abcd-r0]\ncommand=/bin/true\n",
+                 f"[program:{name}]\ncommand=/bin/true\nstdout_logfile=/tmp/elsewhere.log\n"):
+        with pytest.raises(xmlrpc.client.Fault) as refused_text:
+            node.rpc().llm_pool.writeProgram(name, text)
+        assert refused_text.value.faultCode == 2, text   # INCORRECT_PARAMETERS
+    assert list((node.state / "programs").iterdir()) == []
+    devices = node.rpc().llm_pool.getDevices()
+    assert devices["cpu"]["total_bytes"] > 0
+
+
+def test_a_model_goes_to_the_host_with_room_and_one_that_fits_nowhere_is_refused_with_the_numbers(
+        nodes: list[Node], proxies: list[ProxyProcess], tmp_path: Path) -> None:
+    weights = tmp_path / "w.bin"
+    weights.write_bytes(b"\0" * (30 * 1024 * 1024))   # its estimate: 30 MiB of weights
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"\0" * (80 * 1024 * 1024))
+    nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
+    proxy = pool(nodes, {"fits": sim(model_path=str(weights), pinned=True),
+                         "huge": sim(model_path=str(big), enabled=False)},
+                 budgets={"a": 10, "b": 100})
+    proxies.append(proxy)
+    proxy.start()
+    model = proxy.wait_state("fits", "loaded")
+    assert [r["host"] for r in model["replicas"]] == ["b"]            # a's 10 MiB cannot hold it
+    assert ask(proxy, "fits") == 200
+    assert len(os.listdir(nodes[1].state / "programs")) == 1 and os.listdir(nodes[0].state / "programs") == []
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/huge/load", body={})
+    # a is too small, b holds the pinned `fits`: it fits nowhere, and says so with the numbers.
+    assert status == 409 and body["error"]["code"] == "model_too_large", body
+    assert re.search(r"b:cpu: needs 80\.0 MiB, [\d.]+ MiB free of a budget of 100\.0 MiB", body["error"]["message"]), body
+
+
+def test_two_replicas_on_two_hosts_and_a_host_that_dies_takes_only_its_own(nodes: list[Node],
+                                                                          proxies: list[ProxyProcess]) -> None:
+    nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
+    proxy = pool(nodes, {"m": sim(replicas=2)})
+    proxies.append(proxy)
+    proxy.start()
+    model = proxy.wait_replicas_ready("m", 2)
+    assert sorted(r["host"] for r in model["replicas"]) == ["a", "b"]
+    assert all(ask(proxy, "m") == 200 for _ in range(6))
+    for node in nodes:
+        node.remember()
+    status, _, hosts = http("GET", proxy.url + "/v1/admin/hosts")
+    assert status == 200 and [h["name"] for h in hosts["data"]] == ["a", "b"], hosts
+    assert all(h["answering"] and h["replicas"] == 1 for h in hosts["data"]), hosts
+    shown = subprocess.run([sys.executable, "-m", "proxy.cli", "ctl", "--url", proxy.url, "hosts"], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and [line.split()[0] for line in shown.stdout.splitlines()[1:]] == ["a", "b"], shown
+    assert "pa" not in shown.stdout and "pb" not in proxy.log_path.read_text()   # no password shown or logged
+    # A replica's log comes from its own host's supervisord (the sim writes nothing: a line is added
+    # to each log file on its host, which supervisord reads back).
+    for replica in model["replicas"]:
+        node = {n.name: n for n in nodes}[replica["host"]]
+        with open(node.state / "logs" / f"{replica['program']}.log", "a") as log_file:
+            log_file.write(f"written on host {replica['host']}\n")
+        logs = subprocess.run([sys.executable, "-m", "proxy.cli", "ctl", "--url", proxy.url, "--json", "logs", "m",
+                               "--replica", str(replica["index"])], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert logs.returncode == 0, logs
+        chunk = json.loads(logs.stdout.splitlines()[0])
+        assert chunk["host"] == replica["host"] and chunk["text"] == f"written on host {replica['host']}\n", chunk
+    # gpu-memory has each host's devices, and each node's replicas measured there.
+    status, _, gpu = http("GET", proxy.url + "/v1/admin/gpu-memory")
+    assert status == 200 and set(gpu["hosts"]) == {"a", "b"}, gpu
+    for name in ("a", "b"):
+        host = gpu["hosts"][name]
+        assert host["answering"] and host["cpu"]["total_mib"] > 0, host
+        (measured,) = host["replicas"]
+        assert measured["replica"].startswith("m/r") and measured["measured_mib"]["cpu"] > 0, host
+    # Every per-replica metric names the host.
+    metrics = http("GET", proxy.url + "/metrics")[2].decode()
+    assert re.search(r'llm_pool_replica_ready\{host="a",model="m",replica="\d"\} 1', metrics), metrics
+    assert re.search(r'llm_pool_replica_ready\{host="b",model="m",replica="\d"\} 1', metrics), metrics
+
+    nodes[0].kill()      # host a's supervisord: SIGKILL
+    wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "a"] != ["ready"],
+             what="host a's replica to leave rotation")
+    assert all(ask(proxy, "m") == 200 for _ in range(6))     # b serves them all
+    (b_replica,) = [r for r in proxy.admin_model("m")["replicas"] if r["host"] == "b"]
+    assert b_replica["state"] == "ready"
+    down = {h["name"]: h for h in http("GET", proxy.url + "/v1/admin/hosts")[2]["data"]}
+    assert not down["a"]["answering"] and down["b"]["answering"]
+
+    nodes[0].start()     # the host returns: its replica is started again from its program file
+    model = proxy.wait_replicas_ready("m", 2)
+    assert sorted(r["host"] for r in model["replicas"]) == ["a", "b"]
+    assert [r["pid"] for r in model["replicas"] if r["host"] == "b"] == [b_replica["pid"]]   # b untouched
+    assert all(ask(proxy, "m") == 200 for _ in range(6))
+
+
+def test_a_host_that_stops_answering_and_returns_is_adopted_without_a_restart(nodes: list[Node],
+                                                                              proxies: list[ProxyProcess]) -> None:
+    nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
+    proxy = pool(nodes, {"m": sim(replicas=2)})
+    proxy.config["supervisor"]["rpc_timeout_s"] = 1
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxies.append(proxy)
+    proxy.start()
+    model = proxy.wait_replicas_ready("m", 2)
+    (before,) = [r for r in model["replicas"] if r["host"] == "a"]
+    assert nodes[0].proc is not None
+    os.kill(nodes[0].proc.pid, signal.SIGSTOP)      # a partition: its supervisord does not answer
+    try:
+        wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "a"] != ["ready"],
+                 what="host a's replica to leave rotation")
+        assert ask(proxy, "m") == 200
+    finally:
+        os.kill(nodes[0].proc.pid, signal.SIGCONT)
+    model = proxy.wait_replicas_ready("m", 2)
+    (after,) = [r for r in model["replicas"] if r["host"] == "a"]
+    assert after["pid"] == before["pid"] and after["restarts"] == before["restarts"]
+
+
+def test_a_frozen_host_does_not_hold_up_the_monitoring_of_the_others(nodes: list[Node],
+                                                                      proxies: list[ProxyProcess]) -> None:
+    nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
+    proxy = pool(nodes, {"m": sim(replicas=2)})
+    # Far longer than the test waits: a pass that waits for host a's answer sees nothing in time.
+    proxy.config["supervisor"]["rpc_timeout_s"] = 3600
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxies.append(proxy)
+    proxy.start()
+    model = proxy.wait_replicas_ready("m", 2)
+    (on_b,) = [r for r in model["replicas"] if r["host"] == "b"]
+    assert nodes[0].proc is not None
+    os.kill(nodes[0].proc.pid, signal.SIGSTOP)      # host a's supervisord answers nothing, and refuses nothing
+    try:
+        nodes[1].rpc().supervisor.stopProcess(f"{on_b['program']}:{on_b['program']}")
+        wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "b"] == ["stopped"],
+                 what="host b's stop to be seen while host a is frozen")
+        nodes[1].rpc().supervisor.startProcess(f"{on_b['program']}:{on_b['program']}")
+        wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "b"] == ["ready"],
+                 what="host b's replica back in rotation while host a is frozen")
+    finally:
+        os.kill(nodes[0].proc.pid, signal.SIGCONT)
+
+
+def test_program_files_of_models_no_longer_configured_are_removed_on_every_host(
+        nodes: list[Node], proxies: list[ProxyProcess]) -> None:
+    from launchers import sim as sim_launcher
+    from launchers.spec import program_name, render_replica
+    from proxy.config import load_settings
+
+    nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
+    # A model an earlier configuration placed on host b, running there.
+    proxy = pool(nodes, {"gone": sim(), "kept": sim()})
+    config = load_settings(proxy.config_path).models["gone"]
+    spec = sim_launcher.launch(config, 0, proxy.config["supervisor"]["port_range"][1], 5, {})
+    assert spec.program == program_name("gone", 0)
+    info = nodes[1].rpc().llm_pool.getInfo()
+    nodes[1].rpc().llm_pool.writeProgram(spec.program, render_replica("gone", spec, Path(info["log_dir"])))
+    nodes[1].rpc().supervisor.startProcess(f"{spec.program}:{spec.program}")
+    nodes[1].remember()
+    del proxy.config["engine"]["models"]["gone"]
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxies.append(proxy)
+    proxy.start()
+    proxy.wait_state("kept", "loaded")
+    wait_for(lambda: spec.program not in nodes[1].rpc().llm_pool.listPrograms(), what="b's stale program removed")
+    assert not (nodes[1].state / "programs" / f"{spec.program}.conf").exists()
+    assert all(p["name"] != spec.program for p in nodes[1].rpc().supervisor.getAllProcessInfo())
+    assert "removing " + spec.program + " on host b" in proxy.log_path.read_text()
+
+
+def test_a_node_whose_old_pid_is_now_another_process_starts_and_one_beside_a_running_node_is_refused(
+        nodes: list[Node]) -> None:
+    node = Node("a", "pa")
+    other = subprocess.Popen(["sleep", "300"])     # the old supervisord's PID, taken by another process
+    try:
+        (node.state / "supervisord.pid").write_text(f"{other.pid}\n")
+        nodes.append(node.start())
+    finally:
+        other.kill()
+        other.wait()
+    second = subprocess.run([sys.executable, "-m", "proxy.cli", "node", "--listen", "127.0.0.1:1",
+                             "--state-dir", str(node.state)], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "LLM_POOL_NODE_PASSWORD": "pa"})
+    assert second.returncode == 2 and "already has a running supervisord" in second.stderr, second
+    assert node.rpc().supervisor.getState()["statename"] == "RUNNING"   # the running one is untouched
+    unset = subprocess.run([sys.executable, "-m", "proxy.cli", "node", "--listen", "127.0.0.1:1",
+                            "--state-dir", str(node.state.parent / (node.state.name + "-x"))], cwd=REPO,
+                           capture_output=True, text=True, timeout=60,
+                           env={k: v for k, v in os.environ.items() if k != "LLM_POOL_NODE_PASSWORD"})
+    assert unset.returncode == 2 and "LLM_POOL_NODE_PASSWORD is unset" in unset.stderr, unset
