@@ -209,6 +209,14 @@ class FairScheduler:
             self._idle.pop(key, None)
             self._keys[key] = state
             self._active += 1
+        if not must_wait:
+            # Nobody waits and a place no key holds is free: it starts now, as _dispatch would start
+            # it (taking back its key's held slot, if it has one), without queueing it first. The
+            # common case under light load, and once per request.
+            self._held.pop(key, None)
+            self._where[request] = state
+            self._start_running(state, request, now)
+            return [request]
         state.queue.append(request)
         self._where[request] = state
         self._arrival[request] = next(self._seq)
@@ -297,12 +305,15 @@ class FairScheduler:
                 break
             request = state.queue.popleft()
             del self._arrival[request]
-            state.running[request] = now
-            state.started_sum += now - self._epoch
-            self._running += 1
-            self._changed(state)
+            self._start_running(state, request, now)
             started.append(request)
         return started
+
+    def _start_running(self, state: _Key, request: Hashable, now: float) -> None:
+        state.running[request] = now
+        state.started_sum += now - self._epoch
+        self._running += 1
+        self._changed(state)
 
     def _next_key(self, now: float) -> _Key:
         """The waiting key with the best rank: the best of each group's top."""
