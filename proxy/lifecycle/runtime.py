@@ -249,6 +249,7 @@ class ModelRuntime:
             "replica_max": cfg.replica_max,
             "target_inflight": cfg.target_inflight,
             "capacity": self.admission.capacity,
+            "affinity_waiting": self._waiters.total(),   # each one's place is in capacity too
             "active": self.admission.active,
             "waiting": self.admission.waiting,
             "keys": self.admission.describe_keys(),

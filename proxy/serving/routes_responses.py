@@ -24,7 +24,7 @@ from proxy.lifecycle.runtime import ModelRuntime
 from proxy.serving import response_metrics
 from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_body, servable
-from proxy.serving.forward import label, read_answer, slot, upstream
+from proxy.serving.forward import Slot, label, read_answer, upstream
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STREAM_ERROR
 from proxy.serving.relay import Timeouts, sse_data
@@ -112,7 +112,7 @@ async def _relay(request: web.Request, runtime: ModelRuntime, queued: Any, paylo
     by chunk). A backend failure is raised; the caller's output decides how the client hears it."""
     monitor = request.app[POOL].monitor
     settings = request.app[SETTINGS]
-    async with slot(runtime, queued):
+    async with Slot(runtime, queued):
         timer.mark("admitted")
         timer.mark("sent")
         if cold and timer.enqueued is not None and timer.admitted is not None:

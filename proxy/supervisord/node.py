@@ -28,7 +28,6 @@ The plugin is an attack surface, bounded so:
 from __future__ import annotations
 
 import configparser
-import os
 import re
 import socket
 from pathlib import Path

@@ -76,7 +76,7 @@ def test_a_conversation_stays_on_its_replica_and_its_cache_is_reused(proxy: Prox
     assert mine["affinity_keys"] == 1 and mine["affinity_picks"] == 4
     assert mine["cache_hits"] >= 3 and mine["cache_hit_rate"] >= 0.75
     assert model["routing"] == "affinity"
-    line = f'llm_pool_replica_cached_prompt_tokens_total{{model="aff",replica="{expected}",host="local"}} {float(sum(cached))}'
+    line = f'llm_pool_replica_cached_prompt_tokens_total{{host="local",model="aff",replica="{expected}"}} {float(sum(cached))}'
     assert line in metrics_text(proxy)
 
 
@@ -147,7 +147,7 @@ def test_a_full_replica_spills_to_the_keys_next_replica_and_the_spill_is_counted
     assert asyncio.run(scenario()) == second
     replicas = proxy.admin_model("aff")["replicas"]
     assert replicas[first]["affinity_spills"] == 1 and replicas[first]["affinity_picks"] == 2
-    assert f'llm_pool_replica_affinity_spills_total{{model="aff",replica="{first}",host="local"}} 1.0' in metrics_text(proxy)
+    assert f'llm_pool_replica_affinity_spills_total{{host="local",model="aff",replica="{first}"}} 1.0' in metrics_text(proxy)
 
 
 def test_a_replica_that_leaves_moves_only_its_keys_and_they_come_back_with_it(proxy: ProxyProcess) -> None:

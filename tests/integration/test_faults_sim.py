@@ -268,7 +268,7 @@ def test_a_replica_failing_every_request_is_ejected_but_never_the_last(proxy: Pr
     assert ejected["ejections"] == 1 and ejected["ejected_for_s"] > 0 and "ejected" in ejected["last_error"]
     with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as resp:
         metrics = resp.read().decode()
-    assert re.search(rf'llm_pool_replica_ejections_total\{{model="flaky",replica="{ejected["index"]}",host="local"\}} 1.0', metrics)
+    assert re.search(rf'llm_pool_replica_ejections_total\{{host="local",model="flaky",replica="{ejected["index"]}"\}} 1.0', metrics)
 
 
 # 7. Image URLs; 10. poison bodies.

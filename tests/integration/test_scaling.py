@@ -85,7 +85,9 @@ def scale_under_load(proxy: ProxyProcess, name: str, up: int, report: Callable[[
         status, body, took = scale(proxy, name, up)
         assert status == 200, body
         assert [r["state"] for r in body["replicas"]] == ["ready"] * up and body["replica_count"] == up
-        assert body["capacity"] == up * body["target_inflight"]     # admission follows the READY count
+        # Admission follows the READY count (and lets in one more per request waiting for its
+        # conversation's full replica: it holds no place).
+        assert body["capacity"] == up * body["target_inflight"] + body["affinity_waiting"]
         assert pids(body)[0] == pid0
         report(f"{name}: scale 1->{up} (call to all READY) {took:.2f}s")
         # Each replica is a supervisord program of its own, all named after the model.
@@ -99,7 +101,8 @@ def scale_under_load(proxy: ProxyProcess, name: str, up: int, report: Callable[[
         status, body, took = scale(proxy, name, 1)
         assert status == 200, body
         report(f"{name}: scale {up}->1 (drain and stop) {took:.2f}s")
-        assert pids(body) == [pid0] and body["replica_count"] == 1 and body["capacity"] == body["target_inflight"]
+        assert pids(body) == [pid0] and body["replica_count"] == 1
+        assert body["capacity"] == body["target_inflight"] + body["affinity_waiting"]
         before = load.answered()
         wait_for(lambda: load.answered() >= before + 3, what="answers after the scale down")
     assert load.failures == [], load.failures[:3]
