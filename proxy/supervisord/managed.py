@@ -23,15 +23,10 @@ from proxy.atomic_file import write_atomic
 START_TIMEOUT_S = 15.0
 
 
-def supervisord_conf(settings: Settings) -> str:
-    state = settings.service.state_dir
-    return "\n".join([
-        "; written by llm-pool serve; rewritten on every start",
-        "[unix_http_server]",
-        f"file={settings.socket_path}",
-        # Only this user may drive supervisord: it can start arbitrary programs.
-        "chmod=0700",
-        "",
+def supervisord_sections(state: Path) -> list[str]:
+    """supervisord's own sections for a state folder (its logs, PID file and folder there) and its
+    standard RPC interface: the same for `serve`'s managed supervisord and `llm-pool node`'s."""
+    return [
         "[supervisord]",
         f"logfile={state / 'logs' / 'supervisord.log'}",
         "logfile_maxbytes=10MB",
@@ -43,6 +38,19 @@ def supervisord_conf(settings: Settings) -> str:
         "[rpcinterface:supervisor]",
         "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
         "",
+    ]
+
+
+def supervisord_conf(settings: Settings) -> str:
+    state = settings.service.state_dir
+    return "\n".join([
+        "; written by llm-pool serve; rewritten on every start",
+        "[unix_http_server]",
+        f"file={settings.socket_path}",
+        # Only this user may drive supervisord: it can start arbitrary programs.
+        "chmod=0700",
+        "",
+        *supervisord_sections(state),
         "[supervisorctl]",
         f"serverurl=unix://{settings.socket_path}",
         "",

@@ -19,7 +19,7 @@ import proxy
 from proxy.atomic_file import write_atomic
 from proxy.config import DEFAULT_NODE_USERNAME
 from proxy.supervisord.environment import PASSED, PASSED_PREFIXES
-from proxy.supervisord.managed import running_supervisord
+from proxy.supervisord.managed import running_supervisord, supervisord_sections
 from proxy.supervisord.orphans import stop_orphans
 
 PASSWORD_ENV = "LLM_POOL_NODE_PASSWORD"
@@ -53,17 +53,7 @@ def node_conf(listen: str, state_dir: Path, username: str, password: str) -> str
         # supervisord compares the SHA-1 of what a client sends: the password itself is not stored.
         f"password={{SHA}}{digest}",
         "",
-        "[supervisord]",
-        f"logfile={state / 'logs' / 'supervisord.log'}",
-        "logfile_maxbytes=10MB",
-        "logfile_backups=3",
-        f"pidfile={state / 'supervisord.pid'}",
-        f"childlogdir={state / 'logs'}",
-        f"directory={state}",
-        "",
-        "[rpcinterface:supervisor]",
-        "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
-        "",
+        *supervisord_sections(state),
         "[rpcinterface:llm_pool]",
         "supervisor.rpcinterface_factory = proxy.supervisord.node:make_rpcinterface",
         f"programs_dir={state / 'programs'}",
