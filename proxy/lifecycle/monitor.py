@@ -27,7 +27,7 @@ from proxy.config import Settings
 from proxy.lifecycle.engine_metrics import read_gauges
 from proxy.lifecycle.health import (HealthPolicy, ReadyChecks, note_exit, note_failure, note_success,
                                     state_after_check)
-from proxy.lifecycle.programs import Programs, process_key
+from proxy.lifecycle.programs import Programs, live, process_key
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.lifecycle.warmup import warm_up
@@ -208,7 +208,7 @@ class Monitor:
         probes it back to READY. One that is gone (the host's supervisord was restarted) is started
         again from its program file, which the node kept."""
         replica.host_lost = False
-        if info is not None and info.pid and info.pid == replica.pid and live_state(info):
+        if info is not None and info.pid and info.pid == replica.pid and live(info):
             log.info("model %s replica %d: host %s is back, adopting pid %d", runtime.name, replica.index,
                      replica.host, info.pid)
             return
@@ -463,7 +463,3 @@ def process_gone(replica: Replica) -> bool:
     except OSError:
         return False   # no /proc: alive, as far as can be told
     return stat.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"])
-
-
-def live_state(info: ProcessInfo) -> bool:
-    return info.state in (ProcessState.RUNNING, ProcessState.STARTING)

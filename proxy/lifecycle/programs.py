@@ -148,11 +148,13 @@ class Programs:
         found = await asyncio.gather(*(h.texts(self.settings.supervisor.programs_dir) for h in hosts))
         return {h.name: t for h, t in zip(hosts, found)}
 
-    async def replica_texts(self, name: str) -> dict[int, tuple[str, str]]:
-        """Model `name`'s program files on every host: (host, text) by replica index."""
+    async def replica_texts(self, name: str, texts: Mapping[str, Mapping[str, str]] | None = None
+                            ) -> dict[int, tuple[str, str]]:
+        """Model `name`'s program files on every host: (host, text) by replica index. `texts`: what
+        `texts()` just read, so that no host is asked twice."""
         out: dict[int, tuple[str, str]] = {}
-        for host, texts in (await self.texts()).items():
-            for stem, text in texts.items():
+        for host, by_name in (texts if texts is not None else await self.texts()).items():
+            for stem, text in by_name.items():
                 index = replica_index(name, stem)
                 if index is not None:
                     out[index] = (host, text)
@@ -202,7 +204,7 @@ class Programs:
         taken over as it is."""
         await self.snapshot()
         all_texts = await self.texts()
-        existing = await self.replica_texts(config.name)
+        existing = await self.replica_texts(config.name, all_texts)
         previous: dict[str, int] = {}
         for _host, text in existing.values():
             previous.update(ports_in_file(text))
@@ -255,13 +257,13 @@ class Programs:
         return added
 
     def _assign_ports(self, config: ModelConfig, launcher: Launcher, previous: dict[str, int],
-                      texts: Mapping[str, Mapping[str, str]] | None = None) -> list[int]:
+                      texts: Mapping[str, Mapping[str, str]]) -> list[int]:
         """Stable ports: the fixed port if configured, else the one this replica had, else the
         first free one in the range. Ports of other models' programs and ports in use are skipped."""
         fixed = config.get(launcher.PORT_FIELD)
         if fixed:
             return [int(fixed) + i for i in range(config.replicas)]
-        taken = self._ports_of_other_groups(config.name, texts or {})
+        taken = self._ports_of_other_groups(config.name, texts)
         lo, hi = self.settings.supervisor.port_range
         ports: list[int] = []
         candidates = iter(range(lo, hi + 1))
@@ -281,16 +283,13 @@ class Programs:
         return ports
 
     def _ports_of_other_groups(self, name: str, texts: Mapping[str, Mapping[str, str]]) -> set[int]:
-        # Ports are kept apart across hosts too: hosts on one machine (tests, benchmarks) share its ports.
+        """`texts`: every answering host's program files (texts()), this machine's folder included.
+        Ports are kept apart across hosts too: hosts on one machine (tests, benchmarks) share its ports."""
         taken: set[int] = set()
-        for path in self.settings.supervisor.programs_dir.glob("*.conf"):
-            if replica_index(name, path.stem) is None:
-                taken.update(ports_in_file(path.read_text()).values())
-        for host, by_name in texts.items():
-            if host != LOCAL_HOST:
-                for stem, text in by_name.items():
-                    if replica_index(name, stem) is None:
-                        taken.update(ports_in_file(text).values())
+        for by_name in texts.values():
+            for stem, text in by_name.items():
+                if replica_index(name, stem) is None:
+                    taken.update(ports_in_file(text).values())
         for runtime in self.runtimes.values():
             if runtime.name != name:
                 taken.update(r.spec.port for r in runtime.replicas if r.spec is not None)
@@ -304,12 +303,10 @@ class Programs:
         programs.update((host, program_name(name, index)) for index, (host, _) in files.items())
         await self.remove(sorted(programs))
 
-    async def remove(self, programs: list[tuple[str, str]] | list[str]) -> None:
-        """Stop these replica programs (each `(host, program)`, or a local program's name) together,
-        remove each one's group and file. A file is removed only once its program is gone, so that a
-        failed stop is retried."""
-        pairs = [(LOCAL_HOST, p) if isinstance(p, str) else p for p in programs]
-        pairs = [(h, p) for h, p in pairs if h in self.hosts]
+    async def remove(self, programs: list[tuple[str, str]]) -> None:
+        """Stop these replica programs (each `(host, program)`) together, remove each one's group and
+        file. A file is removed only once its program is gone, so that a failed stop is retried."""
+        pairs = [(h, p) for h, p in programs if h in self.hosts]
         results = await asyncio.gather(*(self.remove_group(p, h) for h, p in pairs), return_exceptions=True)
         removed = False
         for n, ((host, program), result) in enumerate(zip(pairs, results)):
@@ -342,7 +339,7 @@ class Programs:
         deadline = time.monotonic() + self.settings.supervisor.stopwaitsecs + self.stop_grace_s
         client = self.hosts[host].client
         while True:
-            processes = {**(await self.snapshot(only=host))}
+            processes = await self.snapshot(only=host)
             members = [i for k, i in processes.items() if i.group == group and k == process_key(host, i.fullname)]
             if not members:
                 return   # never added, or removed by someone else
