@@ -327,10 +327,12 @@ class Node:
                 os.kill(pid, signal.SIGKILL)
 
 
-def node_pool(nodes: list["Node"], models: dict[str, Any], budgets: dict[str, float] | None = None) -> ProxyProcess:
-    """One `llm-pool serve` in mode hosts over these nodes (each password in its own variable)."""
+def node_pool(nodes: list["Node"], models: dict[str, Any], budgets: dict[str, float] | None = None,
+              **supervisor: Any) -> ProxyProcess:
+    """One `llm-pool serve` in mode hosts over these nodes (each password in its own variable);
+    `supervisor`: more of its supervisor settings (rpc_timeout_s, say)."""
     proxy = ProxyProcess(models)
-    proxy.config["supervisor"].update(mode="hosts", hosts={
+    proxy.config["supervisor"].update(supervisor, mode="hosts", hosts={
         n.name: {"url": n.url, "password_env": f"NODE_{n.name.upper()}_PASSWORD",
                  **({"cpu_budget_mib": budgets[n.name]} if budgets and n.name in budgets else {})} for n in nodes})
     proxy.config_path.write_text(yaml.safe_dump(proxy.config))

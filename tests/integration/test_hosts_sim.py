@@ -142,9 +142,7 @@ def test_two_replicas_on_two_hosts_and_a_host_that_dies_takes_only_its_own(nodes
 def test_a_host_that_stops_answering_and_returns_is_adopted_without_a_restart(nodes: list[Node],
                                                                               proxies: list[ProxyProcess]) -> None:
     nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
-    proxy = pool(nodes, {"m": sim(replicas=2)})
-    proxy.config["supervisor"]["rpc_timeout_s"] = 1
-    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxy = pool(nodes, {"m": sim(replicas=2)}, rpc_timeout_s=1)
     proxies.append(proxy)
     proxy.start()
     model = proxy.wait_replicas_ready("m", 2)
@@ -165,10 +163,8 @@ def test_a_host_that_stops_answering_and_returns_is_adopted_without_a_restart(no
 def test_a_frozen_host_does_not_hold_up_the_monitoring_of_the_others(nodes: list[Node],
                                                                       proxies: list[ProxyProcess]) -> None:
     nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
-    proxy = pool(nodes, {"m": sim(replicas=2)})
     # Far longer than the test waits: a pass that waits for host a's answer sees nothing in time.
-    proxy.config["supervisor"]["rpc_timeout_s"] = 3600
-    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxy = pool(nodes, {"m": sim(replicas=2)}, rpc_timeout_s=3600)
     proxies.append(proxy)
     proxy.start()
     model = proxy.wait_replicas_ready("m", 2)
