@@ -403,6 +403,13 @@ def _unknown_key(path: list[Any], key: str, known: Any) -> str:
     return f"{_json_path(path + [key])}: unknown field, ignored{did_you_mean(key, known)}"
 
 
+def model_properties() -> dict[str, Any]:
+    """conf/schema.json's rule for each field of a model definition (load overrides are checked,
+    shown and documented by these)."""
+    properties: dict[str, Any] = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))["$defs"]["model"]["properties"]
+    return properties
+
+
 def schema_findings(doc: Mapping[str, Any], origins: Origins | None = None) -> tuple[list[str], list[str]]:
     """(errors, warnings): errors break a rule and stop the start; warnings are unknown keys. Without
     `origins`, messages say no file."""
@@ -590,8 +597,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
 
 def override_problems(model: ModelConfig, overrides: Mapping[str, Any], allowed: tuple[str, ...]) -> list[str]:
     """Problems with temporary load overrides: only the backend's live knobs, each valid per the schema."""
-    schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
-    properties = schema["$defs"]["model"]["properties"]
+    properties = model_properties()
     problems = []
     for key, value in overrides.items():
         if key not in allowed:

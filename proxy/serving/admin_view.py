@@ -8,13 +8,12 @@ validation of `POST .../load` (proxy.config.override_problems) can never disagre
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 from launchers import launcher_for
-from proxy.config import SCHEMA_PATH, ModelConfig
+from proxy.config import ModelConfig
 
 # Field names whose values are secrets: *_api_key, *token* as a word (so `max_tokens` is not one),
 # passwords and secrets. Matched on whole `_`-separated words.
@@ -28,13 +27,6 @@ CONSTRAINT_KEYWORDS = ("enum", "minimum", "maximum", "exclusiveMinimum", "exclus
 # Shown at the top level of `definition`, with the field naming the model the backend serves (its
 # traits' model_field); every other configured field goes under `fields`.
 DEFINITION_FIELDS = ("model_path", "prompt_format", "description")
-
-
-def model_schema() -> dict[str, Any]:
-    """The schema's properties of one model definition."""
-    schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
-    properties: dict[str, Any] = schema["$defs"]["model"]["properties"]
-    return properties
 
 
 def load_constraints(model: ModelConfig, properties: Mapping[str, Any], loadable: bool) -> dict[str, Any]:

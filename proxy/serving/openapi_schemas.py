@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from launchers import LAUNCHERS
-from proxy.config import SCHEMA_PATH
+from proxy.config import model_properties
 from proxy.errors import CODES
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.serving.body import ITEMS, REQUIRED
@@ -74,8 +74,7 @@ def load_request() -> dict[str, Any]:
     """POST .../load: each backend's temporary overrides (its launcher's LOAD_OVERRIDES), with the
     rule the config schema gives each field. Which apply depends on the model's backend: a model's
     own list, with its configured values, is its `load_constraints` in GET /v1/admin/models."""
-    config = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
-    fields = config["$defs"]["model"]["properties"]
+    fields = model_properties()
     by_backend = {backend: list(launcher.LOAD_OVERRIDES) for backend, launcher in sorted(LAUNCHERS.items())}
     names = sorted({n for ns in by_backend.values() for n in ns})
     return {

@@ -10,8 +10,8 @@ from typing import Any
 from aiohttp import web
 
 from launchers import launcher_for
-from proxy.serving.admin_view import admin_row, model_schema
-from proxy.config import LOCAL_HOST, override_problems, replicas_problem
+from proxy.serving.admin_view import admin_row
+from proxy.config import LOCAL_HOST, model_properties, override_problems, replicas_problem
 from proxy.errors import BadRequest, Conflict, Unauthorized, Unavailable
 from proxy.serving.body import read_json
 from proxy.lifecycle.pool import Pool
@@ -41,7 +41,7 @@ def _authorize(request: web.Request) -> None:
 async def admin_models(request: web.Request) -> web.Response:
     _authorize(request)
     pool = request.app[POOL]
-    properties = model_schema()
+    properties = model_properties()
     rows = [admin_row(pool.describe(rt), rt.config, properties, pool.environ, loadable=rt.kind is not None,
                       model_field=rt.traits.model_field) for rt in pool.models.values()]
     return web.json_response({"object": "list", "data": rows,

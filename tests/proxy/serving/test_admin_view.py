@@ -9,8 +9,8 @@ import yaml
 
 from launchers import llama_server, sim
 from proxy.lifecycle.kinds import traits_for
-from proxy.serving.admin_view import REDACTED, definition, load_constraints, model_schema
-from proxy.config import SCHEMA_PATH, ModelConfig, load_settings
+from proxy.serving.admin_view import REDACTED, definition, load_constraints
+from proxy.config import SCHEMA_PATH, ModelConfig, load_settings, model_properties
 
 
 def configured(tmp_path: Path, **models: dict[str, Any]) -> dict[str, ModelConfig]:
@@ -22,7 +22,7 @@ def configured(tmp_path: Path, **models: dict[str, Any]) -> dict[str, ModelConfi
 def test_load_constraints_list_every_live_override_with_the_schema_rule(tmp_path: Path) -> None:
     model = configured(tmp_path, m={"backend": "llama_server", "model_path": "/m.gguf", "llama_server_n_ctx": 4096,
                                     "replicas": 1, "replica_max": 3})["m"]
-    constraints = load_constraints(model, model_schema(), True)
+    constraints = load_constraints(model, model_properties(), True)
     assert list(constraints["overrides"]) == list(llama_server.LOAD_OVERRIDES)
     n_max = constraints["overrides"]["llama_server_spec_draft_n_max"]
     assert (n_max["type"], n_max["nullable"], n_max["minimum"], n_max["maximum"]) == (["integer"], True, 1, 6)
@@ -39,15 +39,15 @@ def test_constraints_follow_the_schema_file_not_a_copy(tmp_path: Path, monkeypat
     schema["$defs"]["model"]["properties"]["llama_server_spec_draft_n_max"]["maximum"] = 9
     edited = tmp_path / "schema.json"
     edited.write_text(json.dumps(schema))
-    monkeypatch.setattr("proxy.serving.admin_view.SCHEMA_PATH", edited)
+    monkeypatch.setattr("proxy.config.SCHEMA_PATH", edited)
     model = ModelConfig(name="m", backend="llama_server", enabled=False, replicas=1, replica_max=1,
                         target_inflight=1, modalities=("text",), gpus=(), options={})
-    assert load_constraints(model, model_schema(), True)["overrides"]["llama_server_spec_draft_n_max"]["maximum"] == 9
+    assert load_constraints(model, model_properties(), True)["overrides"]["llama_server_spec_draft_n_max"]["maximum"] == 9
 
 
 def test_an_object_override_carries_its_properties(tmp_path: Path) -> None:
     model = configured(tmp_path, s={"backend": "sim"})["s"]
-    overrides = load_constraints(model, model_schema(), True)["overrides"]
+    overrides = load_constraints(model, model_properties(), True)["overrides"]
     assert list(overrides) == list(sim.LOAD_OVERRIDES)
     assert overrides["sim"]["type"] == ["object"] and "max_seqs" in overrides["sim"]["properties"]
 
@@ -55,7 +55,7 @@ def test_an_object_override_carries_its_properties(tmp_path: Path) -> None:
 def test_a_backend_this_version_cannot_run_offers_no_overrides(tmp_path: Path, monkeypatch) -> None:
     model = configured(tmp_path, x={"backend": "exllamav3", "model_path": "/x"})["x"]
     monkeypatch.setattr("proxy.serving.admin_view.launcher_for", lambda backend: None)
-    assert load_constraints(model, model_schema(), False) == {
+    assert load_constraints(model, model_properties(), False) == {
         "loadable": False, "overrides": {},
         "replicas": {"type": ["integer"], "minimum": 1, "maximum": 1, "configured": 1}}
 
@@ -93,7 +93,7 @@ def test_definition_shows_metadata_and_redacts_secrets(tmp_path: Path) -> None:
 
 def test_every_launchers_overrides_have_a_schema_rule() -> None:
     from launchers import LAUNCHERS
-    properties = model_schema()
+    properties = model_properties()
     for backend, launcher in LAUNCHERS.items():
         for name in getattr(launcher, "LOAD_OVERRIDES", ()):
             assert name in properties, f"{backend}: LOAD_OVERRIDES names {name}, which the schema does not define"
