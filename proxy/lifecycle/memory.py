@@ -79,24 +79,23 @@ class Memory:
         return Placement(devices, f"{why}; gpus: {list(config.gpus)}" if config.gpus else f"{why}; GPU 0")
 
     def budgets(self) -> dict[str, int]:
-        """Bytes per limited device; a device left out does not limit loads."""
-        budgets = {}
-        if self.lifecycle.cpu_budget_mib is not None:
-            budgets[CPU] = int(self.lifecycle.cpu_budget_mib * MIB)
-        if self.lifecycle.gpu_headroom_mib is not None:
-            headroom = int(self.lifecycle.gpu_headroom_mib * MIB)
-            budgets.update({d: max(0, total - headroom) for d, total in self.gpus.totals.items()})
+        """Bytes per limited device (host-qualified); a device left out does not limit loads."""
+        budgets = self._host_budgets(LOCAL_HOST, self.lifecycle.cpu_budget_mib)
         for name, host in self.hosts.items():
             if host.local or host.down_since is not None or not host.devices:
                 continue   # a host that does not answer takes no loads
             cpu_mib = host.settings.cpu_budget_mib if host.settings and host.settings.cpu_budget_mib is not None \
                 else self.lifecycle.cpu_budget_mib
-            if cpu_mib is not None:
-                budgets[qualify(name, CPU)] = int(cpu_mib * MIB)
-            if self.lifecycle.gpu_headroom_mib is not None:
-                headroom = int(self.lifecycle.gpu_headroom_mib * MIB)
-                budgets.update({qualify(name, d): max(0, total - headroom)
-                                for d, total in self.host_gpus(name).totals.items()})
+            budgets.update(self._host_budgets(name, cpu_mib))
+        return budgets
+
+    def _host_budgets(self, host: str, cpu_mib: float | None) -> dict[str, int]:
+        """One host's: its CPU budget, and each of its GPUs less gpu_headroom_mib."""
+        budgets = {qualify(host, CPU): int(cpu_mib * MIB)} if cpu_mib is not None else {}
+        if self.lifecycle.gpu_headroom_mib is not None:
+            headroom = int(self.lifecycle.gpu_headroom_mib * MIB)
+            budgets.update({qualify(host, d): max(0, total - headroom)
+                            for d, total in self.host_gpus(host).totals.items()})
         return budgets
 
     def need_on(self, config: ModelConfig, hosts: tuple[str, ...]) -> dict[str, int]:
