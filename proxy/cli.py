@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 
 from launchers import launcher_for
 from proxy import ctl
-from proxy.config import ConfigError, Settings, load_settings
+from proxy.config import DEFAULT_NODE_USERNAME, ConfigError, Settings, load_settings
 from proxy.lifecycle.kinds import kinds_for
 from proxy.lifecycle.memory import memory_warnings
 from proxy.lifecycle.programs import ProgramKind
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(password from $LLM_POOL_NODE_PASSWORD)")
     node.add_argument("--listen", required=True, help="HOST:PORT of its inet_http_server (a private address)")
     node.add_argument("--state-dir", required=True, help="folder for its config, programs and logs")
-    node.add_argument("--username", default="llm-pool", help="the username the proxy logs in with")
+    node.add_argument("--username", default=DEFAULT_NODE_USERNAME, help="the username the proxy logs in with")
     node.set_defaults(func=cmd_node)
     ctl.add_parser(sub)
     for p in (serve, check, setup):
