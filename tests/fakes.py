@@ -17,10 +17,12 @@ from proxy.supervisord.supervisor import BadName, NotRunning, ProcessInfo, Proce
 
 
 class FakeSupervisor:
-    """FAKE supervisord driver: records the calls the pool makes and answers from a process table."""
+    """FAKE supervisord driver: records the calls the pool makes and answers from a process table;
+    a start spawns the program as supervisord does, under the next PID from `next_pid`."""
 
     def __init__(self) -> None:
         self.processes: dict[str, ProcessInfo] = {}
+        self.next_pid = 300
         self.calls: list[tuple[str, str]] = []
         self.log = "llama-server: error: model file is corrupt"
 
@@ -41,6 +43,13 @@ class FakeSupervisor:
 
     async def start_process(self, fullname: str) -> None:
         self.calls.append(("start", fullname))
+        self.set(fullname, ProcessState.STARTING, self.next_pid)
+        self.next_pid += 1
+
+    async def process_info(self, fullname: str) -> ProcessInfo:
+        if fullname not in self.processes:
+            raise BadName(fullname)
+        return self.processes[fullname]
 
 
 class FakeManagedSupervisord:

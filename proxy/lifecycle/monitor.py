@@ -27,7 +27,7 @@ from proxy.config import Settings
 from proxy.lifecycle.engine_metrics import read_gauges
 from proxy.lifecycle.health import (HealthPolicy, ReadyChecks, note_exit, note_failure, note_success,
                                     state_after_check)
-from proxy.lifecycle.programs import Programs, live, process_key
+from proxy.lifecycle.programs import Programs, live, process_key, start_replica
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.lifecycle.warmup import warm_up
@@ -225,7 +225,7 @@ class Monitor:
             runtime.set_replica_state(replica, ReplicaState.STARTING, f"host {replica.host} came back")
         if info.state not in (ProcessState.STARTING, ProcessState.RUNNING):
             try:
-                await self.programs.hosts[replica.host].client.start_process(replica.fullname)
+                await start_replica(self.programs.hosts[replica.host].client, replica)
             except SupervisorError as exc:
                 runtime.set_replica_state(replica, ReplicaState.FAILED, f"not started again on host "
                                                                         f"{replica.host}: {exc}")
@@ -283,7 +283,7 @@ class Monitor:
         self.revivals += 1
         for runtime, replica in again:
             try:
-                await self.supervisor.start_process(replica.fullname)
+                await start_replica(self.supervisor, replica)
             except SupervisorError as exc:
                 runtime.set_replica_state(replica, ReplicaState.FAILED, f"not started again after supervisord "
                                                                         f"died: {exc}")

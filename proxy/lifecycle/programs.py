@@ -46,6 +46,17 @@ def process_key(host: str, fullname: str) -> str:
     return fullname if host == LOCAL_HOST else f"{host}/{fullname}"
 
 
+async def start_replica(client: SupervisorClient, replica: Replica) -> None:
+    """Start a replica's program and take its PID at once. supervisord has spawned the process
+    when startProcess returns, and a quick server passes its health check (READY) before the
+    monitor's next poll would read the PID: the admin view showed a READY replica with none, and
+    a supervisord killed in between left that process unrecorded."""
+    await client.start_process(replica.fullname)
+    info = await client.process_info(replica.fullname)
+    if info.pid:
+        replica.pid, replica.alive = info.pid, True
+
+
 class Programs:
     """The supervisord programs of every model's replicas, and the last look at supervisord's table."""
 
@@ -252,7 +263,7 @@ class Programs:
             if self.hosts[replica.host].local:
                 await client.add_process_group(spec.program)
             runtime.set_replica_state(replica, ReplicaState.STARTING)
-            await client.start_process(replica.fullname)
+            await start_replica(client, replica)
         self.wake()
         return added
 

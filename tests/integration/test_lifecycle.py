@@ -174,7 +174,10 @@ def test_a_supervisord_killed_under_a_running_proxy_is_started_again_with_its_re
     proxy = start(proxies, {"sim": sim_model(), "pair": sim_model(replicas=2, replica_max=2)})
     proxy.wait_state("sim", "loaded")
     proxy.wait_replicas_ready("pair", 2)
-    before = _program_pids(proxy, "sim", "pair")
+    # A replica serves from its first passed health check, which may come before the monitor has
+    # read its PID from supervisord (null till then): a null there would pass for "a new one" below.
+    before = wait_for(lambda: (lambda pids: pids if all(pids.values()) else None)(_program_pids(proxy, "sim", "pair")),
+                      what="the PIDs of the 3 replicas")
     supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
     os.kill(supervisord, signal.SIGKILL)
 
@@ -182,7 +185,8 @@ def test_a_supervisord_killed_under_a_running_proxy_is_started_again_with_its_re
         models = [proxy.admin_model(m) for m in ("sim", "pair")]
         ready = all(r["state"] == "ready" for m in models for r in m["replicas"])
         after = _program_pids(proxy, "sim", "pair")
-        return after if ready and len(after) == 3 and not set(after.values()) & set(before.values()) else None
+        new = all(after.values()) and not set(after.values()) & set(before.values())
+        return after if ready and len(after) == 3 and new else None
 
     after = wait_for(started_again, what="the replicas running again under a new supervisord")
     assert int((proxy.state_dir / "supervisord.pid").read_text()) != supervisord

@@ -216,7 +216,7 @@ async def test_a_dead_managed_supervisord_is_started_again_with_the_replicas_tha
     await pool.monitor._not_answering(SupervisorUnavailable("supervisord did not answer"))
     assert managed.started == 1 and pool.monitor.supervisord_status()["restarts"] == 1
     assert replica.state == ReplicaState.STARTING and "supervisord died" in replica.last_error
-    assert replica.describe()["pid"] is None and replica.restarts == 1
+    assert replica.describe()["pid"] == 300 and replica.restarts == 1     # its new process's, read at its start
     assert runtime.admission.capacity == 0 and stopped.state == ReplicaState.STOPPED
     assert fake.calls == [("start", "g:r0")]
     # Its new process is no crash of the old one, and is judged like any start.
