@@ -92,28 +92,32 @@ class Admission:
         return max((now - t[2] for t, fut in self._granted.items()
                     if not fut.done() and isinstance(t, tuple) and len(t) == 3), default=0.0)
 
-    def enqueue(self, key: str = ANONYMOUS) -> tuple[Hashable, "asyncio.Future[None]"]:
-        """Join the queue now: raises at once (429) if it may not wait. Then `wait` for the slot."""
+    def enqueue(self, key: str = ANONYMOUS) -> tuple[Hashable, "asyncio.Future[None] | None"]:
+        """Join the queue now: raises at once (429) if it may not wait. Then `wait` for the slot.
+        A request granted its slot as it joins (the common case) gets no future: there is nothing
+        to wait for."""
         if self._closed is not None:
             raise self._closed
         ticket = (key, next(self._ids), time.monotonic())
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._granted[ticket] = fut
         try:
-            self._start(self.scheduler.submit(ticket, key))
+            started = self.scheduler.submit(ticket, key)
         except QueueFull as full:
-            del self._granted[ticket]
             raise TooManyRequests(str(full), code=full.code, retry_after=full.retry_after) from None
         self.last_used = time.time()
-        if not fut.done() and self.on_queued is not None:
+        if ticket in started:
+            if len(started) > 1:
+                self._start(t for t in started if t is not ticket)
+            return ticket, None
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._granted[ticket] = fut
+        self._start(started)
+        if self.on_queued is not None:
             self.on_queued()
         return ticket, fut
 
-    async def wait(self, queued: tuple[Hashable, "asyncio.Future[None]"]) -> Hashable:
+    async def wait(self, queued: tuple[Hashable, "asyncio.Future[None] | None"]) -> Hashable:
         ticket, fut = queued
-        if fut.done() and not fut.cancelled() and fut.exception() is None:
-            # Granted as it was queued, the common case: awaiting it could not yield, so neither a
-            # timeout nor a cancellation could land; no timer and no shield to build and tear down.
+        if fut is None:
             return ticket
         try:
             # shield: the timeout must not cancel the future itself, so that a slot granted in the
@@ -136,7 +140,7 @@ class Admission:
             raise
         return ticket
 
-    def abandon(self, queued: tuple[Hashable, "asyncio.Future[None]"]) -> None:
+    def abandon(self, queued: tuple[Hashable, "asyncio.Future[None] | None"]) -> None:
         """Give up a place from `enqueue` without waiting for it (the request ended first)."""
         ticket, _fut = queued
         self._granted.pop(ticket, None)

@@ -173,7 +173,12 @@ class ProxyProcess:
             model = self.admin_model(name)
             n = sum(1 for r in model["replicas"] if r["state"] == "ready")
             return model if model["state"] == "loaded" and n == count else None
-        return wait_for(ready, timeout, what=f"{count} ready replica(s) of {name}")
+        try:
+            return wait_for(ready, timeout, what=f"{count} ready replica(s) of {name}")
+        except AssertionError as exc:
+            # What each replica was doing instead is what a failure here needs to be understood.
+            replicas = [(r["index"], r["state"], r.get("last_error")) for r in self.admin_model(name)["replicas"]]
+            raise AssertionError(f"{exc}; replicas (index, state, last error): {replicas}") from None
 
     def supervisorctl(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.supervisord_conf),

@@ -6,7 +6,7 @@ this machine (`ProgramReach`, here) or a remote provider (proxy/lifecycle/remote
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
+from typing import Any, Awaitable, Protocol
 
 import aiohttp
 
@@ -28,11 +28,12 @@ class Reach(Protocol):
 
     def url(self, path: str) -> str: ...
 
-    async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
-                   timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> aiohttp.ClientResponse:
-        """Send one OpenAI request. A refused or reset connection propagates (the replica died since
-        it was picked); anything a kind handles itself becomes a PoolError. `raw`: the client's own
-        bytes of `payload`, which a kind may send as they are where it would not change a thing."""
+    def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
+             timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> Awaitable[aiohttp.ClientResponse]:
+        """Send one OpenAI request (an `async def`, or a plain one that returns what to await). A
+        refused or reset connection propagates (the replica died since it was picked); anything a
+        kind handles itself becomes a PoolError. `raw`: the client's own bytes of `payload`, which a
+        kind may send as they are where it would not change a thing."""
         ...
 
     def describe(self) -> dict[str, object]: ...
@@ -54,8 +55,10 @@ class ProgramReach:
     def url(self, path: str) -> str:
         return self.base_url + path
 
-    async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
-                   timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> aiohttp.ClientResponse:
+    def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
+             timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> Awaitable[aiohttp.ClientResponse]:
+        # A plain function that returns aiohttp's request to await, not a coroutine that awaits it:
+        # the request's task resumes through every coroutine layer around the send.
         if raw is not None and payload.get("model") == self.served_model and \
                 not any(k in payload for k in NOT_FOR_PROGRAMS):
             # Nothing to rewrite: the client's bytes go as they came, not decoded and encoded again.
@@ -74,7 +77,7 @@ class ProgramReach:
             # that keeps its connections (uvicorn, aiohttp: vLLM and the shims) keeps them: a new
             # connection per stream was a measurable share of the proxy's CPU per stream.
             headers["Connection"] = "close"
-        return await http.post(self.url(path), data=body, timeout=timeout, headers=headers)
+        return http.post(self.url(path), data=body, timeout=timeout, headers=headers)
 
     def describe(self) -> dict[str, object]:
         return {}

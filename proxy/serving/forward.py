@@ -8,7 +8,8 @@ import logging
 import os
 import time
 import weakref
-from typing import Any, AsyncIterator, Hashable
+from types import TracebackType
+from typing import Any, Hashable
 
 import aiohttp
 from aiohttp import web
@@ -24,7 +25,7 @@ from proxy.lifecycle.runtime import ModelRuntime
 from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STARTED,
                                 STREAM_ERROR)
 from proxy.serving.metrics import usage_in
-from proxy.serving.relay import Timeouts, backend_error, chunks, read_capped, within
+from proxy.serving.relay import Deadline, Timeouts, backend_error, chunks, read_capped
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class Slot:
     __slots__ = ("admission", "queued", "ticket")
     ticket: Hashable
 
-    def __init__(self, runtime: ModelRuntime, queued: tuple[Hashable, "asyncio.Future[None]"]) -> None:
+    def __init__(self, runtime: ModelRuntime, queued: tuple[Hashable, "asyncio.Future[None] | None"]) -> None:
         self.admission = runtime.admission
         self.queued = queued
 
@@ -111,13 +112,9 @@ def label(replica: Replica) -> str:
     return f"replica {replica.index} of {replica.model!r}"
 
 
-@contextlib.asynccontextmanager
-async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
-                   payload: dict[str, Any], request_id: str, timeouts: Timeouts,
-                   affinity: str | None = None,
-                   raw: bytes | None = None) -> AsyncIterator[tuple[Replica, aiohttp.ClientResponse]]:
+class upstream:
     """POST `payload` to a READY replica that has room (the least loaded, or the one its `affinity`
-    key belongs to: ModelRuntime.pick_replica) and yield its response once its headers arrive
+    key belongs to: ModelRuntime.pick_replica) and give its response once its headers arrive
     (within first_byte_timeout_s, else 504 `backend_timeout`). `raw`: the client's bytes of
     `payload`, for a replica's reach to send as they are when it changes nothing.
 
@@ -132,83 +129,113 @@ async def upstream(monitor: Monitor, http: aiohttp.ClientSession, runtime: Model
     take its replica out of rotation by itself: it counts toward ejection, and the health check
     decides. Leaving the block closes the response, which ends the backend's work on it if it is
     still generating.
+
+    A class, not an asynccontextmanager: it runs once per request, and a generator-based one
+    costs several times as much to enter and leave.
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeouts.first_byte_s
-    failed_over = False   # a request goes to a second replica once at most (below)
-    # How long it may wait for its key's own replica while that one is full (affinity_max_wait_s).
-    patience = loop.time() + runtime.max_wait_s()
-    wait = Wait()
 
-    def pick() -> Replica | None:
-        wait.patient = loop.time() < patience
-        return runtime.pick_replica(affinity, wait)
+    __slots__ = ("monitor", "http", "runtime", "path", "payload", "request_id", "timeouts", "affinity", "raw",
+                 "replica", "resp", "send")
 
-    for _attempt in range(len(runtime.replicas) + 1):
-        try:
-            replica = pick()
-            while replica is None and runtime.ready() and loop.time() < deadline:
-                # Every READY replica already has target_inflight requests (one left READY with its
-                # requests still running there), or the key's own one has and is worth waiting for:
-                # wait for a place rather than overload one; a wait for the key's replica ends at
-                # `patience`, and the request then spills.
-                until = min(deadline, patience) if wait.patient else deadline
-                await runtime.wait_changed(max(0.0, until - loop.time()))
-                replica = pick()
-        finally:
-            runtime.stop_waiting(wait)   # it took a replica, timed out, or the client left
-        if replica is None:
-            break
-        replica.inflight += 1
-        replica.sent += 1
-        send = _Send()
-        try:
+    def __init__(self, monitor: Monitor, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
+                 payload: dict[str, Any], request_id: str, timeouts: Timeouts, affinity: str | None = None,
+                 raw: bytes | None = None) -> None:
+        self.monitor, self.http, self.runtime, self.path = monitor, http, runtime, path
+        self.payload, self.request_id, self.timeouts = payload, request_id, timeouts
+        self.affinity, self.raw = affinity, raw
+
+    async def __aenter__(self) -> tuple[Replica, aiohttp.ClientResponse]:
+        monitor, runtime, timeouts, affinity = self.monitor, self.runtime, self.timeouts, self.affinity
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeouts.first_byte_s
+        failed_over = False   # a request goes to a second replica once at most (below)
+        # How long it may wait for its key's own replica while that one is full (affinity_max_wait_s).
+        patience = loop.time() + runtime.max_wait_s()
+        wait = Wait()
+
+        def pick() -> Replica | None:
+            wait.patient = loop.time() < patience
+            return runtime.pick_replica(affinity, wait)
+
+        for _attempt in range(len(runtime.replicas) + 1):
             try:
-                resp = await within(_post(send, http, replica, path, payload, request_id, raw),
-                                    max(0.0, deadline - loop.time()))
-            except aiohttp.ClientConnectorError as exc:
-                monitor.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
-                if send.second is None:
-                    continue
-                # Refused on a new connection just after a reused one was dropped: the replica went
-                # away with this request on the wire, perhaps because of it. Only a process that is
-                # gone gives it to another replica, once, as below; a live one that stopped
-                # listening does not, so that a request that kills replicas cannot take them all down.
-                if not failed_over and process_gone(replica):
+                replica = pick()
+                while replica is None and runtime.ready() and loop.time() < deadline:
+                    # Every READY replica already has target_inflight requests (one left READY with its
+                    # requests still running there), or the key's own one has and is worth waiting for:
+                    # wait for a place rather than overload one; a wait for the key's replica ends at
+                    # `patience`, and the request then spills.
+                    until = min(deadline, patience) if wait.patient else deadline
+                    await runtime.wait_changed(max(0.0, until - loop.time()))
+                    replica = pick()
+            finally:
+                runtime.stop_waiting(wait)   # it took a replica, timed out, or the client left
+            if replica is None:
+                break
+            replica.inflight += 1
+            replica.sent += 1
+            send = _Send()
+            taken = False
+            try:
+                try:
+                    with Deadline(max(0.0, deadline - loop.time())):
+                        resp = await _post(send, self.http, replica, self.path, self.payload, self.request_id,
+                                           self.raw)
+                except aiohttp.ClientConnectorError as exc:
+                    monitor.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
+                    if send.second is None:
+                        continue
+                    # Refused on a new connection just after a reused one was dropped: the replica went
+                    # away with this request on the wire, perhaps because of it. Only a process that is
+                    # gone gives it to another replica, once, as below; a live one that stopped
+                    # listening does not, so that a request that kills replicas cannot take them all down.
+                    if not failed_over and process_gone(replica):
+                        failed_over = True
+                        continue
+                    raise BackendError(f"{label(replica)} dropped the request: {type(exc).__name__}") from exc
+                except asyncio.TimeoutError:
+                    monitor.report_outcome(replica, "no answer within first_byte_timeout_s")
+                    raise BackendTimeout(f"{label(replica)} sent no answer within {timeouts.first_byte_s:g}s "
+                                         "(first_byte_timeout_s)") from None
+                except (aiohttp.ClientError, OSError) as exc:
+                    if not failed_over and process_gone(replica):
+                        # Its process died with the request before any answer: nothing ran it to an
+                        # end, so another replica may. Out of rotation until its health check passes.
+                        monitor.report_connection_failure(replica, f"its process exited ({type(exc).__name__})")
+                        failed_over = True
+                        continue
+                    monitor.report_outcome(replica, f"dropped the request: {type(exc).__name__}")
+                    raise BackendError(f"{label(replica)} dropped the request: {type(exc).__name__}") from exc
+                if resp.status == 503 and replica.spec is not None and not failed_over and \
+                        any(r is not replica for r in runtime.ready()):
+                    # A server of ours that is not serving (a restarted llama-server loading its
+                    # model, a shim shutting down) did not take the request: another replica does,
+                    # and this one stays out of rotation until its health check passes.
+                    resp.close()
+                    monitor.report_connection_failure(replica, "answered 503 (not serving)")
                     failed_over = True
                     continue
-                raise BackendError(f"{label(replica)} dropped the request: {type(exc).__name__}") from exc
-            except asyncio.TimeoutError:
-                monitor.report_outcome(replica, "no answer within first_byte_timeout_s")
-                raise BackendTimeout(f"{label(replica)} sent no answer within {timeouts.first_byte_s:g}s "
-                                     "(first_byte_timeout_s)") from None
-            except (aiohttp.ClientError, OSError) as exc:
-                if not failed_over and process_gone(replica):
-                    # Its process died with the request before any answer: nothing ran it to an
-                    # end, so another replica may. Out of rotation until its health check passes.
-                    monitor.report_connection_failure(replica, f"its process exited ({type(exc).__name__})")
-                    failed_over = True
-                    continue
-                monitor.report_outcome(replica, f"dropped the request: {type(exc).__name__}")
-                raise BackendError(f"{label(replica)} dropped the request: {type(exc).__name__}") from exc
-            if resp.status == 503 and replica.spec is not None and not failed_over and \
-                    any(r is not replica for r in runtime.ready()):
-                # A server of ours that is not serving (a restarted llama-server loading its
-                # model, a shim shutting down) did not take the request: another replica does,
-                # and this one stays out of rotation until its health check passes.
-                resp.close()
-                monitor.report_connection_failure(replica, "answered 503 (not serving)")
-                failed_over = True
-                continue
-            async with resp:
-                yield replica, resp
-            return
+                self.replica, self.resp, self.send = replica, resp, send
+                taken = True
+                return replica, resp
+            finally:
+                if not taken:
+                    await self._done(replica, send)
+        raise Unavailable(f"model {runtime.name!r} has no healthy replica right now", code="model_unavailable",
+                          retry_after=2)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        # Closing the response (its own __aexit__) ends the backend's work on it if it is still generating.
+        try:
+            await self.resp.__aexit__(exc_type, exc, tb)
         finally:
-            runtime.release(replica)
-            if send.second is not None:
-                await send.second.close()
-    raise Unavailable(f"model {runtime.name!r} has no healthy replica right now", code="model_unavailable",
-                      retry_after=2)
+            await self._done(self.replica, self.send)
+
+    async def _done(self, replica: Replica, send: _Send) -> None:
+        self.runtime.release(replica)
+        if send.second is not None:
+            await send.second.close()
 
 
 async def _post(send: _Send, http: aiohttp.ClientSession, replica: Replica, path: str, payload: dict[str, Any],

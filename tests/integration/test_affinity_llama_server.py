@@ -53,7 +53,9 @@ def metrics_text(proxy: ProxyProcess) -> str:
 
 @pytest.fixture
 def proxy(start_proxy, llama_model) -> ProxyProcess:
-    p: ProxyProcess = start_proxy({"aff": llama_model(replicas=3, replica_max=3),
+    # affinity_max_wait_s 0: a request whose replica is full spills at once. With the default (1s)
+    # it waits for a place there, and a held stream (ended by its slot's context) may give it one.
+    p: ProxyProcess = start_proxy({"aff": llama_model(replicas=3, replica_max=3, affinity_max_wait_s=0),
                                    "ll": llama_model(replicas=2, routing="least_loaded")})
     p.wait_replicas_ready("aff", 3, timeout=120)
     p.wait_replicas_ready("ll", 2, timeout=120)
