@@ -49,8 +49,8 @@ def process_key(host: str, fullname: str) -> str:
 async def start_replica(client: SupervisorClient, replica: Replica) -> None:
     """Start a replica's program and take its PID at once. supervisord has spawned the process
     when startProcess returns, and a quick server passes its health check (READY) before the
-    monitor's next poll would read the PID: the admin view showed a READY replica with none, and
-    a supervisord killed in between left that process unrecorded."""
+    monitor's next poll would read the PID: the admin view showed a READY replica with none. (The
+    PID record for orphans is still written from the monitor's polls.)"""
     await client.start_process(replica.fullname)
     info = await client.process_info(replica.fullname)
     if info.pid:

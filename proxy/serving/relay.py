@@ -89,8 +89,9 @@ class Deadline:
         if not self.fired:
             return
         # Its own cancellation is taken back; only when no other was asked for meanwhile (the
-        # client left too) is what it interrupted a timeout. One that came as the wait ended is
-        # taken back as well: the wait was in time.
+        # client left too) is what it interrupted a timeout. Once fired, the cancellation lands at
+        # the await inside the block even if what it awaited had just completed (the task was
+        # suspended there): such a wait counts as timed out, as with asyncio.timeout.
         if self.task.uncancel() <= self.cancelling and exc_type is asyncio.CancelledError:
             raise TimeoutError from exc
 
