@@ -174,8 +174,8 @@ def test_a_supervisord_killed_under_a_running_proxy_is_started_again_with_its_re
     proxy = start(proxies, {"sim": sim_model(), "pair": sim_model(replicas=2, replica_max=2)})
     proxy.wait_state("sim", "loaded")
     proxy.wait_replicas_ready("pair", 2)
-    # A replica serves from its first passed health check, which may come before the monitor has
-    # read its PID from supervisord (null till then): a null there would pass for "a new one" below.
+    # A replica can serve (pass its health check) before its PID is known; its start reads it
+    # (programs.start_replica), and this wait makes sure: a null would pass for "a new one" below.
     before = wait_for(lambda: (lambda pids: pids if all(pids.values()) else None)(_program_pids(proxy, "sim", "pair")),
                       what="the PIDs of the 3 replicas")
     supervisord = int((proxy.state_dir / "supervisord.pid").read_text())
