@@ -10,7 +10,7 @@ import subprocess
 import sys
 import xmlrpc.client
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import yaml
@@ -33,6 +33,24 @@ def nodes() -> Iterator[list[Node]]:
 def ask(proxy: ProxyProcess, model: str) -> int:
     return http("POST", proxy.url + "/v1/chat/completions", body={"model": model, "messages": CHAT,
                                                                    "max_tokens": 4})[0]
+
+
+def two_hosts(nodes: list[Node], proxies: list[ProxyProcess], **supervisor: Any) -> tuple[ProxyProcess, dict[str, Any]]:
+    """Hosts a and b, and a proxy over them serving `m` with two replicas, both READY (its admin view)."""
+    nodes.extend([Node("a", "pa").start(), Node("b", "pb").start()])
+    proxy = pool(nodes, {"m": sim(replicas=2)}, **supervisor)
+    proxies.append(proxy)
+    proxy.start()
+    return proxy, proxy.wait_replicas_ready("m", 2)
+
+
+def on(host: str, replicas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in replicas if r["host"] == host]
+
+
+def states_on(proxy: ProxyProcess, host: str) -> list[str]:
+    """The states of model m's replicas on `host`."""
+    return [r["state"] for r in on(host, proxy.admin_model("m")["replicas"])]
 
 
 def test_the_plugin_refuses_a_wrong_password_and_names_that_are_not_llm_pools(nodes: list[Node]) -> None:
@@ -82,11 +100,7 @@ def test_a_model_goes_to_the_host_with_room_and_one_that_fits_nowhere_is_refused
 
 def test_two_replicas_on_two_hosts_and_a_host_that_dies_takes_only_its_own(nodes: list[Node],
                                                                           proxies: list[ProxyProcess]) -> None:
-    nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
-    proxy = pool(nodes, {"m": sim(replicas=2)})
-    proxies.append(proxy)
-    proxy.start()
-    model = proxy.wait_replicas_ready("m", 2)
+    proxy, model = two_hosts(nodes, proxies)
     assert sorted(r["host"] for r in model["replicas"]) == ["a", "b"]
     assert all(ask(proxy, "m") == 200 for _ in range(6))
     for node in nodes:
@@ -124,10 +138,10 @@ def test_two_replicas_on_two_hosts_and_a_host_that_dies_takes_only_its_own(nodes
     assert re.search(r'llm_pool_replica_ready\{host="b",model="m",replica="\d"\} 1', metrics), metrics
 
     nodes[0].kill()      # host a's supervisord: SIGKILL
-    wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "a"] != ["ready"],
+    wait_for(lambda: states_on(proxy, "a") != ["ready"],
              what="host a's replica to leave rotation")
     assert all(ask(proxy, "m") == 200 for _ in range(6))     # b serves them all
-    (b_replica,) = [r for r in proxy.admin_model("m")["replicas"] if r["host"] == "b"]
+    (b_replica,) = on("b", proxy.admin_model("m")["replicas"])
     assert b_replica["state"] == "ready"
     down = {h["name"]: h for h in http("GET", proxy.url + "/v1/admin/hosts")[2]["data"]}
     assert not down["a"]["answering"] and down["b"]["answering"]
@@ -135,48 +149,40 @@ def test_two_replicas_on_two_hosts_and_a_host_that_dies_takes_only_its_own(nodes
     nodes[0].start()     # the host returns: its replica is started again from its program file
     model = proxy.wait_replicas_ready("m", 2)
     assert sorted(r["host"] for r in model["replicas"]) == ["a", "b"]
-    assert [r["pid"] for r in model["replicas"] if r["host"] == "b"] == [b_replica["pid"]]   # b untouched
+    assert [r["pid"] for r in on("b", model["replicas"])] == [b_replica["pid"]]   # b untouched
     assert all(ask(proxy, "m") == 200 for _ in range(6))
 
 
 def test_a_host_that_stops_answering_and_returns_is_adopted_without_a_restart(nodes: list[Node],
                                                                               proxies: list[ProxyProcess]) -> None:
-    nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
-    proxy = pool(nodes, {"m": sim(replicas=2)}, rpc_timeout_s=1)
-    proxies.append(proxy)
-    proxy.start()
-    model = proxy.wait_replicas_ready("m", 2)
-    (before,) = [r for r in model["replicas"] if r["host"] == "a"]
+    proxy, model = two_hosts(nodes, proxies, rpc_timeout_s=1)
+    (before,) = on("a", model["replicas"])
     assert nodes[0].proc is not None
     os.kill(nodes[0].proc.pid, signal.SIGSTOP)      # a partition: its supervisord does not answer
     try:
-        wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "a"] != ["ready"],
+        wait_for(lambda: states_on(proxy, "a") != ["ready"],
                  what="host a's replica to leave rotation")
         assert ask(proxy, "m") == 200
     finally:
         os.kill(nodes[0].proc.pid, signal.SIGCONT)
     model = proxy.wait_replicas_ready("m", 2)
-    (after,) = [r for r in model["replicas"] if r["host"] == "a"]
+    (after,) = on("a", model["replicas"])
     assert after["pid"] == before["pid"] and after["restarts"] == before["restarts"]
 
 
 def test_a_frozen_host_does_not_hold_up_the_monitoring_of_the_others(nodes: list[Node],
                                                                       proxies: list[ProxyProcess]) -> None:
-    nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
     # Far longer than the test waits: a pass that waits for host a's answer sees nothing in time.
-    proxy = pool(nodes, {"m": sim(replicas=2)}, rpc_timeout_s=3600)
-    proxies.append(proxy)
-    proxy.start()
-    model = proxy.wait_replicas_ready("m", 2)
-    (on_b,) = [r for r in model["replicas"] if r["host"] == "b"]
+    proxy, model = two_hosts(nodes, proxies, rpc_timeout_s=3600)
+    (on_b,) = on("b", model["replicas"])
     assert nodes[0].proc is not None
     os.kill(nodes[0].proc.pid, signal.SIGSTOP)      # host a's supervisord answers nothing, and refuses nothing
     try:
         nodes[1].rpc().supervisor.stopProcess(f"{on_b['program']}:{on_b['program']}")
-        wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "b"] == ["stopped"],
+        wait_for(lambda: states_on(proxy, "b") == ["stopped"],
                  what="host b's stop to be seen while host a is frozen")
         nodes[1].rpc().supervisor.startProcess(f"{on_b['program']}:{on_b['program']}")
-        wait_for(lambda: [r["state"] for r in proxy.admin_model("m")["replicas"] if r["host"] == "b"] == ["ready"],
+        wait_for(lambda: states_on(proxy, "b") == ["ready"],
                  what="host b's replica back in rotation while host a is frozen")
     finally:
         os.kill(nodes[0].proc.pid, signal.SIGCONT)
