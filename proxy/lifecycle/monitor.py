@@ -33,6 +33,7 @@ from proxy.lifecycle.runtime import ModelRuntime
 from proxy.lifecycle.warmup import warm_up
 from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.supervisor import ProcessInfo, ProcessState, SupervisorClient, SupervisorError
+from proxy.lifecycle.upstream_http import UpstreamHttp
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class SupervisordDown:
 class Monitor:
     """One per pool; the event loop is its only writer, like the pool's."""
 
-    def __init__(self, settings: Settings, supervisor: SupervisorClient, http: aiohttp.ClientSession,
+    def __init__(self, settings: Settings, supervisor: SupervisorClient, http: UpstreamHttp,
                  models: Mapping[str, ModelRuntime], programs: Programs,
                  managed: ManagedSupervisord | None = None) -> None:
         self.settings = settings
@@ -425,7 +426,7 @@ class Monitor:
             pass
 
 
-async def probe(http: aiohttp.ClientSession, spec: ProgramSpec | None,
+async def probe(http: UpstreamHttp, spec: ProgramSpec | None,
                 timeout_s: float = PROBE_TIMEOUT_S) -> tuple[bool, str | None]:
     """Healthy when the health path answers 200 and the server serves the expected model. An
     endpoint (no spec) has nothing to probe between requests: its requests are its health check."""

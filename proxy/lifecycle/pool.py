@@ -17,7 +17,6 @@ import os
 import time
 from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
-import aiohttp
 
 from launchers.spec import replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
@@ -42,13 +41,14 @@ from proxy.supervisord.hosts import build_hosts
 from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.orphans import PidRecord
 from proxy.supervisord.supervisor import SupervisorClient, SupervisorError
+from proxy.lifecycle.upstream_http import UpstreamHttp
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class Pool:
-    def __init__(self, settings: Settings, supervisor: SupervisorClient, http: aiohttp.ClientSession,
+    def __init__(self, settings: Settings, supervisor: SupervisorClient, http: UpstreamHttp,
                  environ: Mapping[str, str] | None = None, pid_record: PidRecord | None = None,
                  managed: ManagedSupervisord | None = None, nvml_loader: Callable[[], Any] = load_nvml) -> None:
         self.settings = settings

@@ -11,6 +11,7 @@ from typing import Any, Awaitable, Protocol
 import aiohttp
 
 from launchers.spec import ProgramSpec
+from proxy.lifecycle.upstream_http import Answer, UpstreamHttp
 
 # Fields only llm-pool reads; a backend must never see them (the fairness key least of all).
 # Every kind's reach strips them, so this is the one list.
@@ -28,8 +29,8 @@ class Reach(Protocol):
 
     def url(self, path: str) -> str: ...
 
-    def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
-             timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> Awaitable[aiohttp.ClientResponse]:
+    def post(self, http: UpstreamHttp, path: str, payload: dict[str, Any], request_id: str,
+             timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> Awaitable[Answer]:
         """Send one OpenAI request (an `async def`, or a plain one that returns what to await). A
         refused or reset connection propagates (the replica died since it was picked); anything a
         kind handles itself becomes a PoolError. `raw`: the client's own bytes of `payload`, which a
@@ -55,9 +56,9 @@ class ProgramReach:
     def url(self, path: str) -> str:
         return self.base_url + path
 
-    def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
-             timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> Awaitable[aiohttp.ClientResponse]:
-        # A plain function that returns aiohttp's request to await, not a coroutine that awaits it:
+    def post(self, http: UpstreamHttp, path: str, payload: dict[str, Any], request_id: str,
+             timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> Awaitable[Answer]:
+        # A plain function that returns the client's request to await, not a coroutine that awaits it:
         # the request's task resumes through every coroutine layer around the send.
         if raw is not None and payload.get("model") == self.served_model and \
                 not any(k in payload for k in NOT_FOR_PROGRAMS):

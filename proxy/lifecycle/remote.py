@@ -23,6 +23,7 @@ from proxy.capabilities import Traits
 from proxy.errors import BackendError, Forbidden, PoolError, TooManyRequests
 from proxy.lifecycle.reach import PROXY_ONLY_FIELDS
 from proxy.lifecycle.replicas import Replica, ReplicaState
+from proxy.lifecycle.upstream_http import Answer, UpstreamHttp
 
 if TYPE_CHECKING:
     from proxy.config import ModelConfig
@@ -150,8 +151,8 @@ class RemoteReach:
         return BackendError(f"remote provider of {self.model!r} rejected {what}: {message}",
                             code="backend_error", status=status)
 
-    async def post(self, http: aiohttp.ClientSession, path: str, payload: dict[str, Any], request_id: str,
-                   timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> aiohttp.ClientResponse:
+    async def post(self, http: UpstreamHttp, path: str, payload: dict[str, Any], request_id: str,
+                   timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> Answer:
         """Map, resolve files, send; retry connection errors, 429 and 5xx within remote_timeout_s.
         (`raw` is not used: a provider's request always differs from the client's, in `model` at least.)
 
@@ -167,8 +168,8 @@ class RemoteReach:
                 return await self._send(http, path, body, stream)
         return await self._send(http, path, body, stream)
 
-    async def _send(self, http: aiohttp.ClientSession, path: str, body: dict[str, Any],
-                    stream: bool) -> aiohttp.ClientResponse:
+    async def _send(self, http: UpstreamHttp, path: str, body: dict[str, Any],
+                    stream: bool) -> Answer:
         data = json.dumps(body).encode()
         deadline = time.monotonic() + self.timeout_s
         for attempt in range(self.max_retries + 1):
@@ -211,7 +212,7 @@ def why_unreachable(exc: aiohttp.ClientError) -> str:
     return type(exc).__name__
 
 
-async def _read_and_close(resp: aiohttp.ClientResponse) -> bytes:
+async def _read_and_close(resp: Answer) -> bytes:
     try:
         return await resp.read()
     except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -223,7 +224,7 @@ async def _read_and_close(resp: aiohttp.ClientResponse) -> bytes:
 class EndpointKind:
     """`openai_remote` models: one endpoint replica per configured replica, no program."""
 
-    def __init__(self, http: aiohttp.ClientSession | None, environ: Mapping[str, str]) -> None:
+    def __init__(self, http: UpstreamHttp | None, environ: Mapping[str, str]) -> None:
         # http None: for checks only (check-config); a start needs the session.
         self.http = http
         self.environ = environ

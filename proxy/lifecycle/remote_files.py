@@ -19,6 +19,7 @@ from urllib.parse import quote
 import aiohttp
 
 from proxy.errors import BackendError, BadRequest
+from proxy.lifecycle.upstream_http import UpstreamHttp
 
 if TYPE_CHECKING:
     from proxy.lifecycle.remote import RemoteReach
@@ -31,7 +32,7 @@ def _has_file(content: Any) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def extracted(http: aiohttp.ClientSession, reach: RemoteReach,
+async def extracted(http: UpstreamHttp, reach: RemoteReach,
                     body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     """`body` with each file item replaced by a system message holding the provider's extraction,
     placed just before the message that carried it; the uploads are deleted on leaving."""
@@ -56,7 +57,7 @@ async def extracted(http: aiohttp.ClientSession, reach: RemoteReach,
             await asyncio.shield(_delete_all(http, reach, uploaded))
 
 
-async def _extract(http: aiohttp.ClientSession, reach: RemoteReach, item: dict[str, Any],
+async def _extract(http: UpstreamHttp, reach: RemoteReach, item: dict[str, Any],
                    uploaded: list[str]) -> str:
     file = item.get("file")
     if not isinstance(file, dict):
@@ -77,8 +78,8 @@ async def _extract(http: aiohttp.ClientSession, reach: RemoteReach, item: dict[s
     form.add_field("file", data, filename=name, content_type=head[5:].split(";")[0] or "application/octet-stream")
     timeout = aiohttp.ClientTimeout(total=reach.timeout_s)
     try:
-        async with http.post(reach.url("/v1/files"), data=form, headers=reach.headers(json_body=False),
-                             timeout=timeout) as resp:
+        async with await http.post(reach.url("/v1/files"), data=form, headers=reach.headers(json_body=False),
+                                   timeout=timeout) as resp:
             raw = await resp.read()
             if resp.status // 100 != 2:
                 raise reach.error(resp.status, raw, resp.headers, f"the upload of {name!r}")
@@ -98,7 +99,7 @@ async def _extract(http: aiohttp.ClientSession, reach: RemoteReach, item: dict[s
                            "without a file id") from None
 
 
-async def _delete_all(http: aiohttp.ClientSession, reach: RemoteReach, ids: list[str]) -> None:
+async def _delete_all(http: UpstreamHttp, reach: RemoteReach, ids: list[str]) -> None:
     for file_id in ids:
         try:
             async with http.delete(reach.url(f"/v1/files/{quote(file_id, safe='')}"),

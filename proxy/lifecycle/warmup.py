@@ -15,6 +15,7 @@ import uuid
 import aiohttp
 
 from proxy.lifecycle.replicas import Replica
+from proxy.lifecycle.upstream_http import UpstreamHttp
 
 CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": False})
 COMPLETION = ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stream": False})
@@ -22,7 +23,7 @@ COMPLETION = ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stream": Fal
 NOT_SERVED = (400, 404, 405, 422, 501)
 
 
-async def warm_up(http: aiohttp.ClientSession, replica: Replica, timeout_s: float) -> tuple[float | None, str | None]:
+async def warm_up(http: UpstreamHttp, replica: Replica, timeout_s: float) -> tuple[float | None, str | None]:
     """(seconds it took, None) once a generation succeeded; (None, why) when it did not."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     started = time.perf_counter()

@@ -3,25 +3,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import os
 import time
-import weakref
 from types import TracebackType
 from typing import Any, Hashable
 
 import aiohttp
 from aiohttp import web
-from aiohttp.client_proto import ResponseHandler
-from aiohttp.connector import Connection
-from aiohttp.tracing import Trace
 
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable, sse_error_event
 from proxy.lifecycle.affinity import Wait
 from proxy.lifecycle.monitor import Monitor, process_gone
 from proxy.lifecycle.replicas import ModelState, Replica
 from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.upstream_http import SENDING, Answer, NotingConnector, Send, UpstreamHttp
 from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STARTED,
                                 STREAM_ERROR)
 from proxy.serving.metrics import usage_in
@@ -38,51 +34,12 @@ UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)
 CLOSED_UNDER_US = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionResetError)
 
 
-class _Send:
-    """One request's way to a replica: whether aiohttp put it on a pooled (reused) connection, and
-    the session of its second send, if it needed one."""
-
-    def __init__(self) -> None:
-        self.reused = False
-        self.second: aiohttp.ClientSession | None = None
-
-
-# The request being sent in this task. A context variable, because a replica's Reach builds the
-# request itself: aiohttp asks the connector for a connection in the sending task, so what
-# _NotingConnector notes is its own.
-_SEND: contextvars.ContextVar[_Send] = contextvars.ContextVar("upstream_send")
-
-
-class _NotingConnector(aiohttp.TCPConnector):
-    """The pool's connector, noting for the request being sent whether its connection is one it
-    handed out before (reused) or a new one. It replaces a TraceConfig, which made aiohttp build and
-    send a dozen trace events per request, a measurable share of the hop's CPU, for this one fact.
-    A connection's protocol object lives as long as the connection, so it tells the two apart."""
-
-    def __init__(self) -> None:
-        super().__init__(limit=0, limit_per_host=0)
-        self._handed: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
-
-    async def connect(self, req: aiohttp.ClientRequest, traces: list[Trace],
-                      timeout: aiohttp.ClientTimeout) -> Connection:
-        send = _SEND.get(None)
-        if send is not None:
-            send.reused = False   # what counts is the request that failed (a Reach may send several)
-        conn = await super().connect(req, traces, timeout)
-        protocol = conn.protocol
-        # Every connection is noted, a probe's or a scrape's too: a request may reuse it next.
-        if protocol is not None and protocol not in self._handed:
-            self._handed.add(protocol)
-        elif send is not None and protocol is not None:
-            send.reused = True
-        return conn
-
-
-def upstream_session() -> aiohttp.ClientSession:
-    """The app's one pooled session for every upstream call. No per-connection limit, since
-    admission already bounds how many requests a replica gets. It notes which sends went out on a
-    reused connection: the one failure upstream() sends again."""
-    return aiohttp.ClientSession(connector=_NotingConnector())
+def upstream_session() -> UpstreamHttp:
+    """The app's one client for every upstream call: its own keep-alive connections for the sends
+    to replicas, an aiohttp session for the rest. No per-connection limit, since admission
+    already bounds how many requests a replica gets. Both note which sends went out on a reused
+    connection: the one failure upstream() sends again."""
+    return UpstreamHttp(aiohttp.ClientSession(connector=NotingConnector()))
 
 
 class Slot:
@@ -137,14 +94,14 @@ class upstream:
     __slots__ = ("monitor", "http", "runtime", "path", "payload", "request_id", "timeouts", "affinity", "raw",
                  "replica", "resp", "send")
 
-    def __init__(self, monitor: Monitor, http: aiohttp.ClientSession, runtime: ModelRuntime, path: str,
+    def __init__(self, monitor: Monitor, http: UpstreamHttp, runtime: ModelRuntime, path: str,
                  payload: dict[str, Any], request_id: str, timeouts: Timeouts, affinity: str | None = None,
                  raw: bytes | None = None) -> None:
         self.monitor, self.http, self.runtime, self.path = monitor, http, runtime, path
         self.payload, self.request_id, self.timeouts = payload, request_id, timeouts
         self.affinity, self.raw = affinity, raw
 
-    async def __aenter__(self) -> tuple[Replica, aiohttp.ClientResponse]:
+    async def __aenter__(self) -> tuple[Replica, Answer]:
         monitor, runtime, timeouts, affinity = self.monitor, self.runtime, self.timeouts, self.affinity
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeouts.first_byte_s
@@ -174,7 +131,7 @@ class upstream:
                 break
             replica.inflight += 1
             replica.sent += 1
-            send = _Send()
+            send = Send()
             taken = False
             try:
                 try:
@@ -232,23 +189,23 @@ class upstream:
         finally:
             await self._done(self.replica, self.send)
 
-    async def _done(self, replica: Replica, send: _Send) -> None:
+    async def _done(self, replica: Replica, send: Send) -> None:
         self.runtime.release(replica)
         if send.second is not None:
             await send.second.close()
 
 
-async def _post(send: _Send, http: aiohttp.ClientSession, replica: Replica, path: str, payload: dict[str, Any],
-                request_id: str, raw: bytes | None) -> aiohttp.ClientResponse:
+async def _post(send: Send, http: UpstreamHttp, replica: Replica, path: str, payload: dict[str, Any],
+                request_id: str, raw: bytes | None) -> Answer:
     """Send to the replica; if that failed on a reused connection before any answer, once more on a
     new one. A server closes a kept-alive connection at its keep-alive timeout and (the pinned
     llama-server, measured) after every streamed answer; a pool can hand out such a connection
     before its close arrives, and a request written to it never reached the server. The second send
-    gets a session of its own (`send.second`, closed by the caller), whose connector never pools:
+    gets a client of its own (`send.second`, closed by the caller), which never pools:
     only that is sure to open a new connection, and it is needed this rarely. A failure there is
     what it is (upstream() decides)."""
     assert replica.reach is not None
-    token = _SEND.set(send)
+    token = SENDING.set(send)
     try:
         return await replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT, raw)
     except CLOSED_UNDER_US as exc:
@@ -257,8 +214,8 @@ async def _post(send: _Send, http: aiohttp.ClientSession, replica: Replica, path
         log.info("%s: a reused connection was closed under the request (%s); sending it again on a new one",
                  label(replica), type(exc).__name__)
     finally:
-        _SEND.reset(token)
-    send.second = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        SENDING.reset(token)
+    send.second = UpstreamHttp.one_off()
     return await replica.reach.post(send.second, path, payload, request_id, UPSTREAM_TIMEOUT, raw)
 
 
@@ -282,7 +239,7 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
             return await _relay(request, monitor, replica, resp, request_id, timeouts)
 
 
-async def read_answer(monitor: Monitor, replica: Replica, resp: aiohttp.ClientResponse, timeouts: Timeouts,
+async def read_answer(monitor: Monitor, replica: Replica, resp: Answer, timeouts: Timeouts,
                       limit: int) -> bytes:
     """A non-streamed answer, whole, within service.max_response_bytes; a backend error (5xx, or an
     answer that is not JSON) is raised as an OpenAI error and counted against the replica."""
@@ -303,7 +260,7 @@ async def read_answer(monitor: Monitor, replica: Replica, resp: aiohttp.ClientRe
     return raw
 
 
-async def _relay(request: web.Request, monitor: Monitor, replica: Replica, upstream: aiohttp.ClientResponse,
+async def _relay(request: web.Request, monitor: Monitor, replica: Replica, upstream: Answer,
                  request_id: str, timeouts: Timeouts) -> web.StreamResponse:
     content_type = upstream.headers.get("Content-Type", "application/json")
     metrics = request.app[METRICS]

@@ -1,7 +1,6 @@
 """Typed keys for what the aiohttp app holds."""
 from __future__ import annotations
 
-import aiohttp
 from aiohttp import web
 
 from proxy.config import Settings
@@ -9,10 +8,11 @@ from proxy.serving.metrics import ProxyMetrics
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.replicas import Replica
 from proxy.gpu.vram_estimate import Estimator
+from proxy.lifecycle.upstream_http import UpstreamHttp
 
 SETTINGS = web.AppKey("settings", Settings)
 POOL = web.AppKey("pool", Pool)
-HTTP = web.AppKey("http", aiohttp.ClientSession)
+HTTP = web.AppKey("http", UpstreamHttp)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 VRAM = web.AppKey("vram_estimator", Estimator)
 # The model a request was admitted for, set once it is known to be a served model (so metric

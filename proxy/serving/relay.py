@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, AsyncIterator
 
-import aiohttp
 
 from proxy.config import ModelConfig, ServiceSettings
 from proxy.errors import BackendError, BackendTimeout, PoolError, RefusedByBackend
+from proxy.lifecycle.upstream_http import Answer
 
 EXCERPT_CHARS = 200
 # Error codes a backend may send that the request metrics keep as they are: the shims' own and the
@@ -108,7 +108,7 @@ class ReadWatch:
     count, as before. A read past its limit raises BackendTimeout naming the setting, and the
     connection is closed so the backend stops."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, label: str, first: tuple[float, str],
+    def __init__(self, resp: Answer, label: str, first: tuple[float, str],
                  idle: tuple[float, str]) -> None:
         self.resp = resp
         self.label = label
@@ -167,7 +167,7 @@ def timed_out(replica_label: str, seconds: float, setting: str) -> BackendTimeou
     return BackendTimeout(f"{replica_label} sent nothing for {seconds:g}s ({setting})")
 
 
-async def read_capped(resp: aiohttp.ClientResponse, timeouts: Timeouts, limit: int, label: str) -> bytes:
+async def read_capped(resp: Answer, timeouts: Timeouts, limit: int, label: str) -> bytes:
     """The whole body of a non-streamed answer, at most `limit` bytes; the connection is closed on
     a timeout or past the limit."""
     if resp.content_length is not None and resp.content_length > limit:
@@ -195,14 +195,14 @@ def too_large(label: str, limit: int) -> BackendError:
                         code="backend_response_too_large")
 
 
-def stream_watch(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str) -> ReadWatch:
+def stream_watch(resp: Answer, timeouts: Timeouts, label: str) -> ReadWatch:
     """A stream's reads: the first within first_byte_timeout_s, each next one within
     stream_idle_timeout_s; on expiry the upstream connection is closed so the backend stops."""
     return ReadWatch(resp, label, (timeouts.first_byte_s, "first_byte_timeout_s"),
                      (timeouts.idle_s, "stream_idle_timeout_s"))
 
 
-async def chunks(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str) -> AsyncIterator[bytes]:
+async def chunks(resp: Answer, timeouts: Timeouts, label: str) -> AsyncIterator[bytes]:
     """A stream's bytes as they arrive, the first within first_byte_timeout_s and each next one
     within stream_idle_timeout_s."""
     watch = stream_watch(resp, timeouts, label)
@@ -217,7 +217,7 @@ async def chunks(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str) -
         watch.close()
 
 
-async def sse_data(resp: aiohttp.ClientResponse, timeouts: Timeouts, label: str) -> AsyncIterator[dict[str, Any]]:
+async def sse_data(resp: Answer, timeouts: Timeouts, label: str) -> AsyncIterator[dict[str, Any]]:
     """The JSON objects of an upstream OpenAI SSE stream, one per `data:` line, as they arrive.
 
     The stream's contract is checked: a chunk that is not a JSON object, an `error` event, or an

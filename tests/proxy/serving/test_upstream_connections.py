@@ -24,6 +24,7 @@ from proxy.config import load_settings
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.reach import ProgramReach
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+from proxy.lifecycle.upstream_http import UpstreamHttp
 from proxy.serving import routes_public, routes_responses
 from proxy.serving.app import metrics_middleware
 from proxy.serving.errors_http import error_middleware
@@ -44,7 +45,7 @@ class Proxy:
         self.client = client
         self.replicas, self.fakes = replicas, fakes
         self.replica, self.fake = replicas[0], fakes[0]
-        self.http: aiohttp.ClientSession | None = None
+        self.http: UpstreamHttp | None = None
 
     async def chat(self, stream: bool = False) -> tuple[int, bytes]:
         async with self.client.post(self.url + "/v1/chat/completions", json={**CHAT, "stream": stream}) as resp:
@@ -84,7 +85,7 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Proxy]]
             port = runner.addresses[0][1]
             client = await stack.enter_async_context(aiohttp.ClientSession())
             out = Proxy(f"http://127.0.0.1:{port}", client, runtime.replicas, fakes)
-            out.http = http   # the app's upstream session, which the monitor's probes share
+            out.http = http   # the app's upstream client, whose session the monitor's probes use
             return out
         yield start
 
@@ -222,15 +223,16 @@ async def test_streams_to_a_server_that_keeps_connections_keep_their_connection(
     assert all(connection != "close" for _, connection in upstream.requests)
 
 
-async def test_a_connection_a_probe_left_in_the_pool_counts_as_reused(proxy) -> None:
-    # The monitor's probes and scrapes share the session: a request handed the connection one of
-    # them opened, which the server closes as it is reused, is sent again on a new connection.
+async def test_a_connection_a_probe_opened_is_never_handed_to_a_request(proxy) -> None:
+    # The monitor's probes and scrapes go on the client's aiohttp session, requests on its own
+    # pool: a probe's kept-alive connection, which this server closes as it is reused, is never
+    # the one a request is written to, so no request needs sending again.
     p = await proxy(idle_close=True)
     assert p.http is not None and p.replica.reach is not None
-    async with p.http.post(p.replica.reach.url("/v1/chat/completions"), json=CHAT) as resp:
+    async with p.http.get(p.replica.reach.url("/health")) as resp:
         assert resp.status == 200
         await resp.read()
     status, body = await p.chat()
     assert answered(status, body, False), (status, body)
-    assert [c for c, *_ in p.fake.requests] == [1, 1, 2]
+    assert [c for c, *_ in p.fake.requests] == [1, 2]
     assert p.replica.failures == 0

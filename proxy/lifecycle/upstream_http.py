@@ -1,0 +1,511 @@
+"""The data path's HTTP client to replicas: POSTs over pooled keep-alive HTTP/1.1 connections,
+parsed by httptools (llhttp, the parser of Node.js and uvicorn), with aiohttp's session beside it.
+
+Why not aiohttp's client for every send: against a fast fake upstream, aiohttp's ClientSession
+costs about 200 µs of CPU per request on uvloop (a ClientRequest, yarl URLs, the cookie jar, the
+connector's bookkeeping), more than the rest of the hop; this client costs a fraction of that
+(tests/bench/bench_proxy_overhead.py). It does what a send to a replica needs and nothing more: a
+POST of bytes to a plain-HTTP URL; Content-Length, chunked and close-framed answers; keep-alive;
+the connect, read and total timeouts of aiohttp.ClientTimeout; flow control. Anything else (https,
+a form, a GET) goes to the aiohttp session it holds. Its answers read as aiohttp's do (`status`,
+`headers`, `content.readany()`, `close()`), and it raises aiohttp's exception classes for the same
+failures, so the code that reads an answer does not tell the two apart.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import weakref
+from types import TracebackType
+from typing import Any, Awaitable, Protocol
+from urllib.parse import urlsplit
+
+import aiohttp
+import httptools
+from aiohttp.client import _RequestContextManager
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.client_reqrep import ConnectionKey
+from aiohttp.connector import Connection
+from aiohttp.tracing import Trace
+from multidict import CIMultiDict, CIMultiDictProxy
+
+# An idle connection older than this is closed rather than reused, as aiohttp's keepalive_timeout.
+KEEPALIVE_S = 15.0
+# An answer's unread bytes past which the socket is not read until the reader catches up, and the
+# longest stream line readline() takes (aiohttp's own figures for both).
+HIGH_WATER = 2 ** 17
+LOW_WATER = 2 ** 16
+MAX_LINE = 2 ** 17
+
+
+class Send:
+    """One request's way to a replica: whether it went out on a pooled (reused) connection, and
+    the client of its second send, if it needed one (proxy/serving/forward.py)."""
+
+    def __init__(self) -> None:
+        self.reused = False
+        self.second: UpstreamHttp | None = None
+
+
+# The request being sent in this task. A context variable, because a replica's Reach builds the
+# request itself; both clients note on it what they know of the connection they used.
+SENDING: contextvars.ContextVar[Send] = contextvars.ContextVar("upstream_send")
+
+
+class Body(Protocol):
+    """What the data path reads of an answer's body (aiohttp's StreamReader, or this module's)."""
+
+    async def readany(self) -> bytes: ...
+
+    async def readline(self) -> bytes: ...
+
+    def set_exception(self, exc: BaseException) -> None: ...
+
+
+class Answer(Protocol):
+    """An answer from a replica, as the data path reads it: aiohttp's ClientResponse or UpstreamAnswer."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]: ...
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    @property
+    def content(self) -> Body: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def read(self) -> bytes: ...
+
+    async def text(self) -> str: ...
+
+    def close(self) -> None: ...
+
+    def release(self) -> Any: ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None: ...
+
+
+class NotingConnector(aiohttp.TCPConnector):
+    """The aiohttp session's connector, noting for the request being sent whether its connection is
+    one it handed out before (reused) or a new one. A connection's protocol object lives as long as
+    the connection, so it tells the two apart (a TraceConfig cost a dozen events per request)."""
+
+    def __init__(self) -> None:
+        super().__init__(limit=0, limit_per_host=0)
+        self._handed: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
+
+    async def connect(self, req: aiohttp.ClientRequest, traces: list[Trace],
+                      timeout: aiohttp.ClientTimeout) -> Connection:
+        send = SENDING.get(None)
+        if send is not None:
+            send.reused = False   # what counts is the request that failed (a Reach may send several)
+        conn = await super().connect(req, traces, timeout)
+        protocol = conn.protocol
+        # Every connection is noted, a probe's or a scrape's too: a request may reuse it next.
+        if protocol is not None and protocol not in self._handed:
+            self._handed.add(protocol)
+        elif send is not None and protocol is not None:
+            send.reused = True
+        return conn
+
+
+class UpstreamHttp:
+    """The proxy's sends to replicas: plain-HTTP POSTs of bytes on this module's pooled connections,
+    anything else on `session`, as are the GETs and DELETEs (probes, scrapes, a provider's files).
+    `pooled=False`: every send on a new connection, closed after its answer (the second send of a
+    request whose reused connection was closed under it)."""
+
+    def __init__(self, session: aiohttp.ClientSession, pooled: bool = True) -> None:
+        self.session = session
+        self.pooled = pooled
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._targets: dict[str, tuple[str, int, bytes] | None] = {}
+
+    @classmethod
+    def one_off(cls) -> "UpstreamHttp":
+        return cls(aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)), pooled=False)
+
+    def post(self, url: str, *, data: Any, headers: dict[str, str],
+             timeout: aiohttp.ClientTimeout) -> Awaitable[Answer]:
+        target = self._target(url) if isinstance(data, bytes) else None
+        if target is None:
+            return self.session.post(url, data=data, headers=headers, timeout=timeout)
+        return self._post(target, data, headers, timeout)
+
+    def get(self, url: str, **kwargs: Any) -> _RequestContextManager:
+        return self.session.get(url, **kwargs)
+
+    def delete(self, url: str, **kwargs: Any) -> _RequestContextManager:
+        return self.session.delete(url, **kwargs)
+
+    async def __aenter__(self) -> "UpstreamHttp":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+        await self.session.close()
+
+    def _target(self, url: str) -> tuple[str, int, bytes] | None:
+        """(host, port, the request's first two lines) of a plain-HTTP URL; None for what is left
+        to aiohttp. Parsed once per URL: a replica has a few."""
+        try:
+            return self._targets[url]
+        except KeyError:
+            pass
+        parts = urlsplit(url)
+        target = None
+        if parts.scheme == "http" and parts.hostname and not parts.username and not parts.password \
+                and not _unsafe(url):
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            start = f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode()
+            target = (parts.hostname, parts.port or 80, start)
+        if len(self._targets) > 1024:
+            self._targets.clear()   # bounded, should URLs ever vary
+        self._targets[url] = target
+        return target
+
+    async def _post(self, target: tuple[str, int, bytes], data: bytes, headers: dict[str, str],
+                    timeout: aiohttp.ClientTimeout) -> "UpstreamAnswer":
+        host, port, start = target
+        lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):   # one of each per line
+            raise ValueError("a header holds a line break")
+        head = b"%s%sContent-Length: %d\r\n\r\n" % (start, lines.encode(), len(data))
+        keep = self.pooled and headers.get("Connection", "").lower() != "close"
+        loop = asyncio.get_running_loop()
+        conn = self._take((host, port), loop.time())
+        send = SENDING.get(None)
+        if send is not None:
+            send.reused = conn is not None
+        if conn is None:
+            conn = await self._connect(host, port, timeout, loop)
+        answer = UpstreamAnswer(conn, loop, timeout, keep)
+        conn.transport.write(head + data)
+        try:
+            return await answer.head()
+        except BaseException:
+            answer.close()   # timed out or the client left: closing the connection stops the backend
+            raise
+
+    def _take(self, key: tuple[str, int], now: float) -> _Connection | None:
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if not conn.lost and now - conn.idle_since < KEEPALIVE_S:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, host: str, port: int, timeout: aiohttp.ClientTimeout,
+                       loop: asyncio.AbstractEventLoop) -> _Connection:
+        key = (host, port)
+        idle = self._idle.setdefault(key, []) if self.pooled else None
+        try:
+            async with asyncio.timeout(timeout.sock_connect or timeout.connect):
+                _, conn = await loop.create_connection(lambda: _Connection(idle), host, port)
+        except TimeoutError:
+            raise aiohttp.ConnectionTimeoutError(f"Connection timeout to host http://{host}:{port}") from None
+        except OSError as exc:
+            raise aiohttp.ClientConnectorError(ConnectionKey(host, port, False, True, None, None, None), exc) from exc
+        return conn
+
+
+def _unsafe(text: str) -> bool:
+    return "\r" in text or "\n" in text
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to a replica: parses what arrives into the answer in flight, and
+    goes back to its pool (`idle`) when an answer ends and both ends keep the connection."""
+
+    transport: asyncio.Transport
+
+    def __init__(self, idle: list["_Connection"] | None) -> None:
+        self.idle = idle
+        self.parser = httptools.HttpResponseParser(self)
+        self.answer: UpstreamAnswer | None = None
+        self.header_list: list[tuple[str, str]] = []
+        self.lost = False
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport   # type: ignore[assignment]  # a uvloop transport is no asyncio.Transport subclass
+
+    def close(self) -> None:
+        self.lost = True
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        answer = self.answer
+        if answer is None:
+            self.close()   # nothing was asked: a server that sends unasked is not one to reuse
+            return
+        if answer.read_timeout is not None:
+            answer.last_data = answer.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.close()
+            answer.fail(aiohttp.ClientPayloadError(f"malformed answer: {exc}") if answer.started
+                        else aiohttp.ClientConnectionError(f"malformed answer: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        answer, self.answer = self.answer, None
+        if answer is not None:
+            answer.lost()
+
+    def pause_writing(self) -> None:
+        pass   # a request is written once, whole; the transport buffers it
+
+    def resume_writing(self) -> None:
+        pass
+
+    # httptools' callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_list.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        answer = self.answer
+        assert answer is not None
+        headers, self.header_list = self.header_list, []
+        answer.started_with(self.parser.get_status_code(), headers)
+
+    def on_body(self, body: bytes) -> None:
+        answer = self.answer
+        assert answer is not None
+        answer.feed(body)
+
+    def on_message_complete(self) -> None:
+        answer, self.answer = self.answer, None
+        assert answer is not None
+        keep = answer.keep and self.parser.should_keep_alive() and self.idle is not None
+        answer.end()
+        if keep and not self.lost:
+            assert self.idle is not None
+            self.idle_since = answer.loop.time()
+            self.idle.append(self)
+        else:
+            self.close()
+
+
+class UpstreamAnswer:
+    """An answer on one of UpstreamHttp's connections: its status and headers once they arrive
+    (head()), then its body as aiohttp's StreamReader gives it (`content` is the answer itself)."""
+
+    status: int
+    headers: CIMultiDictProxy[str]
+    content_length: int | None
+
+    def __init__(self, conn: _Connection, loop: asyncio.AbstractEventLoop, timeout: aiohttp.ClientTimeout,
+                 keep: bool) -> None:
+        conn.answer = self
+        self.conn: _Connection | None = conn
+        self.loop = loop
+        self.keep = keep
+        self.started = False
+        self.framed = True       # by Content-Length or chunked; else the body ends with the connection
+        self.eof = False
+        self.exc: BaseException | None = None
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.read_timeout = timeout.sock_read
+        self.last_data = loop.time()
+        self.read_timer: asyncio.TimerHandle | None = None
+        self.total_timer = None if timeout.total is None else loop.call_later(timeout.total, self._total_expired)
+
+    # What the connection tells it
+    def started_with(self, status: int, headers: list[tuple[str, str]]) -> None:
+        self.status = status
+        self.headers = CIMultiDictProxy(CIMultiDict(headers))
+        length = self.headers.get("Content-Length")
+        self.content_length = int(length) if length is not None and length.isdigit() else None
+        self.framed = length is not None or "Transfer-Encoding" in self.headers or status in (204, 304)
+        self.started = True
+        self._wake()
+
+    def feed(self, body: bytes) -> None:
+        self.parts.append(body)
+        self.size += len(body)
+        if self.size > HIGH_WATER and not self.paused and self.conn is not None:
+            self.paused = True
+            self.conn.transport.pause_reading()
+        self._wake()
+
+    def end(self) -> None:
+        self.eof = True
+        self.conn = None   # the connection may carry another answer now
+        self._stop_timers()
+        self._wake()
+
+    def lost(self) -> None:
+        self.conn = None
+        if self.started and not self.framed:
+            self.end()   # a close-framed body ends with its connection
+            return
+        self.fail(aiohttp.ClientPayloadError("Response payload is not completed") if self.started
+                  else aiohttp.ServerDisconnectedError())
+
+    def fail(self, exc: BaseException) -> None:
+        if self.exc is None and not self.eof:
+            self.exc = exc
+        self._stop_timers()
+        self._wake()
+
+    # What the data path asks of it
+    async def head(self) -> "UpstreamAnswer":
+        while not self.started:
+            if self.exc is not None:
+                raise self.exc
+            await self._wait()
+        return self
+
+    @property
+    def content(self) -> "UpstreamAnswer":
+        return self
+
+    @property
+    def closed(self) -> bool:
+        return self.conn is None
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.fail(exc)
+
+    async def readany(self) -> bytes:
+        while True:
+            if self.exc is not None:
+                raise self.exc
+            if self.parts:
+                return self._take_all()
+            if self.eof:
+                return b""
+            await self._wait()
+
+    async def readline(self) -> bytes:
+        while True:
+            if self.exc is not None:
+                raise self.exc
+            if self.parts:
+                if len(self.parts) > 1:
+                    self.parts = [b"".join(self.parts)]
+                data = self.parts[0]
+                end = data.find(b"\n")
+                if end >= 0:
+                    line, rest = data[:end + 1], data[end + 1:]
+                    self.parts = [rest] if rest else []
+                    self.size = len(rest)
+                    self._maybe_resume()
+                    return line
+                if len(data) > MAX_LINE:
+                    raise ValueError("Chunk too big")
+                if self.eof:
+                    return self._take_all()
+            elif self.eof:
+                return b""
+            await self._wait()
+
+    async def read(self) -> bytes:
+        body: list[bytes] = []
+        while True:
+            if self.exc is not None:
+                raise self.exc
+            if self.parts:
+                body.append(self._take_all())   # taken as it comes, so that a paused socket reads on
+            if self.eof:
+                return b"".join(body)
+            await self._wait()
+
+    async def text(self) -> str:
+        return (await self.read()).decode(errors="replace")
+
+    def close(self) -> None:
+        """Leave the answer: a connection still carrying it is closed (the backend stops)."""
+        conn, self.conn = self.conn, None
+        self._stop_timers()
+        if conn is not None:
+            conn.answer = None
+            conn.close()
+            if self.exc is None and not self.eof:
+                self.exc = aiohttp.ClientConnectionError("Connection closed")
+            self._wake()
+
+    def release(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "UpstreamAnswer":
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.close()
+
+    # Within
+    def _take_all(self) -> bytes:
+        parts = self.parts
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.parts = []
+        self.size = 0
+        self._maybe_resume()
+        return data
+
+    def _maybe_resume(self) -> None:
+        if self.paused and self.size < LOW_WATER and self.conn is not None:
+            self.paused = False
+            self.conn.transport.resume_reading()
+
+    async def _wait(self) -> None:
+        waiter = self.waiter = self.loop.create_future()
+        if self.read_timeout is not None and self.read_timer is None:
+            self.read_timer = self.loop.call_at(self.last_data + self.read_timeout, self._read_expired)
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _read_expired(self) -> None:
+        """aiohttp's sock_read: nothing arrived for read_timeout while a read waited."""
+        self.read_timer = None
+        assert self.read_timeout is not None
+        due = self.last_data + self.read_timeout
+        if self.waiter is None or self.eof or self.exc is not None:
+            return   # no read is waiting: the next one arms the timer again
+        if self.loop.time() < due:
+            self.read_timer = self.loop.call_at(due, self._read_expired)
+            return
+        self.fail(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
+        self.close()
+
+    def _total_expired(self) -> None:
+        self.total_timer = None
+        self.fail(aiohttp.ServerTimeoutError("the answer took longer than its total timeout"))
+        self.close()
+
+    def _stop_timers(self) -> None:
+        if self.read_timer is not None:
+            self.read_timer.cancel()
+            self.read_timer = None
+        if self.total_timer is not None:
+            self.total_timer.cancel()
+            self.total_timer = None
