@@ -127,6 +127,7 @@ class UpstreamHttp:
     def __init__(self, session: aiohttp.ClientSession, pooled: bool = True) -> None:
         self.session = session
         self.pooled = pooled
+        self.closed = False
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._targets: dict[str, tuple[str, int, bytes] | None] = {}
 
@@ -154,6 +155,7 @@ class UpstreamHttp:
         await self.close()
 
     async def close(self) -> None:
+        self.closed = True   # an answer that ends from now on closes its connection
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()
@@ -206,18 +208,17 @@ class UpstreamHttp:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.lost and now - conn.idle_since < KEEPALIVE_S:
+            if not conn.lost and not conn.transport.is_closing() and now - conn.idle_since < KEEPALIVE_S:
                 return conn
             conn.close()
         return None
 
     async def _connect(self, host: str, port: int, timeout: aiohttp.ClientTimeout,
                        loop: asyncio.AbstractEventLoop) -> _Connection:
-        key = (host, port)
-        idle = self._idle.setdefault(key, []) if self.pooled else None
+        pool = self if self.pooled else None
         try:
             async with asyncio.timeout(timeout.sock_connect or timeout.connect):
-                _, conn = await loop.create_connection(lambda: _Connection(idle), host, port)
+                _, conn = await loop.create_connection(lambda: _Connection(pool, (host, port)), host, port)
         except TimeoutError:
             raise aiohttp.ConnectionTimeoutError(f"Connection timeout to host http://{host}:{port}") from None
         except OSError as exc:
@@ -231,12 +232,14 @@ def _unsafe(text: str) -> bool:
 
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to a replica: parses what arrives into the answer in flight, and
-    goes back to its pool (`idle`) when an answer ends and both ends keep the connection."""
+    goes back to its client's pool (`pool`, None for a one-off) when an answer ends and both ends
+    keep the connection."""
 
     transport: asyncio.Transport
 
-    def __init__(self, idle: list["_Connection"] | None) -> None:
-        self.idle = idle
+    def __init__(self, pool: UpstreamHttp | None, key: tuple[str, int]) -> None:
+        self.pool = pool
+        self.key = key
         self.parser = httptools.HttpResponseParser(self)
         self.answer: UpstreamAnswer | None = None
         self.header_list: list[tuple[str, str]] = []
@@ -294,12 +297,11 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         answer, self.answer = self.answer, None
         assert answer is not None
-        keep = answer.keep and self.parser.should_keep_alive() and self.idle is not None
         answer.end()
-        if keep and not self.lost:
-            assert self.idle is not None
+        pool = self.pool
+        if answer.keep and self.parser.should_keep_alive() and pool is not None and not pool.closed and not self.lost:
             self.idle_since = answer.loop.time()
-            self.idle.append(self)
+            pool._idle.setdefault(self.key, []).append(self)
         else:
             self.close()
 
@@ -351,7 +353,10 @@ class UpstreamAnswer:
 
     def end(self) -> None:
         self.eof = True
-        self.conn = None   # the connection may carry another answer now
+        if self.paused and self.conn is not None:
+            self.paused = False
+            self.conn.transport.resume_reading()   # the connection may carry another answer now
+        self.conn = None
         self._stop_timers()
         self._wake()
 

@@ -212,7 +212,7 @@ async def test_leaving_an_unread_stream_closes_its_connection_and_the_next_send_
 
 async def test_a_big_answer_read_slowly_comes_back_whole(replica, client: UpstreamHttp) -> None:
     # Past HIGH_WATER unread bytes the socket is paused, and read again as the reader catches up.
-    _, url = replica
+    server, url = replica
     size = 8 * HIGH_WATER
     async with await client.post(url + f"/big?size={size}", data=b"{}", headers=JSON, timeout=NO_TIMEOUT) as resp:
         async def paused() -> None:
@@ -221,6 +221,10 @@ async def test_a_big_answer_read_slowly_comes_back_whole(replica, client: Upstre
 
         await asyncio.wait_for(paused(), 5)
         assert len(await resp.read()) == size
+    # Its connection is read again once the answer ended, paused or not, and carries the next one.
+    async with await client.post(url + "/echo", data=b"{}", headers=JSON, timeout=NO_TIMEOUT) as resp:
+        assert await asyncio.wait_for(resp.read(), 5) == b"{}"
+    assert len(set(server.peers)) == 1
 
 
 async def test_a_body_framed_by_the_close_ends_with_it(client: UpstreamHttp) -> None:
