@@ -187,7 +187,8 @@ class UpstreamHttp:
         lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
         if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):   # one of each per line
             raise ValueError("a header holds a line break")
-        head = b"%s%sContent-Length: %d\r\n\r\n" % (start, lines.encode(), len(data))
+        # surrogateescape: a header the server read as undecodable bytes goes on as those bytes
+        head = b"%s%sContent-Length: %d\r\n\r\n" % (start, lines.encode("utf-8", "surrogateescape"), len(data))
         keep = self.pooled and headers.get("Connection", "").lower() != "close"
         loop = asyncio.get_running_loop()
         conn = self._take((host, port), loop.time())
