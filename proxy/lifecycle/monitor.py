@@ -30,10 +30,10 @@ from proxy.lifecycle.health import (HealthPolicy, ReadyChecks, note_exit, note_f
 from proxy.lifecycle.programs import Programs, live, process_key, start_replica
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.upstream_http import UpstreamHttp
 from proxy.lifecycle.warmup import warm_up
 from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.supervisor import ProcessInfo, ProcessState, SupervisorClient, SupervisorError
-from proxy.lifecycle.upstream_http import UpstreamHttp
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ import os
 import time
 from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
-
 from launchers.spec import replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from proxy.config import ModelConfig, Settings
@@ -37,11 +36,11 @@ from proxy.lifecycle.remote import EndpointKind
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.lifecycle.runtime import LoadRetry, ModelRuntime
 from proxy.lifecycle.scaling import scale
+from proxy.lifecycle.upstream_http import UpstreamHttp
 from proxy.supervisord.hosts import build_hosts
 from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.orphans import PidRecord
 from proxy.supervisord.supervisor import SupervisorClient, SupervisorError
-from proxy.lifecycle.upstream_http import UpstreamHttp
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

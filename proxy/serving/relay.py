@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, AsyncIterator
 
-
 from proxy.config import ModelConfig, ServiceSettings
 from proxy.errors import BackendError, BackendTimeout, PoolError, RefusedByBackend
 from proxy.lifecycle.upstream_http import Answer
