@@ -274,12 +274,6 @@ class _Connection(asyncio.Protocol):
         if answer is not None:
             answer.lost()
 
-    def pause_writing(self) -> None:
-        pass   # a request is written once, whole; the transport buffers it
-
-    def resume_writing(self) -> None:
-        pass
-
     # httptools' callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         self.header_list.append((name.decode("latin-1"), value.decode("latin-1")))
@@ -354,9 +348,7 @@ class UpstreamAnswer:
 
     def end(self) -> None:
         self.eof = True
-        if self.paused and self.conn is not None:
-            self.paused = False
-            self.conn.transport.resume_reading()   # the connection may carry another answer now
+        self._resume()   # the connection may carry another answer now
         self.conn = None
         self._stop_timers()
         self._wake()
@@ -429,14 +421,9 @@ class UpstreamAnswer:
 
     async def read(self) -> bytes:
         body: list[bytes] = []
-        while True:
-            if self.exc is not None:
-                raise self.exc
-            if self.parts:
-                body.append(self._take_all())   # taken as it comes, so that a paused socket reads on
-            if self.eof:
-                return b"".join(body)
-            await self._wait()
+        while chunk := await self.readany():   # taken as it comes, so that a paused socket reads on
+            body.append(chunk)
+        return b"".join(body)
 
     async def text(self) -> str:
         return (await self.read()).decode(errors="replace")
@@ -472,7 +459,11 @@ class UpstreamAnswer:
         return data
 
     def _maybe_resume(self) -> None:
-        if self.paused and self.size < LOW_WATER and self.conn is not None:
+        if self.size < LOW_WATER:
+            self._resume()
+
+    def _resume(self) -> None:
+        if self.paused and self.conn is not None:
             self.paused = False
             self.conn.transport.resume_reading()
 
