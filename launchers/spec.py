@@ -115,22 +115,60 @@ def program_name(model_id: str, replica: int) -> str:
     return f"{group_name(model_id)}-r{replica}"
 
 
-def _escape(value: str) -> str:
-    # supervisord expands %(ENV_X)s in option values; a literal percent must be doubled.
-    return value.replace("%", "%%")
+# What would end a line of a supervisord file or hide part of one: C0 controls (CR, LF, NUL, ...) and
+# DEL. A line break in a value starts a new option (a second `command=` wins), so none is rendered.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# supervisord's parser cuts a value at `;` or `#` after whitespace (an inline comment).
+_INLINE_COMMENT = re.compile(r"(\s)(?=[;#])")
+
+
+class UnsafeProgramValue(ValueError):
+    """A value that supervisord would not read back as that one value."""
+
+
+def _one_line(what: str, value: str) -> str:
+    """`value`, refused when it holds a control character. `what` names it in the error; the value
+    is never echoed, since it may be a secret."""
+    found = _CONTROL.search(value)
+    if found:
+        raise UnsafeProgramValue(f"{what}: holds control character U+{ord(found.group()):04X}; a program's "
+                                 "values are one line each")
+    return value
+
+
+def _safe(what: str, value: str) -> str:
+    """`value` as an option value: one line, `%` doubled (supervisord expands %(ENV_X)s in them)."""
+    return _one_line(what, value).replace("%", "%%")
+
+
+def _plain(what: str, value: str) -> str:
+    """An option value supervisord takes as it is (a path): no inline comment in it either."""
+    if _INLINE_COMMENT.search(value):
+        raise UnsafeProgramValue(f"{what}: may not hold whitespace before ; or # (supervisord cuts it there)")
+    return _safe(what, value)
+
+
+def _word(index: int, arg: str) -> str:
+    # An inline comment cannot be escaped, but a shell word can close its quote and reopen it:
+    # `'a '';b'` is `a ;b` to shlex, with a quote between the space and the `;`. shlex.quote puts
+    # any word holding whitespace in single quotes, so the `''` always lands inside them.
+    return _INLINE_COMMENT.sub(r"\1''", shlex.quote(_safe(f"command argument {index}", arg)))
 
 
 def _env_value(key: str, value: str) -> str:
-    if '"' in value or "\n" in value or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-        raise ValueError(f"environment {key}: names must be identifiers and values may not hold quotes or newlines")
-    return f'{key}="{_escape(value)}"'
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        raise UnsafeProgramValue(f"environment {key!r}: names must be identifiers")
+    # supervisord splits the option with a non-POSIX shlex, which has no escape for a quote.
+    if '"' in value:
+        raise UnsafeProgramValue(f"environment {key}: values may not hold double quotes")
+    return f'{key}="{_plain(f"environment {key}", value)}"'
 
 
 def render_program(spec: ProgramSpec, log_dir: Path) -> str:
     lines = [
         f"; replica program={spec.program} port={spec.port}",
         f"[program:{spec.program}]",
-        "command=" + _escape(" ".join(shlex.quote(a) for a in spec.argv)),
+        "command=" + " ".join(_word(i, a) for i, a in enumerate(spec.argv)),
         "autostart=false",
         "autorestart=unexpected",
         "startsecs=1",
@@ -140,7 +178,8 @@ def render_program(spec: ProgramSpec, log_dir: Path) -> str:
         "stopasgroup=true",
         "killasgroup=true",
         "redirect_stderr=true",
-        f"stdout_logfile={_escape(str(log_dir / (spec.program + '.log')))}",
+        # supervisord expands a log file's name twice (as an option, then as a log file name).
+        f"stdout_logfile={_plain('stdout_logfile', str(log_dir / (spec.program + '.log'))).replace('%', '%%')}",
         "stdout_logfile_maxbytes=10MB",
         "stdout_logfile_backups=3",
     ]
@@ -160,7 +199,7 @@ def render_replica(model_id: str, spec: ProgramSpec, log_dir: Path) -> str:
     """The whole programs/<program>.conf file of one replica: a plain program, which supervisord
     runs as a group of its own, so that adding or removing one replica (live scaling) never
     touches the others. `supervisorctl status` lists them side by side under the model's prefix."""
-    return f"{HEADER}\n; model={model_id}\n\n" + render_program(spec, log_dir)
+    return f"{HEADER}\n; model={_one_line('model id', model_id)}\n\n" + render_program(spec, log_dir)
 
 
 def ports_in_file(text: str) -> dict[str, int]:

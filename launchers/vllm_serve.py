@@ -53,6 +53,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3
 # What the backend can do (proxy/capabilities.py reads it; nothing else names the backend).
 TRAITS = Traits(multi_turn=True, thinking="template", model_field="vllm_model")
 # Runtime knobs an admin may change for one load without editing files (seed: "Live admin overrides").
+# vllm_speculative_model names a checkpoint (a path or a repository): a load may only remove it
+# (null, as for a load without speculation), never name one (conf/schema.json: readOnly).
 LOAD_OVERRIDES = ("vllm_max_model_len", "vllm_kv_cache_dtype", "vllm_kv_cache_memory_bytes", "vllm_max_pixels",
                   "vllm_speculative_method", "vllm_speculative_model", "vllm_speculative_moe_backend",
                   "vllm_speculative_attention_backend", "vllm_num_speculative_tokens")

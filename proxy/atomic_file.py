@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# The mode of a file that may hold a secret (a program file's environment= has API keys and tokens):
+# whatever folder it is in, only its owner reads it.
+PRIVATE_MODE = 0o600
+
 
 def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
     """Replace `path` with `text` (UTF-8) in one step; raises OSError (and leaves no temporary file)

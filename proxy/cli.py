@@ -8,16 +8,18 @@ import logging
 import os
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Mapping
 
 from launchers import launcher_for
 from proxy import ctl
-from proxy.config import DEFAULT_NODE_USERNAME, ConfigError, Settings, load_settings
+from proxy.config import DEFAULT_NODE_USERNAME, ConfigError, Settings, is_loopback, load_settings
 from proxy.lifecycle.kinds import kinds_for
 from proxy.lifecycle.memory import memory_warnings
 from proxy.lifecycle.programs import ProgramKind
 from proxy.lifecycle.remote import EndpointKind
+from proxy.masking import shown_url
 from proxy.supervisord.managed import StateDirBusy, claim_state_dir
 
 EXIT_CONFIG = 2
@@ -28,7 +30,7 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 def service_problems(settings: Settings, environ: Mapping[str, str] | None = None) -> list[str]:
     """What stops the proxy itself from starting: an admin token or a host's password variable that
-    is named but not set."""
+    is named but not set, an admin API without a token on an address other machines reach."""
     environ = os.environ if environ is None else environ
     problems = []
     env = settings.service.admin_token_env
@@ -37,8 +39,16 @@ def service_problems(settings: Settings, environ: Mapping[str, str] | None = Non
         # than not serving. Name the variable, never a value.
         problems.append(settings.where(f"service.admin_token_env: {env} is unset or empty; set it to the admin "
                                        "token, or remove admin_token_env to leave the admin API without a token"))
+    service = settings.service
+    if not env and not service.admin_allow_unauthenticated_remote and not is_loopback(service.admin_listener_host):
+        key = "service.admin_host" if service.admin_port is not None and service.admin_host else "service.host"
+        problems.append(settings.where(
+            f"{key}: the admin API would listen on {service.admin_listener_host} (not loopback) without a token, "
+            "and whoever reaches it could load and unload models; set service.admin_token_env, or move the admin "
+            "API to loopback (service.admin_port with admin_host: 127.0.0.1), or set "
+            "service.admin_allow_unauthenticated_remote: true if that is meant"))
     problems += [settings.where(f"supervisor.hosts.{name}.password_env: {host.password_env} is unset or empty; "
-                                f"set it to the password of the node at {host.url}")
+                                f"set it to the password of the node at {shown_url(host.url)}")
                  for name, host in settings.supervisor.hosts.items() if not environ.get(host.password_env, "")]
     return problems
 
@@ -62,15 +72,17 @@ def startup_problems(settings: Settings) -> list[str]:
     return [settings.where(p) for p in problems]
 
 
-def _load_or_exit(config: str | None, strict: bool = False) -> Settings:
+def _load_or_exit(config: str | None, strict: bool = False, host: str | None = None) -> Settings:
     """The settings, or exit 2 naming every structural problem (a wrong type, a bad value; with
     `strict`, unknown keys too; an admin token variable that is not set). Unknown keys are
-    otherwise `settings.warnings`."""
+    otherwise `settings.warnings`. `host` (serve --host) replaces service.host before the checks."""
     try:
         settings = load_settings(config, strict=strict)
     except ConfigError as exc:
         _report(exc.problems)
         raise SystemExit(EXIT_CONFIG) from None
+    if host:
+        settings = replace(settings, service=replace(settings.service, host=host))
     problems = service_problems(settings)
     if problems:
         _report(problems)
@@ -133,7 +145,7 @@ def event_loop_factory(environ: Mapping[str, str]) -> tuple[Callable[[], asyncio
 def cmd_serve(args: argparse.Namespace) -> int:
     from proxy.serving.app import create_app, serve
 
-    settings = _load_or_exit(args.config)
+    settings = _load_or_exit(args.config, host=args.host)
     try:
         loop_factory, loop_name = event_loop_factory(os.environ)
     except ValueError as exc:
@@ -149,7 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # when the pool tries to load it, and every other model serves.
     for problem in startup_problems(settings):
         log.error("config: %s (this model will not start; the others are served)", problem)
-    host = args.host or settings.service.host
+    host = settings.service.host
     port = args.port or settings.service.port
     # Claim the state folder and the port before anything starts: a second `serve` by mistake must
     # fail at once, not adopt the first one's models and then unload them on its way out.

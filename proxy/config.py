@@ -9,6 +9,7 @@ the closest known name, never a stop (an older or newer settings file must keep 
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import platform
@@ -96,6 +97,9 @@ class ServiceSettings:
     admin_token_env: str | None
     admin_host: str | None = None       # with admin_port: the admin API listens there, and only there
     admin_port: int | None = None
+    # Without a token, the admin API on an address other machines reach is refused at startup unless
+    # this says it is meant (README: Security): anyone who reaches it can load and unload models.
+    admin_allow_unauthenticated_remote: bool = False
     first_byte_timeout_s: float = DEFAULT_RELIABILITY["first_byte_timeout_s"]
     stream_idle_timeout_s: float = DEFAULT_RELIABILITY["stream_idle_timeout_s"]
     max_response_bytes: int = DEFAULT_RELIABILITY["max_response_bytes"]
@@ -107,6 +111,22 @@ class ServiceSettings:
     # A failed load at startup that can pass is tried again after this, doubled per try, up to the max.
     load_retry_base_s: float = DEFAULT_RELIABILITY["load_retry_base_s"]
     load_retry_max_s: float = DEFAULT_RELIABILITY["load_retry_max_s"]
+
+    @property
+    def admin_listener_host(self) -> str:
+        """Where the admin API listens: admin_host with admin_port, else service.host."""
+        return (self.admin_host or self.host) if self.admin_port is not None else self.host
+
+
+def is_loopback(host: str) -> bool:
+    """`localhost` or a loopback address (127.0.0.0/8, ::1, bracketed or not): only this machine reaches it."""
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -567,6 +587,8 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                 drain_timeout_s=float(service["drain_timeout_s"]),
                                 admin_token_env=service.get("admin_token_env"),
                                 admin_host=service.get("admin_host"), admin_port=service.get("admin_port"),
+                                admin_allow_unauthenticated_remote=bool(
+                                    service.get("admin_allow_unauthenticated_remote", False)),
                                 **{k: type(v)(service.get(k, v)) for k, v in DEFAULT_RELIABILITY.items()}),
         supervisor=SupervisorSettings(mode=supervisor["mode"], url=supervisor.get("url"), programs_dir=programs_dir,
                                       port_range=(int(supervisor["port_range"][0]), int(supervisor["port_range"][1])),
@@ -600,6 +622,10 @@ def override_problems(model: ModelConfig, overrides: Mapping[str, Any], allowed:
     properties = model_properties()
     problems = []
     for key, value in overrides.items():
+        config_only = _config_only({"properties": properties}, {key: value}, "overrides")
+        if config_only:
+            problems += config_only
+            continue
         if key not in allowed:
             problems.append(f"overrides.{key}: not a live override for backend {model.backend!r}; "
                             f"allowed: {', '.join(allowed) or 'none'}")
@@ -607,6 +633,33 @@ def override_problems(model: ModelConfig, overrides: Mapping[str, Any], allowed:
         for err in jsonschema.Draft202012Validator(properties[key]).iter_errors(value):
             problems.append(f"overrides.{key}: {err.message}")
     return problems
+
+
+def _config_only(rule: Mapping[str, Any], value: Any, where: str) -> list[str]:
+    """The keys of `value`, at any depth (`overrides.sim.python`), that the schema marks readOnly:
+    they name what runs (an executable, a path, a library), which only the config files choose."""
+    if not isinstance(value, Mapping):
+        return []
+    found = []
+    for key, inner in value.items():
+        sub = rule.get("properties", {}).get(key, {})
+        if sub.get("readOnly") and inner is not None:   # a null only removes it: the default is the config's
+            found.append(f"{where}.{key}: set in the config files only (it names an executable, a path or a "
+                         "library); a load may only remove it (null)")
+        else:
+            found += _config_only(sub, inner, f"{where}.{key}")
+    return found
+
+
+def override_rule(rule: Mapping[str, Any]) -> dict[str, Any]:
+    """A field's schema rule as a load override may use it: a readOnly field only as null (removed
+    for that load), an object without its readOnly keys."""
+    if rule.get("readOnly"):
+        return {"type": "null", "description": "set in the config files only; a load may remove it"}
+    shown = dict(rule)
+    if isinstance(rule.get("properties"), Mapping):
+        shown["properties"] = {k: override_rule(v) for k, v in rule["properties"].items() if not v.get("readOnly")}
+    return shown
 
 
 def replicas_problem(value: object, replica_max: int) -> str | None:

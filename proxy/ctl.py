@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 import yaml
 
 from proxy.config import ConfigError, load_settings
+from proxy.masking import shown_url
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -60,9 +61,9 @@ class AdminClient:
             raise CtlError(_error_text(err), EXIT_REFUSED if err.code < 500 else EXIT_SERVER) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise CtlError(f"no answer from {self.url}: {reason}", EXIT_SERVER) from None
+            raise CtlError(f"no answer from {shown_url(self.url)}: {reason}", EXIT_SERVER) from None
         except ValueError:
-            raise CtlError(f"{self.url}{path} did not answer JSON", EXIT_SERVER) from None
+            raise CtlError(f"{shown_url(self.url)}{path} did not answer JSON", EXIT_SERVER) from None
 
 
 def _error_text(err: urllib.error.HTTPError) -> str:

@@ -73,6 +73,12 @@ class Forbidden(PoolError):
     code = "forbidden"
 
 
+class UnsupportedMediaType(PoolError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
 class NotFound(PoolError):
     status = 404
     type = "invalid_request_error"
@@ -126,7 +132,8 @@ CODES: dict[str, str] = {
     "invalid_request": "a field breaks the request schema of /v1/responses",
     "invalid_request_error": "a backend refused the request as malformed (its message and status pass on)",
     "context_length_exceeded": "the prompt does not fit the model's context (a backend's refusal)",
-    "invalid_json": "the body is not a JSON object, or is nested too deep",
+    "invalid_json": "the body is not a UTF-8 JSON object (no BOM, NaN or Infinity), is nested too deep, or holds "
+                    "too many values",
     "missing_model": "`model` is missing or not a non-empty string",
     "missing_required_parameter": "the pass-through endpoint's required field is missing",
     "invalid_type": "the pass-through endpoint's required field has the wrong JSON type",
@@ -144,6 +151,10 @@ CODES: dict[str, str] = {
     "invalid_load_request": "a load body with unknown fields, a bad override or replica count",
     "invalid_scale_request": "a scale body that is not {\"replicas\": N} within 1..replica_max",
     "invalid_log_request": "a log query parameter out of range",
+    "invalid_unload_request": "an unload body that is not empty or {}",
+    "unsupported_media_type": "an admin POST without `Content-Type: application/json` (415)",
+    "origin_not_allowed": "an admin request whose Origin is another site's (403)",
+    "host_not_allowed": "an admin request to an unauthenticated admin API under a host name it does not know (403)",
     "method_not_allowed": "the route exists but not with this method (405)",
     "invalid_admin_token": "admin routes need `Authorization: Bearer <token>` (service.admin_token_env)",
     "forbidden": "not allowed",

@@ -134,8 +134,9 @@ class FakeProvider:
     name starts with "moonshot" and OpenAI's (`usage.prompt_tokens_details.cached_tokens`) otherwise,
     and speaks the Files API (upload, content, delete; `files` holds what is not deleted yet).
     Faults are scripted per remote model name, or per "files" for the Files API, one per request:
-    "429:<retry-after>", "500", "401", "400" (its message echoes the key), "drop" (the connection
-    breaks before an answer), "slow" (no answer for `slow_s`), "slow_stream" (one chunk,
+    "429:<retry-after>", "500", "401", "400" (its message echoes the key), "400:parts" (it echoes the
+    key's first 10 characters and 9 from its middle, as providers that show a key's prefix do), "drop"
+    (the connection breaks before an answer), "slow" (no answer for `slow_s`), "slow_stream" (one chunk,
     then silence), "broken" (one chunk, then the connection drops); an empty script answers normally.
     """
 
@@ -237,6 +238,10 @@ class FakeProvider:
                                      status=500)
         if step == "400":   # a careless provider that echoes the caller's key in its message
             return web.json_response({"error": {"message": f"max_tokens too large for key {self.key}"}}, status=400)
+        if step == "400:parts":
+            middle = len(self.key) // 2
+            message = f"key {self.key[:10]}... (...{self.key[middle:middle + 9]}...) may not ask for this many tokens"
+            return web.json_response({"error": {"message": message}}, status=400)
         if step == "401":
             return web.json_response({"error": {"message": "Invalid Authentication"}}, status=401)
         if step == "slow":
@@ -719,7 +724,7 @@ class FastUpstream(asyncio.Protocol):
         self.model = model
         self.events = events
         self.gap_s = gap_s
-        self.buffer = b""
+        self.buffer = bytearray()   # appended to in place: a 32 MiB body arrives in thousands of reads
         self.transport: Any = None   # an asyncio or a uvloop transport (not an asyncio.Transport subclass)
         self.busy = False
         usage = {"prompt_tokens": 9, "completion_tokens": events, "total_tokens": 9 + events}
@@ -750,8 +755,8 @@ class FastUpstream(asyncio.Protocol):
         length = int(headers.get("content-length", "0"))
         if len(self.buffer) < end + 4 + length:
             return
-        body = self.buffer[end + 4:end + 4 + length]
-        self.buffer = self.buffer[end + 4 + length:]
+        body = bytes(self.buffer[end + 4:end + 4 + length])
+        del self.buffer[:end + 4 + length]
         method, path = head[0].split(" ")[:2]
         close = headers.get("connection", "").lower() == "close"
         if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):

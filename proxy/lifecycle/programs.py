@@ -28,7 +28,7 @@ from proxy.lifecycle.replicas import Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.supervisord.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning,
                                           SupervisorClient, SupervisorError)
-from proxy.atomic_file import write_atomic
+from proxy.atomic_file import PRIVATE_MODE, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -224,24 +224,29 @@ class Programs:
         held = {i: existing[i][0] for i in wanted if i in existing}
         where = dict(self.choose(config, wanted, held)) if self.choose is not None else {}
         local_dir = self.settings.service.state_dir / "logs"
-        specs, hosts = [], []
+        specs, hosts, texts = [], [], []
         for i in wanted:
             host = self.hosts[where.get(i, LOCAL_HOST if LOCAL_HOST in self.hosts else next(iter(self.hosts)))]
             spec = launcher.launch(config, i, ports[i], self.settings.supervisor.stopwaitsecs, self.environ)
-            specs.append(on_host(spec, host.address) if host.address else spec)
+            spec = on_host(spec, host.address) if host.address else spec
+            specs.append(spec)
             hosts.append(host)
+            # Rendered before anything changes: a value it refuses (launchers.spec.UnsafeProgramValue)
+            # fails the load with no replica half added.
+            texts.append(render_replica(config.name, spec, host.log_dir or local_dir))
         added = [Replica(model=config.name, index=i, spec=spec, fullname=f"{spec.program}:{spec.program}",
                          reach=ProgramReach(spec), host=host.name) for i, spec, host in zip(wanted, specs, hosts)]
         runtime.replicas = runtime.replicas + added
         to_start: list[tuple[Replica, ProgramSpec]] = []
-        for replica, spec, host in zip(added, specs, hosts):
+        for replica, spec, host, text in zip(added, specs, hosts, texts):
             log_dir = host.log_dir or local_dir
-            text = render_replica(config.name, spec, log_dir)
             info = self.running(spec.program, host.name)
             if adopt and info is not None and all_texts.get(host.name, {}).get(spec.program) == text:
                 log.info("model %s: adopting running replica %d (pid %d) on host %s", config.name, replica.index,
                          info.pid, host.name)
                 replica.pid, replica.alive = info.pid, True
+                if host.local:   # an older version wrote it readable by all: the text stays, the mode tightens
+                    self.replica_file(config.name, replica.index).chmod(PRIVATE_MODE)
                 runtime.set_replica_state(replica, ReplicaState.STARTING)
                 continue
             # Its file elsewhere (it ran on another host before) goes first: one file per replica.
@@ -252,7 +257,7 @@ class Programs:
             if host.local:
                 path = self.replica_file(config.name, replica.index)
                 log_dir.mkdir(parents=True, exist_ok=True)
-                write_atomic(path, text)
+                write_atomic(path, text, mode=PRIVATE_MODE)
             else:
                 await host.client.call("llm_pool.writeProgram", spec.program, text)   # written and added
             to_start.append((replica, spec))

@@ -4,17 +4,21 @@ Nothing runs on this machine: starting reads the API key from the environment an
 that the provider lists the model; stopping forgets the endpoint. A request needs the caller's
 `allow_remote: true` (remote calls may cost money), is mapped to the provider's request (model
 name, thinking field, cache key opt-in, files), and is retried only before any byte of the answer
-exists. The key lives in one `Secret` whose text is masked, so no repr, log line or error can show it.
+exists. The key lives in one `Secret` whose text is masked, so no repr, log line or error can show it;
+a user and password in `remote_base_url` are taken out of the URL into a Secret of their own (Basic
+auth), so every URL the kind shows is bare, and a provider's message loses any part of either.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 import email.utils
 import json
 import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any, Mapping
+from urllib.parse import unquote, urlsplit
 
 import aiohttp
 
@@ -22,8 +26,9 @@ from proxy.lifecycle import remote_files
 from proxy.capabilities import Traits
 from proxy.errors import BackendError, Forbidden, PoolError, TooManyRequests
 from proxy.lifecycle.reach import PROXY_ONLY_FIELDS
+from proxy.masking import MASK, masked, shown_url
 from proxy.lifecycle.replicas import Replica, ReplicaState
-from proxy.lifecycle.upstream_http import Answer, UpstreamHttp
+from proxy.lifecycle.upstream_http import Answer, MalformedAnswer, UpstreamHttp
 
 if TYPE_CHECKING:
     from proxy.config import ModelConfig
@@ -53,11 +58,11 @@ class Secret:
         return self._value
 
     def scrub(self, text: str) -> str:
-        """`text` with the value masked, for provider messages passed on to clients."""
-        return text.replace(self._value, "***") if self._value else text
+        """`text` with the value, and any part of it of MIN_PART characters or more, masked."""
+        return masked(text, (self._value,))
 
     def __repr__(self) -> str:
-        return "Secret(***)"
+        return f"Secret({MASK})"
 
     __str__ = __repr__
 
@@ -93,9 +98,19 @@ class RemoteReach:
 
     def __init__(self, config: ModelConfig, key: Secret | None) -> None:
         self.model = config.name
-        self.base_url = str(config.get("remote_base_url")).rstrip("/")
+        configured = str(config.get("remote_base_url")).rstrip("/")
+        # Sent without its userinfo, as Basic auth (what aiohttp would make of it), so no URL built
+        # from base_url (requests, errors, health reasons, the admin view) can carry the password.
+        self.base_url = shown_url(configured)
         self.served_model = str(config.get("remote_model"))
         self.key = key
+        found = userinfo(configured)
+        self.basic = None if found is None else \
+            Secret("Basic " + base64.b64encode(":".join(map(unquote, found)).encode()).decode("ascii"))
+        # What a provider's message must not echo: the key, the user and password as written and decoded.
+        shown = [key.reveal()] if key is not None else []
+        shown += [*found, *map(unquote, found)] if found is not None else []
+        self.secrets = tuple(Secret(v) for v in dict.fromkeys(shown) if v)
         self.key_env = config.get("remote_api_key_env")
         self.timeout_s = float(config.get("remote_timeout_s", DEFAULT_TIMEOUT_S))
         self.max_retries = int(config.get("remote_max_retries", 0))
@@ -112,6 +127,8 @@ class RemoteReach:
         out = {"Content-Type": "application/json"} if json_body else {}
         if self.key is not None:
             out["Authorization"] = f"Bearer {self.key.reveal()}"
+        elif self.basic is not None:
+            out["Authorization"] = self.basic.reveal()
         return out
 
     def describe(self) -> dict[str, object]:
@@ -136,16 +153,17 @@ class RemoteReach:
             message = str(json.loads(raw)["error"]["message"])
         except (ValueError, KeyError, TypeError):
             message = raw.decode(errors="replace")[:500] or f"HTTP {status}"
-        if self.key is not None:
-            message = self.key.scrub(message)
+        message = masked(message, (s.reveal() for s in self.secrets))
         if status == 429:
             wait = retry_after_s(headers)
             return TooManyRequests(f"remote provider of {self.model!r} is rate limiting {what}: {message}",
                                    code="remote_rate_limited", retry_after=1.0 if wait is None else wait)
         if status in (401, 403):
-            # The client is not at fault: the configured key is.
-            return BackendError(f"remote provider of {self.model!r} refused the API key from "
-                                f"${self.key_env} (HTTP {status}) on {what}", code="remote_auth_failed")
+            # The client is not at fault: the configured key (or user and password) is.
+            refused = f"the API key from ${self.key_env}" if self.key_env else \
+                "the user and password in remote_base_url" if self.basic is not None else "a call without a key"
+            return BackendError(f"remote provider of {self.model!r} refused {refused} (HTTP {status}) on {what}",
+                                code="remote_auth_failed")
         if status >= 500:
             return BackendError(f"remote provider of {self.model!r} failed {what}: {message}")
         return BackendError(f"remote provider of {self.model!r} rejected {what}: {message}",
@@ -182,6 +200,9 @@ class RemoteReach:
             except asyncio.TimeoutError as exc:
                 raise BackendError(f"remote provider of {self.model!r} did not answer within remote_timeout_s "
                                    f"({self.timeout_s:g}s)", code="remote_timeout", status=504) from exc
+            except MalformedAnswer as exc:
+                # The provider answered, with bytes that are no answer: sending again would not help.
+                raise BackendError(f"remote provider of {self.model!r} {exc}") from exc
             except aiohttp.ClientError as exc:
                 failure: PoolError = BackendError(f"remote provider of {self.model!r} at {self.base_url} could "
                                                   f"not be reached: {why_unreachable(exc)}")
@@ -199,6 +220,17 @@ class RemoteReach:
                      self.max_retries, wait)
             await asyncio.sleep(wait)
         raise AssertionError("unreachable")
+
+
+def userinfo(url: str) -> tuple[str, str] | None:
+    """The user and password in `url` as written (percent-encoded); None without them."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    if not parts.username and not parts.password:
+        return None
+    return parts.username or "", parts.password or ""
 
 
 def why_unreachable(exc: aiohttp.ClientError) -> str:
@@ -238,6 +270,10 @@ class EndpointKind:
         if env and not self.environ.get(env):
             return [f"engine.models.{config.name}.remote_api_key_env: environment variable {env} is not set "
                     "(or empty) in the proxy's environment"]
+        if env and userinfo(str(config.get("remote_base_url"))) is not None:
+            # A request carries one Authorization header: the key's Bearer or the URL's Basic.
+            return [f"engine.models.{config.name}.remote_base_url: holds a user and password, and "
+                    "remote_api_key_env names a key too; keep one of the two"]
         return []
 
     async def start(self, runtime: ModelRuntime, config: ModelConfig) -> None:
@@ -296,7 +332,8 @@ class EndpointKind:
 
     def describe(self, config: ModelConfig) -> dict[str, object]:
         env = config.get("remote_api_key_env")
-        return {"remote": {"base_url": config.get("remote_base_url"), "model": config.get("remote_model"),
+        return {"remote": {"base_url": shown_url(str(config.get("remote_base_url"))),
+                           "model": config.get("remote_model"),
                            "api_key_env": env, "api_key_set": bool(env and self.environ.get(env)),
                            "health_check": config.get("remote_health_check", "config_only"),
                            "file_mode": config.get("remote_file_mode")}}

@@ -16,18 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import weakref
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Awaitable, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
 import httptools
-from aiohttp.client import _RequestContextManager
-from aiohttp.client_proto import ResponseHandler
-from aiohttp.client_reqrep import ConnectionKey
-from aiohttp.connector import Connection
-from aiohttp.tracing import Trace
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 # An idle connection older than this is closed rather than reused, as aiohttp's keepalive_timeout.
 KEEPALIVE_S = 15.0
@@ -36,6 +33,14 @@ KEEPALIVE_S = 15.0
 HIGH_WATER = 2 ** 17
 LOW_WATER = 2 ** 16
 MAX_LINE = 2 ** 17
+# An answer's head is bounded as aiohttp's client bounds its own (ClientSession's defaults in aiohttp
+# 3.14, client.py: max_line_size=8190, max_field_size=8190, max_headers=128): at most MAX_HEADERS
+# headers, each name and value together at most MAX_FIELD bytes, and the bytes before the body at
+# most what those allow (MAX_HEAD, every interim 1xx answer's included). httptools gathers a header
+# line whole before it hands it over, so only a count of the bytes fed bounds a line that never ends.
+MAX_FIELD = 8190
+MAX_HEADERS = 128
+MAX_HEAD = (MAX_HEADERS + 1) * (MAX_FIELD + 4)
 
 
 class Send:
@@ -101,10 +106,12 @@ class NotingConnector(aiohttp.TCPConnector):
 
     def __init__(self) -> None:
         super().__init__(limit=0, limit_per_host=0)
-        self._handed: weakref.WeakSet[ResponseHandler] = weakref.WeakSet()
+        self._handed: weakref.WeakSet[asyncio.BaseProtocol] = weakref.WeakSet()
 
-    async def connect(self, req: aiohttp.ClientRequest, traces: list[Trace],
-                      timeout: aiohttp.ClientTimeout) -> Connection:
+    # BaseConnector.connect as aiohttp documents it; its traces' and connection's classes are left
+    # unnamed, since aiohttp exports neither.
+    async def connect(self, req: aiohttp.ClientRequest, traces: list[Any],
+                      timeout: aiohttp.ClientTimeout) -> Any:
         send = SENDING.get(None)
         if send is not None:
             send.reused = False   # what counts is the request that failed (a Reach may send several)
@@ -142,10 +149,10 @@ class UpstreamHttp:
             return self.session.post(url, data=data, headers=headers, timeout=timeout)
         return self._post(target, data, headers, timeout)
 
-    def get(self, url: str, **kwargs: Any) -> _RequestContextManager:
+    def get(self, url: str, **kwargs: Any) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
         return self.session.get(url, **kwargs)
 
-    def delete(self, url: str, **kwargs: Any) -> _RequestContextManager:
+    def delete(self, url: str, **kwargs: Any) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
         return self.session.delete(url, **kwargs)
 
     async def __aenter__(self) -> "UpstreamHttp":
@@ -223,7 +230,9 @@ class UpstreamHttp:
         except TimeoutError:
             raise aiohttp.ConnectionTimeoutError(f"Connection timeout to host http://{host}:{port}") from None
         except OSError as exc:
-            raise aiohttp.ClientConnectorError(ConnectionKey(host, port, False, True, None, None, None), exc) from exc
+            # aiohttp's own error for it, whose key only a public ClientRequest builds (a refusal is rare)
+            request = aiohttp.ClientRequest("POST", URL.build(scheme="http", host=host, port=port), loop=loop)
+            raise aiohttp.ClientConnectorError(request.connection_key, exc) from exc
         return conn
 
 
@@ -231,10 +240,21 @@ def _unsafe(text: str) -> bool:
     return "\r" in text or "\n" in text
 
 
+class MalformedAnswer(aiohttp.ClientConnectionError):
+    """A replica's bytes that are not an answer to the request sent: bad framing, a head past the
+    bounds, a 101, bytes nobody asked for. Its text is the parser's or this module's, never the replica's."""
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop parsing; its text goes into MalformedAnswer."""
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to a replica: parses what arrives into the answer in flight, and
     goes back to its client's pool (`pool`, None for a one-off) when an answer ends and both ends
-    keep the connection."""
+    keep the connection. Interim (1xx) answers are read past; a 101, a head past MAX_HEAD and any
+    byte that arrives when no answer is awaited close it, so that nothing a replica sends out of turn
+    is read as the next request's answer."""
 
     transport: asyncio.Transport
 
@@ -244,6 +264,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.answer: UpstreamAnswer | None = None
         self.header_list: list[tuple[str, str]] = []
+        self.interim = False   # the message being parsed is a 1xx answer
         self.lost = False
         self.idle_since = 0.0
 
@@ -263,10 +284,21 @@ class _Connection(asyncio.Protocol):
             answer.last_data = answer.loop.time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.close()
-            answer.fail(aiohttp.ClientPayloadError(f"malformed answer: {exc}") if answer.started
-                        else aiohttp.ClientConnectionError(f"malformed answer: {exc}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            why = exc.__context__ if isinstance(exc.__context__, _Refused) else exc
+            self._malformed(answer, str(why))
+            return
+        if not answer.started:
+            # All that was fed since the request went out is head (status lines and headers).
+            answer.head_size += len(data)
+            if answer.head_size > MAX_HEAD:
+                self._malformed(answer, f"a head of more than {MAX_HEAD} bytes")
+
+    def _malformed(self, answer: UpstreamAnswer, why: str) -> None:
+        self.close()
+        # `answer` may have ended already (bytes after it): it then keeps what it got.
+        answer.fail(aiohttp.ClientPayloadError(f"malformed answer: {why}") if answer.started
+                    else MalformedAnswer(f"sent a malformed answer: {why}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -274,15 +306,34 @@ class _Connection(asyncio.Protocol):
         if answer is not None:
             answer.lost()
 
-    # httptools' callbacks
+    # httptools' callbacks (llhttp refuses a name that is not a token and a value with CR, LF, NUL
+    # or another control character, as uvicorn does; tests/proxy/lifecycle/test_hostile_upstream.py)
+    def on_message_begin(self) -> None:
+        if self.answer is None:
+            # An answer nobody asked for, in the bytes that ended the last one: the next request
+            # must not get it, so the connection goes.
+            raise _Refused("bytes after the end of an answer")
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(self.header_list) >= MAX_HEADERS:
+            raise _Refused(f"more than {MAX_HEADERS} headers")
+        if len(name) + len(value) > MAX_FIELD:
+            raise _Refused(f"a header of more than {MAX_FIELD} bytes")
         self.header_list.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
         answer = self.answer
         assert answer is not None
         headers, self.header_list = self.header_list, []
-        answer.started_with(self.parser.get_status_code(), headers)
+        status = self.parser.get_status_code()
+        if status < 200:
+            # 100 Continue, 103 Early Hints: read past, the final answer follows on the connection
+            # (as aiohttp does). A 101 would switch protocols nobody asked for.
+            if status == 101 or status < 100:
+                raise _Refused(f"status {status}")
+            self.interim = True
+            return
+        answer.started_with(status, headers)
 
     def on_body(self, body: bytes) -> None:
         answer = self.answer
@@ -290,6 +341,9 @@ class _Connection(asyncio.Protocol):
         answer.feed(body)
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         answer, self.answer = self.answer, None
         assert answer is not None
         answer.end()
@@ -316,6 +370,7 @@ class UpstreamAnswer:
         self.loop = loop
         self.keep = keep
         self.started = False
+        self.head_size = 0
         self.framed = True       # by Content-Length or chunked; else the body ends with the connection
         self.eof = False
         self.exc: BaseException | None = None

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import re
 from typing import Any, Mapping
-from urllib.parse import urlsplit, urlunsplit
 
 from launchers import launcher_for
-from proxy.config import ModelConfig
+from proxy.config import ModelConfig, override_rule
+from proxy.masking import shown_url
 
 # Field names whose values are secrets: *_api_key, *token* as a word (so `max_tokens` is not one),
 # passwords and secrets. Matched on whole `_`-separated words.
@@ -37,7 +37,7 @@ def load_constraints(model: ModelConfig, properties: Mapping[str, Any], loadable
     names = launcher.LOAD_OVERRIDES if launcher is not None else ()
     overrides = {}
     for name in names:
-        rule = properties.get(name, {})
+        rule = override_rule(properties.get(name, {}))
         types = rule.get("type", [])
         types = [types] if isinstance(types, str) else list(types)
         if "enum" in rule:
@@ -89,7 +89,7 @@ def redact_value(name: str, value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return _redact_args([redact_value(name, v) for v in value])
     if isinstance(value, str) and "://" in value:
-        return _redact_url(value)
+        return shown_url(value)   # `https://user:key@host` keeps its host, not the credentials
     return value
 
 
@@ -109,20 +109,6 @@ def _redact_args(items: list[Any]) -> list[Any]:
                 hide_next = True
         out.append(item)
     return out
-
-
-def _redact_url(value: str) -> str:
-    """A URL with credentials in it (`https://user:key@host`) keeps its host, not the credentials."""
-    try:
-        parts = urlsplit(value)
-    except ValueError:
-        return value
-    if parts.password is None and parts.username is None:
-        return value
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, f"{REDACTED}@{host}", parts.path, parts.query, parts.fragment))
 
 
 def _json_type(value: Any) -> str:

@@ -22,7 +22,8 @@ from proxy.config import Settings
 from proxy.errors import NotFound
 from proxy.serving.errors_http import ERROR_CODE, error_middleware
 from proxy.serving.forward import upstream_session
-from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, MODEL, POOL, SETTINGS, STARTED, STREAM_ERROR, VRAM
+from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, MODEL, ON_ADMIN_LISTENER, POOL, SETTINGS, STARTED,
+                                 STREAM_ERROR, VRAM)
 from proxy.serving.metrics import ProxyMetrics
 from proxy.serving.shutdown import SHUTDOWN, STOP_SIGNALS, Shutdown, shutdown_middleware
 from proxy.supervisord.orphans import PidRecord
@@ -74,14 +75,15 @@ def _error_code(request: web.Request, response: web.StreamResponse | None) -> st
 
 def admin_listener_middleware(admin_port: int) -> Any:
     """With service.admin_port, the admin API and its status page (/ui) answer on that listener only,
-    and nothing else does (but /health): a public port that never routes /v1/admin/* cannot expose
-    it by mistake."""
+    and nothing else does (but /health and /ready, which show failure reasons there only): a public
+    port that never routes /v1/admin/* cannot expose it by mistake."""
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         sockname = request.transport.get_extra_info("sockname") if request.transport else None
         on_admin = isinstance(sockname, tuple) and sockname[1] == admin_port
+        request[ON_ADMIN_LISTENER] = on_admin
         admin_path = request.path.startswith("/v1/admin/") or ui.is_ui_path(request.path)
-        if admin_path != on_admin and request.path != "/health":
+        if admin_path != on_admin and request.path not in ("/health", "/ready"):
             raise NotFound(f"no route {request.path} on this listener", code="not_found")
         return await handler(request)
     return middleware

@@ -5,7 +5,6 @@ in this order, by every public route.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
@@ -16,9 +15,8 @@ from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.replicas import ModelState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.serving.keys import FAIRNESS_KEY, MODEL, SETTINGS
+from proxy.serving.strict_json import decode
 
-# Deeper bodies are refused before anything walks them (schema checks, re-encoding recurse).
-MAX_JSON_DEPTH = 128
 # What each pass-through endpoint cannot do without (OpenAI's required parameter, and its JSON
 # types): checked here, so that a client hears OpenAI's error, not an engine's internals.
 REQUIRED: dict[str, tuple[str, tuple[type, ...], str]] = {
@@ -36,41 +34,14 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 
 
 async def read_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
-    """The request's JSON object, and the bytes it was read from (forwarded as they are where
-    nothing in them must change)."""
+    """The request's JSON object (proxy/serving/strict_json.py), and the bytes it was read from:
+    exactly those that were checked, forwarded as they are where nothing in them must change."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[SETTINGS].service.max_body_bytes
         raise TooLarge(f"request body is over the limit of {limit} bytes (service.max_body_bytes)") from None
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise _too_deep() from None
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest("request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
-    # A document cannot be nested deeper than it has brackets: most bodies need no walk at all.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
-        raise _too_deep()
-    return body, raw
-
-
-def _too_deep() -> BadRequest:
-    return BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    """Iterative, so a deep document cannot exhaust the stack while it is measured."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return False
+    return decode(raw), raw
 
 
 def requested_model(body: dict[str, Any]) -> str:

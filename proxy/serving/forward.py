@@ -17,7 +17,7 @@ from proxy.lifecycle.affinity import Wait
 from proxy.lifecycle.monitor import Monitor, process_gone
 from proxy.lifecycle.replicas import ModelState, Replica
 from proxy.lifecycle.runtime import ModelRuntime
-from proxy.lifecycle.upstream_http import SENDING, Answer, NotingConnector, Send, UpstreamHttp
+from proxy.lifecycle.upstream_http import SENDING, Answer, MalformedAnswer, NotingConnector, Send, UpstreamHttp
 from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STARTED,
                                 STREAM_ERROR)
 from proxy.serving.metrics import usage_in
@@ -154,6 +154,10 @@ class upstream:
                     monitor.report_outcome(replica, "no answer within first_byte_timeout_s")
                     raise BackendTimeout(f"{label(replica)} sent no answer within {timeouts.first_byte_s:g}s "
                                          "(first_byte_timeout_s)") from None
+                except MalformedAnswer as exc:
+                    # It answered, out of turn or out of bounds: nothing to send again, the replica's fault.
+                    monitor.report_outcome(replica, str(exc))
+                    raise BackendError(f"{label(replica)} {exc}") from exc
                 except (aiohttp.ClientError, OSError) as exc:
                     if not failed_over and process_gone(replica):
                         # Its process died with the request before any answer: nothing ran it to an

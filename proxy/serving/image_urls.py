@@ -46,14 +46,12 @@ def request_image_urls(body: dict[str, Any]) -> Iterator[tuple[str, str]]:
         yield from image_urls([{"content": body["input"]}], "input")
 
 
-async def check_image_urls(body: dict[str, Any], model: ModelConfig, raw: bytes | None = None) -> None:
+async def check_image_urls(body: dict[str, Any], model: ModelConfig) -> None:
     """Raise 400 `image_url_not_allowed`, naming the rule, for the first URL the model may not get.
 
-    `raw`, the bytes `body` was read from, spares the walk of a body that holds no image: every
-    image item names `image` (`image_url`, `input_image`), unless spelled with JSON escapes (`\\u`),
-    which are walked as well."""
-    if raw is not None and b"image" not in raw and b"\\u" not in raw:
-        return
+    It walks the parsed body, never its bytes: a scan of the bytes for `image` could read them
+    otherwise than the parser did (JSON escapes, UTF-16), and on a large body it cost more than this
+    walk of messages and content items (0.14 s for 32 MiB; the walk ~1 us)."""
     for param, url in request_image_urls(body):
         await check_url(url, model, param)
 

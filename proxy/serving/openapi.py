@@ -27,10 +27,14 @@ RESPONSE_EVENTS = ("response.created", "response.output_text.delta", "response.m
 # The statuses of each kind of route's errors, each with the error envelope; 429 and 503 with
 # Retry-After (errors.PoolError.headers). A backend's own status passes on: `default`.
 MODEL_ERRORS = (400, 403, 404, 409, 413, 429, 502, 503, 504)
-ADMIN_ERRORS = (400, 401, 404, 409, 413, 502, 503, 504)
+# Admin routes: 403 for a request from a page of another site (its Origin, or a rebinding Host),
+# 415 for a POST that is not application/json (proxy/serving/admin_guard.py).
+ADMIN_ERRORS = (400, 401, 403, 404, 409, 413, 415, 502, 503, 504)
+ADMIN_READ_ERRORS = (401, 403)
 STATUS_TEXT = {400: "the request is wrong (`param` says where)", 401: "no or a wrong admin token",
                403: "not allowed for this request", 404: "no such model or route",
                409: "the pool's state forbids it now",
+               415: "an admin POST without `Content-Type: application/json` (even with no body)",
                413: "the body is over service.max_body_bytes", 429: "queue full or waited too long",
                502: "the model server failed", 503: "not available now; come back after Retry-After",
                504: "the model server did not answer in time"}
@@ -86,33 +90,35 @@ def operations() -> tuple[Operation, ...]:
                       {"text/plain": {"schema": {"type": "string"}}}),
             Operation("get", "/openapi.json", "this document", _json({"type": "object"})),
             Operation("get", "/v1/admin/models", "every configured model: state, replicas, load constraints, "
-                      "definition (secrets redacted)", _json(schemas.admin_models()), errors=(401,), admin=True),
+                      "definition (secrets redacted)", _json(schemas.admin_models()), errors=ADMIN_READ_ERRORS,
+                      admin=True),
             Operation("post", "/v1/admin/models/{name}/load", "load (or adopt) with temporary overrides",
                       state, body=schemas.load_request(), errors=ADMIN_ERRORS, admin=True, parameters=by_name,
                       links=("scale", "unload", "logs")),
-            Operation("post", "/v1/admin/models/{name}/unload", "drain, then stop", state, errors=ADMIN_ERRORS,
-                      admin=True, parameters=by_name, links=("load",)),
+            Operation("post", "/v1/admin/models/{name}/unload", "drain, then stop", state,
+                      body=schemas.unload_request(), errors=ADMIN_ERRORS, admin=True, parameters=by_name,
+                      links=("load",)),
             Operation("post", "/v1/admin/models/{name}/scale", "change a loaded model's replica count", state,
                       body=schemas.scale_request(), errors=ADMIN_ERRORS, admin=True, parameters=by_name,
                       links=("scale", "unload", "load")),
             Operation("get", "/v1/admin/models/{name}/logs", "a replica's log through supervisord (tail or follow)",
-                      _json(schemas.logs()), errors=(400, 401, 404, 409, 503), admin=True,
+                      _json(schemas.logs()), errors=(400, *ADMIN_READ_ERRORS, 404, 409, 503), admin=True,
                       parameters=(*by_name, _query("replica", 0, 2 ** 31, "replica index (default 0)"),
                                   _query("bytes", 1, MAX_LOG_BYTES, "at most this many bytes (default 16384)"),
                                   _query("offset", 0, 2 ** 62, "what came after this offset (follow)"))),
             Operation("get", "/v1/admin/gpu-memory", "NVML readings per GPU and per replica process",
-                      _json(schemas.any_object("the GPU report")), errors=(401,), admin=True),
+                      _json(schemas.any_object("the GPU report")), errors=ADMIN_READ_ERRORS, admin=True),
             Operation("get", "/v1/admin/memory", "placement's view: budgets, what models hold, loads waiting",
-                      _json(schemas.any_object("the placer's description")), errors=(401,), admin=True),
+                      _json(schemas.any_object("the placer's description")), errors=ADMIN_READ_ERRORS, admin=True),
             Operation("get", "/v1/admin/hosts", "every host replicas may run on: whether its supervisord "
                       "answers, its devices, budgets and free memory, and its replicas",
                       _json({"type": "object", "required": ["object", "data"],
                              "properties": {"object": {"const": "list"},
                                             "data": {"type": "array", "items": {"type": "object"}}}}),
-                      errors=(401,), admin=True),
+                      errors=ADMIN_READ_ERRORS, admin=True),
             Operation("get", "/v1/admin/traffic", "the proxy's request counters per model (requests by status, "
                       "latency, time-to-first-token and queue-wait histograms), with the reading's time",
-                      _json(schemas.any_object("the counters")), errors=(401,), admin=True),
+                      _json(schemas.any_object("the counters")), errors=ADMIN_READ_ERRORS, admin=True),
             # The status page: its files need no token (the page reads the admin API with the one typed
             # into it); with service.admin_port they answer on the admin listener only.
             Operation("get", "/ui", "the status page (HTML)", {"text/html": {"schema": {"type": "string"}}}),

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from launchers import LAUNCHERS
-from proxy.config import model_properties
+from proxy.config import model_properties, override_rule
 from proxy.errors import CODES
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.serving.body import ITEMS, REQUIRED
@@ -81,12 +81,17 @@ def load_request() -> dict[str, Any]:
         "type": "object", "additionalProperties": False,
         "properties": {
             "overrides": {"type": ["object", "null"], "additionalProperties": False,
-                          "properties": {n: fields[n] for n in names},
+                          "properties": {n: override_rule(fields[n]) for n in names},
                           "description": "only the model's backend's fields (x-overrides-by-backend)",
                           "x-overrides-by-backend": by_backend},
             "replicas": {"type": "integer", "minimum": 1, "description": "at most the model's replica_max"},
         },
     }
+
+
+def unload_request() -> dict[str, Any]:
+    """POST .../unload takes no fields; like every admin POST it is sent as application/json."""
+    return {"type": "object", "additionalProperties": False, "properties": {}}
 
 
 def scale_request() -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Timeouts (per model, service defaults): `first_byte_timeout_s` bounds the wait for the answer's
 headers and then for a stream's first chunk, since a long prefill on a big model is legitimate;
-`stream_idle_timeout_s` bounds the silence between two chunks. A stream has no total timeout.
+`stream_idle_timeout_s` bounds the silence between two chunks. A stream has no total timeout; a
+non-streamed answer's body must end within `first_byte_timeout_s` of its headers, however it trickles.
 On expiry the upstream connection is closed, so the backend stops working for nobody.
 
 What the proxy holds in memory (error bodies, non-streamed answers) is bounded by
@@ -167,24 +168,32 @@ def timed_out(replica_label: str, seconds: float, setting: str) -> BackendTimeou
 
 
 async def read_capped(resp: Answer, timeouts: Timeouts, limit: int, label: str) -> bytes:
-    """The whole body of a non-streamed answer, at most `limit` bytes; the connection is closed on
-    a timeout or past the limit."""
+    """The whole body of a non-streamed answer, at most `limit` bytes, within first_byte_timeout_s
+    (a non-streamed answer's bytes come when it is done: one that trickles is held to it too) and
+    with no silence longer than stream_idle_timeout_s; the connection is closed on a timeout or past
+    the limit."""
     if resp.content_length is not None and resp.content_length > limit:
         resp.close()
         raise too_large(label, limit)
     buf = bytearray()
     idle = (timeouts.idle_s, "stream_idle_timeout_s")
     watch = ReadWatch(resp, label, idle, idle)
+    total = Deadline(timeouts.first_byte_s)
     try:
-        while True:
-            with watch:
-                chunk = await resp.content.readany()
-            if not chunk:
-                return bytes(buf)
-            buf += chunk
-            if len(buf) > limit:
-                resp.close()
-                raise too_large(label, limit)
+        with total:
+            while True:
+                with watch:
+                    chunk = await resp.content.readany()
+                if not chunk:
+                    return bytes(buf)
+                buf += chunk
+                if len(buf) > limit:
+                    resp.close()
+                    raise too_large(label, limit)
+    except TimeoutError as exc:   # this deadline's, or the client's own (a provider's remote_timeout_s)
+        resp.close()
+        why = f"within {timeouts.first_byte_s:g}s (first_byte_timeout_s)" if total.fired else f"in time: {exc}"
+        raise BackendTimeout(f"{label} did not end its answer {why}") from None
     finally:
         watch.close()
 

@@ -3,8 +3,6 @@ logs, the proxy's request counters."""
 from __future__ import annotations
 
 import asyncio
-import hmac
-import os
 from typing import Any
 
 from aiohttp import web
@@ -12,34 +10,21 @@ from aiohttp import web
 from launchers import launcher_for
 from proxy.serving.admin_view import admin_row
 from proxy.config import LOCAL_HOST, model_properties, override_problems, replicas_problem
-from proxy.errors import BadRequest, Conflict, Unauthorized, Unavailable
+from proxy.errors import BadRequest, Conflict, Unavailable
+from proxy.serving.admin_guard import admit
 from proxy.serving.body import read_json
 from proxy.lifecycle.pool import Pool
 from proxy.gpu.report import ModelSnapshot, gpu_report
-from proxy.serving.keys import METRICS, POOL, SETTINGS, VRAM
+from proxy.serving.keys import METRICS, POOL, VRAM
 from proxy.serving.traffic import traffic
 from proxy.supervisord.supervisor import SupervisorError
 
 routes = web.RouteTableDef()
 
 
-def _authorize(request: web.Request) -> None:
-    """When service.admin_token_env names a variable, admin calls need that bearer token. `serve`
-    refuses to start when it is unset or empty; should it become empty later, every call is refused."""
-    env = request.app[SETTINGS].service.admin_token_env
-    if not env:
-        return
-    token = os.environ.get(env, "").strip()
-    if not token:
-        raise Unauthorized(f"the admin API is closed: {env} is unset or empty")
-    given = request.headers.get("Authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-        raise Unauthorized("admin endpoints need `Authorization: Bearer <admin token>`")
-
-
 @routes.get("/v1/admin/models")
 async def admin_models(request: web.Request) -> web.Response:
-    _authorize(request)
+    admit(request)
     pool = request.app[POOL]
     properties = model_properties()
     rows = [admin_row(pool.describe(rt), rt.config, properties, pool.environ, loadable=rt.kind is not None,
@@ -77,7 +62,7 @@ async def _load_request(request: web.Request, name: str) -> dict[str, Any]:
 
 @routes.post("/v1/admin/models/{name}/load")
 async def admin_load(request: web.Request) -> web.Response:
-    _authorize(request)
+    admit(request)
     name = request.match_info["name"]
     pool = request.app[POOL]
     pool.get(name)
@@ -88,15 +73,18 @@ async def admin_load(request: web.Request) -> web.Response:
 
 @routes.post("/v1/admin/models/{name}/unload")
 async def admin_unload(request: web.Request) -> web.Response:
-    _authorize(request)
+    admit(request)
     pool = request.app[POOL]
+    pool.get(request.match_info["name"])   # 404 before the body is read
+    if request.can_read_body and await read_json(request):
+        raise BadRequest("an unload takes no fields: send no body or {}", code="invalid_unload_request")
     runtime = await pool.detached(pool.unload(request.match_info["name"]))
     return web.json_response(request.app[POOL].describe(runtime))
 
 
 @routes.post("/v1/admin/models/{name}/scale")
 async def admin_scale(request: web.Request) -> web.Response:
-    _authorize(request)
+    admit(request)
     pool = request.app[POOL]
     name = request.match_info["name"]
     pool.get(name)   # 404 before the body is read
@@ -109,7 +97,7 @@ async def admin_scale(request: web.Request) -> web.Response:
 
 @routes.get("/v1/admin/gpu-memory")
 async def admin_gpu_memory(request: web.Request) -> web.Response:
-    _authorize(request)
+    admit(request)
     # NVML, /proc and model file headers are blocking reads: off the event loop.
     pool = request.app[POOL]
     report = await asyncio.to_thread(gpu_report, _snapshot(pool), request.app[VRAM])
@@ -127,7 +115,7 @@ async def admin_gpu_memory(request: web.Request) -> web.Response:
 async def admin_memory(request: web.Request) -> web.Response:
     """What placement works with: each device's budget, what loaded models hold and loads in flight
     reserve, the count cap, and the loads in flight and waiting for room, in order."""
-    _authorize(request)
+    admit(request)
     return web.json_response(request.app[POOL].placer.describe())
 
 
@@ -135,7 +123,7 @@ async def admin_memory(request: web.Request) -> web.Response:
 async def admin_traffic(request: web.Request) -> web.Response:
     """The proxy's request counters per model (what /metrics exports), for a reader without
     Prometheus: the status page takes rates and quantiles from two readings."""
-    _authorize(request)
+    admit(request)
     return web.json_response(traffic(request.app[METRICS], request.app[POOL].models))
 
 
@@ -143,7 +131,7 @@ async def admin_traffic(request: web.Request) -> web.Response:
 async def admin_hosts(request: web.Request) -> web.Response:
     """Every host replicas may run on: whether its supervisord answers, its devices (a node's as it
     reported them), each limited device's budget and free memory, and the replicas it runs."""
-    _authorize(request)
+    admit(request)
     return web.json_response({"object": "list", "data": request.app[POOL].describe_hosts()})
 
 
@@ -167,7 +155,7 @@ def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) 
 async def admin_logs(request: web.Request) -> web.Response:
     """A replica's log (stdout and stderr) through supervisord: the last `bytes` bytes, or with
     `offset` what came after it; the answer's `offset` is where the next poll starts (follow)."""
-    _authorize(request)
+    admit(request)
     runtime = request.app[POOL].get(request.match_info["name"])
     if not runtime.replicas:
         raise Conflict(f"model {runtime.name!r} has no replicas to read a log from; load it first",

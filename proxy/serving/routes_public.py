@@ -11,7 +11,7 @@ from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import check_required, fairness_key, read_body, requested_model, servable
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
-from proxy.serving.keys import METRICS, POOL
+from proxy.serving.keys import METRICS, ON_ADMIN_LISTENER, POOL, SETTINGS
 from proxy.serving.shutdown import SHUTDOWN, stopping_error
 
 routes = web.RouteTableDef()
@@ -26,7 +26,7 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
     if request.path == "/v1/embeddings" and not runtime.capabilities().embeddings:
         # Without this the backend's own 501 would reach the client, after taking a slot.
         raise embeddings_unsupported(runtime)
-    await check_image_urls(body, runtime.model, raw)
+    await check_image_urls(body, runtime.model)
     return await forward(request, runtime, fairness_key(request, body), body,
                          affinity_key(runtime, request.path, request.headers, body), raw)
 
@@ -51,6 +51,15 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+REASON_ELSEWHERE = "the reason is shown on the admin listener (service.admin_port)"
+
+
+def shows_reasons(request: web.Request) -> bool:
+    """A failure's reason holds paths, commands and a replica's log tail, for admins only: with a
+    separate admin listener, only it shows them (the public one keeps the states)."""
+    return request.app[SETTINGS].service.admin_port is None or request.get(ON_ADMIN_LISTENER, False)
+
+
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
     pool = request.app[POOL]
@@ -59,10 +68,14 @@ async def health(request: web.Request) -> web.Response:
     # Stopping is still alive (200): an orchestrator that killed it then would cut the drain short.
     supervisord = pool.monitor.supervisord_status()
     status = "shutting_down" if request.app[SHUTDOWN].started else "ok" if supervisord["answering"] else "degraded"
+    reasons = shows_reasons(request)
+    if not reasons and supervisord["error"] is not None:
+        supervisord = {**supervisord, "error": REASON_ELSEWHERE}
     return web.json_response({"status": status,
                               "supervisord": supervisord,
                               "models": {name: rt.state.value for name, rt in pool.models.items()},
-                              "errors": {name: rt.last_error for name, rt in pool.models.items()
+                              "errors": {name: rt.last_error if reasons else REASON_ELSEWHERE
+                                         for name, rt in pool.models.items()
                                          if rt.state == ModelState.FAILED and rt.last_error}})
 
 
@@ -74,11 +87,12 @@ async def ready(request: web.Request) -> web.Response:
     proxy unready again)."""
     pool = request.app[POOL]
     pending = pool.startup_pending
+    reasons = shows_reasons(request)
     models = {}
     for name, rt in pool.models.items():
         if rt.config.enabled or name in pending:
             entry: dict[str, object] = {"state": rt.state.value}
-            if rt.state != ModelState.LOADED and rt.last_error and name not in pending:
+            if reasons and rt.state != ModelState.LOADED and rt.last_error and name not in pending:
                 entry["reason"] = rt.last_error
             if rt.load_retry is not None:
                 entry["load_retry"] = rt.load_retry.describe()

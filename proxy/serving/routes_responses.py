@@ -23,7 +23,7 @@ from proxy.lifecycle.replicas import ModelState
 from proxy.lifecycle.runtime import ModelRuntime
 from proxy.serving import response_metrics
 from proxy.serving.affinity_key import affinity_key
-from proxy.serving.body import fairness_key, read_body, servable
+from proxy.serving.body import fairness_key, read_json, servable
 from proxy.serving.forward import Slot, label, read_answer, upstream
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STREAM_ERROR
@@ -85,11 +85,11 @@ class _Piece:
 @routes.post("/v1/responses")
 async def responses(request: web.Request) -> web.StreamResponse:
     timer = response_metrics.Timer()
-    body, raw = await read_body(request)
+    body = await read_json(request)
     req = parse(body)
     runtime = servable(request, request.app[POOL], req.model, body)
     validate_for_model(req, runtime.model, runtime.capabilities())
-    await check_image_urls(body, runtime.model, raw)
+    await check_image_urls(body, runtime.model)
     payload = backend_request(req, runtime.model, runtime.traits, request.app[SETTINGS].decoding)
     affinity = affinity_key(runtime, request.path, request.headers, body, payload)
     request_id = request.headers.get("X-Request-Id") or f"req_{os.urandom(16).hex()}"

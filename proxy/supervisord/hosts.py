@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from proxy.config import LOCAL_HOST, HostSettings, Settings
+from proxy.masking import shown_url
 from proxy.supervisord.supervisor import ProcessInfo, SupervisorClient, SupervisorError
 
 
@@ -89,7 +90,7 @@ class Host:
 
     def describe(self) -> dict[str, Any]:
         devices: dict[str, Any] = dict(self.devices or {})
-        return {"name": self.name, "url": None if self.settings is None else self.settings.url,
+        return {"name": self.name, "url": None if self.settings is None else shown_url(self.settings.url),
                 "local": self.local, "answering": self.down_since is None,
                 "down_for_s": None if self.down_since is None else round(time.monotonic() - self.down_since, 1),
                 "error": self.error, "devices": devices}

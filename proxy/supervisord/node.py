@@ -21,7 +21,9 @@ The plugin is an attack surface, bounded so:
   shape of launchers.spec.program_name), only directly in its programs folder, at most
   MAX_PROGRAM_BYTES each, and only text that is exactly one `[program:<that name>]` section with
   the options llm-pool renders (no `user=`, no `directory=`, no `[include]`, no other section), whose
-  log file lies in its log folder. It removes only such files, and only once their group has stopped.
+  log files lie in its log folder as supervisord reads them (its parser, inline comments and
+  expansions included). It writes them readable by its own user only (they may hold API keys). It
+  removes only such files, and only once their group has stopped.
 - It reads nothing but its own folder, /proc and NVML, and returns numbers, never file contents
   other than its own program files.
 """
@@ -33,10 +35,11 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from supervisor.options import UnhosedConfigParser
 from supervisor.rpcinterface import SupervisorNamespaceRPCInterface
 from supervisor.xmlrpc import Faults, RPCError
 
-from proxy.atomic_file import write_atomic
+from proxy.atomic_file import PRIVATE_MODE, write_atomic
 from proxy.gpu.footprint import tree_gpu_bytes, tree_pss_bytes
 from proxy.gpu.report import load_nvml, read_gpus
 from proxy.supervisord.orphans import PidRecord
@@ -138,7 +141,7 @@ class NodeRPCInterface:
             raise RPCError(Faults.ALREADY_ADDED, f"{name}: remove its group before writing it again")
         path = self._path(name)
         self.programs_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, text)
+        write_atomic(path, text, mode=PRIVATE_MODE)
         self._reread()
         for config in self.supervisord.options.process_group_configs:
             if config.name == name:
@@ -187,26 +190,37 @@ class NodeRPCInterface:
         if not isinstance(text, str) or len(text.encode("utf-8")) > MAX_PROGRAM_BYTES:
             raise RPCError(Faults.INCORRECT_PARAMETERS, f"{name}: a program file is text of at most "
                                                         f"{MAX_PROGRAM_BYTES} bytes")
-        parser = configparser.RawConfigParser(inline_comment_prefixes=None, strict=True)
+        section = f"program:{name}"
+        # supervisord's own parser, so that the text is read as supervisord will read it (an inline
+        # `;` comment ends a value); strict besides: an option given twice, of which supervisord
+        # would take the last, is refused.
+        parser = UnhosedConfigParser(strict=True)
         try:
             parser.read_string(text)
         except configparser.Error as exc:
             raise RPCError(Faults.INCORRECT_PARAMETERS, f"{name}: not a supervisord section: "
                                                         f"{type(exc).__name__}") from None
-        if parser.sections() != [f"program:{name}"]:
+        if parser.sections() != [section]:
             raise RPCError(Faults.INCORRECT_PARAMETERS, f"{name}: the file must hold exactly one section, "
-                                                        f"[program:{name}]")
-        options = parser[f"program:{name}"]
-        extra = sorted(set(options) - ALLOWED_OPTIONS)
+                                                        f"[{section}]")
+        extra = sorted(set(parser.options(section)) - ALLOWED_OPTIONS)
         if extra:
             raise RPCError(Faults.INCORRECT_PARAMETERS, f"{name}: options not allowed: {', '.join(extra)}")
-        if "command" not in options:
-            raise RPCError(Faults.INCORRECT_PARAMETERS, f"{name}: no command")
-        logfile = options.get("stdout_logfile")
-        if logfile is not None:
-            where = Path(logfile.replace("%%", "%")).resolve()
-            if where.parent != self.log_dir:
-                raise RPCError(Faults.INCORRECT_PARAMETERS, f"{name}: stdout_logfile must be in {self.log_dir}")
+        # The values supervisord will use: its expansions (%(here)s, %(ENV_X)s, %%) and log file names.
+        parser.expansions = self.supervisord.options.environ_expansions
+        parser.expand_here(str(self.programs_dir))
+        try:
+            processes = self.supervisord.options.processes_from_section(parser, section, name)
+        except ValueError as exc:
+            raise RPCError(Faults.INCORRECT_PARAMETERS, f"{name}: {exc}") from None
+        for process in processes:
+            if process.directory is not None:
+                raise RPCError(Faults.INCORRECT_PARAMETERS, f"{name}: no directory may be set")
+            for option in ("stdout_logfile", "stderr_logfile"):
+                # None: no file (or stderr into stdout's); Automatic: supervisord's own childlogdir.
+                where = getattr(process, option)
+                if isinstance(where, str) and Path(where).resolve().parent != self.log_dir:
+                    raise RPCError(Faults.INCORRECT_PARAMETERS, f"{name}: {option} must be in {self.log_dir}")
 
 
 def _check_name(name: object) -> None:

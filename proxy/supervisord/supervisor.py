@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 import aiohttp
 from supervisor.xmlrpc import Faults
 
+from proxy.masking import shown_url
+
 
 class SupervisorError(Exception):
     """Any failure talking to supervisord."""
@@ -153,12 +155,13 @@ class SupervisorClient:
             async with self._client().post(self._endpoint, data=body.encode(), headers=self._headers) as resp:
                 payload = await resp.read()
                 if resp.status == 401:
-                    raise SupervisorRefused(f"supervisord at {self.url} refused the username and password ({method})")
+                    raise SupervisorRefused(f"supervisord at {shown_url(self.url)} refused the username and password "
+                                            f"({method})")
                 if resp.status != 200:
                     raise SupervisorError(f"{method}: HTTP {resp.status} from supervisord")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             await self._drop_transport()
-            raise SupervisorUnavailable(f"supervisord at {self.url} did not answer {method}: "
+            raise SupervisorUnavailable(f"supervisord at {shown_url(self.url)} did not answer {method}: "
                                         f"{type(exc).__name__}: {exc}") from exc
         try:
             (result,), _ = xmlrpc.client.loads(payload)

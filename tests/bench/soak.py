@@ -93,7 +93,7 @@ async def admin(proxy: ProxyProcess, session: aiohttp.ClientSession, rng: random
             async with session.post(base + "/scale", json={"replicas": rng.choice([1, 2])}) as resp:
                 outcomes[f"admin-scale:{resp.status}"] += 1
         elif action == "reload":
-            async with session.post(base + "/unload") as resp:
+            async with session.post(base + "/unload", json={}) as resp:
                 outcomes[f"admin-unload:{resp.status}"] += 1
             async with session.post(base + "/load", json={}) as resp:
                 outcomes[f"admin-load:{resp.status}"] += 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ProxyProcess, http, pid_alive, supervisord_shows_running, wait_for
+from helpers import ProxyProcess, http, pid_alive, sim_model, supervisord_shows_running, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -61,3 +62,18 @@ def test_external_supervisord_runs_the_models_and_outlives_the_proxy(admin_super
     assert not pid_alive(replica["pid"])          # its models are unloaded...
     assert list((home / "programs").iterdir()) == []
     assert pid_alive(supervisord_pid)             # ...but the admin's supervisord is the admin's
+
+
+def test_program_files_in_the_admins_programs_folder_are_the_proxys_users_alone(admin_supervisord, proxies) -> None:
+    # Here only the file's own mode keeps a program's environment (API keys, tokens) from others:
+    # the folder is the admin's, not the managed state folder (0700).
+    home, _conf, _pid = admin_supervisord
+    proxy = ProxyProcess({"sim": sim_model()})
+    proxy.config["supervisor"].update(mode="external", url=f"unix://{home}/admin.sock",
+                                      programs_dir=str(home / "programs"))
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxies.append(proxy)
+    proxy.start()
+    proxy.wait_state("sim", "loaded")
+    (program,) = (home / "programs").glob("*.conf")
+    assert stat.S_IMODE(program.stat().st_mode) == 0o600

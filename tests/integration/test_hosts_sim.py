@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import xmlrpc.client
@@ -74,6 +75,25 @@ def test_the_plugin_refuses_a_wrong_password_and_names_that_are_not_llm_pools(no
     assert list((node.state / "programs").iterdir()) == []
     devices = node.rpc().llm_pool.getDevices()
     assert devices["cpu"]["total_bytes"] > 0
+
+
+def test_the_plugin_reads_a_program_as_supervisord_does_and_writes_it_for_its_user_alone(nodes: list[Node]) -> None:
+    node = Node("a", "pa").start()
+    nodes.append(node)
+    log_dir = node.rpc().llm_pool.getInfo()["log_dir"]
+    name = "tiny-0123abcd-r0"
+    # supervisord ends the value at ` ;` (an inline comment) and logs to /tmp/elsewhere.log; the
+    # whole line, read as a path, resolves back into the node's log folder.
+    for logfile in (f"/tmp/elsewhere.log ;/../..{log_dir}/{name}.log", f"/tmp/elsewhere.log #/../..{log_dir}/x.log"):
+        with pytest.raises(xmlrpc.client.Fault) as refused:
+            node.rpc().llm_pool.writeProgram(name, f"[program:{name}]\ncommand=/bin/true\nstdout_logfile={logfile}\n")
+        assert refused.value.faultCode == 2 and "stdout_logfile must be in" in refused.value.faultString, logfile
+    assert list((node.state / "programs").iterdir()) == []
+    text = f"[program:{name}]\ncommand=/bin/true\nautostart=false\nstdout_logfile={log_dir}/{name}.log\n"
+    assert node.rpc().llm_pool.writeProgram(name, text) is True
+    (written,) = (node.state / "programs").iterdir()
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600   # a program's environment may hold keys
+    assert node.rpc().llm_pool.removeProgram(name) is True
 
 
 def test_a_model_goes_to_the_host_with_room_and_one_that_fits_nowhere_is_refused_with_the_numbers(

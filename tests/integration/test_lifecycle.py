@@ -100,7 +100,8 @@ def test_an_unload_whose_client_leaves_still_finishes(proxies) -> None:
     stream.start()
     assert started.wait(60)
     # The drain waits for the stream; the admin's client gives up long before.
-    req = urllib.request.Request(proxy.url + "/v1/admin/models/sim/unload", data=b"", method="POST")
+    req = urllib.request.Request(proxy.url + "/v1/admin/models/sim/unload", data=b"", method="POST",
+                                 headers={"Content-Type": "application/json"})
     with pytest.raises(OSError):
         urllib.request.urlopen(req, timeout=0.5)
     model = proxy.wait_state("sim", "unloaded")

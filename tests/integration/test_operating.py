@@ -136,13 +136,19 @@ def test_admin_view_logs_and_gpu_memory_through_ctl(start_proxy, llama_model, pr
     assert dead.returncode == 3 and "no answer" in dead.stderr
 
 
+def _default_sigint() -> None:
+    # A shell without job control starts background commands with SIGINT ignored, and Python keeps
+    # an ignored SIGINT ignored: the follow would then never see the Ctrl-C this test sends.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_logs_follow_prints_what_the_replica_writes(start_proxy, llama_model) -> None:
     proxy = start_proxy({"tiny": llama_model()})
     proxy.wait_state("tiny", "loaded")
     env = {**os.environ, "LLM_POOL_LOCAL_SETTINGS_PATH": str(proxy.state_dir / "no-local.yaml")}
     follow = subprocess.Popen([sys.executable, "-m", "proxy.cli", "--config", str(proxy.config_path), "ctl", "logs",
                                "tiny", "--bytes", "200", "--follow"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              text=True)
+                              text=True, preexec_fn=_default_sigint)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(follow.stdout.readline, "")), daemon=True)
     reader.start()
@@ -235,3 +241,16 @@ def test_ctl_sends_the_admin_token_from_the_variable_the_settings_name(proxies) 
     allowed = ctl(proxy, "models", env={"LLM_POOL_TEST_CTL_TOKEN": "ctl-token-for-tests"})
     assert allowed.returncode == 0 and "sim" in allowed.stdout
     assert "ctl-token-for-tests" not in allowed.stdout + allowed.stderr
+
+
+def test_ctl_load_scale_and_unload_are_json_posts_the_admin_api_takes(proxies) -> None:
+    # The admin API refuses a POST that is not application/json (415), an unload's with no body too.
+    proxy = ProxyProcess({"sim": {"backend": "sim", "enabled": False, "replica_max": 2}})
+    proxies.append(proxy)
+    proxy.start()
+    for argv, state, replicas in ((("load", "sim"), "loaded", 1), (("scale", "sim", "2"), "loaded", 2),
+                                  (("unload", "sim"), "unloaded", 0)):
+        done = ctl(proxy, *argv)
+        assert done.returncode == 0, done.stderr
+        model = proxy.admin_model("sim")
+        assert (model["state"], len(model["replicas"])) == (state, replicas), argv

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 
 from fakes import FakeProvider
-from helpers import ProxyProcess, http, wait_for
+from helpers import ProxyProcess, free_port, http, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -23,6 +23,8 @@ KEY = "sk-fake-SECRET-7f3a91c2d4"
 WRONG = "sk-wrong-SECRET-000000"
 PDF = "data:application/pdf;base64," + base64.b64encode(b"%PDF-1.4 the annual report").decode()
 FILE_ITEM = {"type": "file", "file": {"filename": "report.pdf", "file_data": PDF}}
+# A user and password in remote_base_url (a provider behind Basic auth).
+USER, PASSWORD = "pool-user", "pw-SECRET-51b7e0c3"
 
 
 def remote(upstream: str, **fields: Any) -> dict[str, Any]:
@@ -45,7 +47,13 @@ MODELS = {
     "wrong-key": remote("gpt-wrong-key", remote_api_key_env="WRONG_PROVIDER_KEY"),
     "keyless": remote("gpt-keyless", remote_api_key_env="UNSET_PROVIDER_KEY", enabled=False),
     "unlisted": remote("not-offered", remote_health_check="models", enabled=False),
+    # Credentials in the URL, no key: at the fake (which wants its key) or where nothing listens.
+    "basic-auth": remote("gpt-basic", remote_api_key_env=None),
+    "basic-closed": remote("gpt-closed", remote_api_key_env=None),
+    "basic-unreachable": remote("gpt-closed", remote_api_key_env=None, remote_health_check="models", enabled=False),
 }
+# Where each credentialed model points; the fixture fills in the host.
+IN_URL = {"basic-auth": "fake", "basic-closed": "closed", "basic-unreachable": "closed"}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +65,9 @@ def fake() -> Iterator[FakeProvider]:
 
 @pytest.fixture(scope="module")
 def proxy(fake: FakeProvider) -> Iterator[ProxyProcess]:
-    models = {name: {**cfg, "remote_base_url": fake.url} for name, cfg in MODELS.items()}
+    hosts = {"fake": f"127.0.0.1:{fake.port}", "closed": f"127.0.0.1:{free_port()}"}
+    models = {name: {**cfg, "remote_base_url": f"http://{USER}:{PASSWORD}@{hosts[IN_URL[name]]}/v1"
+                     if name in IN_URL else fake.url} for name, cfg in MODELS.items()}
     proc = ProxyProcess(models, service={"log_level": "debug"})
     proc.env = {"FAKE_PROVIDER_KEY": KEY, "WRONG_PROVIDER_KEY": WRONG, "UNSET_PROVIDER_KEY": ""}
     try:
@@ -179,6 +189,45 @@ def test_the_key_never_shows_in_the_log_admin_metrics_or_errors(proxy: ProxyProc
     for secret in (KEY, WRONG):
         assert secret not in text
         assert secret not in log
+
+
+def key_parts(secret: str, text: str) -> list[str]:
+    """Every run of 8 characters of `secret` that `text` holds."""
+    return [secret[i:i + 8] for i in range(len(secret) - 7) if secret[i:i + 8] in text]
+
+
+def test_no_part_of_the_key_a_provider_echoes_reaches_the_client(proxy: ProxyProcess, fake: FakeProvider) -> None:
+    fake.script("gpt-no-retry", "400:parts")
+    status, _, answer = http("POST", proxy.url + "/v1/chat/completions", chat("no-retry"))
+    assert status == 400 and "may not ask for this many tokens" in answer["error"]["message"]
+    assert "key ***... (...***...)" in answer["error"]["message"]
+    assert key_parts(KEY, json.dumps(answer)) == []
+    assert key_parts(KEY, proxy.log_path.read_text(errors="replace")) == []
+
+
+def test_credentials_in_the_base_url_never_show(proxy: ProxyProcess, fake: FakeProvider) -> None:
+    status, _, answer = http("POST", proxy.url + "/v1/chat/completions", chat("basic-closed"))
+    assert status == 502 and "could not be reached: connection refused" in answer["error"]["message"]
+    status, _, load = http("POST", proxy.url + "/v1/admin/models/basic-unreachable/load")
+    assert status == 502 and load["error"]["code"] == "model_load_failed"
+    assert "/v1/models failed: connection refused" in load["error"]["message"]
+    model = proxy.admin_model("basic-closed")
+    assert model["remote"]["base_url"] == model["replicas"][0]["endpoint"] == \
+        proxy.config["engine"]["models"]["basic-closed"]["remote_base_url"].replace(f"{USER}:{PASSWORD}@", "")
+    health = http("GET", proxy.url + "/health")[2]
+    assert "basic-unreachable" in health["errors"]   # the failed load's reason, with the URL it tried
+    seen = [answer, load, health] + [http("GET", proxy.url + path)[2] for path in ("/v1/admin/models", "/ready")]
+    for text in (json.dumps(seen), proxy.log_path.read_text(errors="replace")):
+        assert key_parts(PASSWORD, text) == [] and f"{USER}:" not in text
+
+
+def test_credentials_in_the_base_url_go_as_basic_auth(proxy: ProxyProcess, fake: FakeProvider) -> None:
+    status, _, answer = http("POST", proxy.url + "/v1/chat/completions", chat("basic-auth"))
+    # The fake wants its Bearer key, so it refuses; what matters is what it was sent.
+    assert status == 502 and answer["error"]["code"] == "remote_auth_failed"
+    assert "remote_base_url" in answer["error"]["message"]
+    basic = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+    assert [r["authorization"] for r in fake.received()] == [basic]
 
 
 def test_supervisord_and_its_programs_never_get_the_keys(proxy: ProxyProcess) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from launchers import ct2, exllamav3, launcher_for, llama_cpp
 from launchers.spec import render_replica
-from proxy.config import REPO_ROOT, ConfigError, ModelConfig, load_settings
+from proxy.config import REPO_ROOT, ConfigError, ModelConfig, load_settings, model_properties
 
 GOLDEN = Path(__file__).parent / "golden"
 EXAMPLES = REPO_ROOT / "conf" / "examples" / "in-process.yaml"
@@ -51,6 +51,16 @@ def test_compute_type_defaults_to_int8_and_flash_attn_bools_map_to_on_off(seed_m
     gguf = seed_models["some-gguf-model"].with_overrides({"gguf_flash_attn": False, "gguf_type_k": "q8_0"})
     args = llama_cpp.argv(gguf, "127.0.0.1", 1, 15)
     assert args[args.index("--flash-attn") + 1] == "off" and args[args.index("--type-k") + 1] == "q8_0"
+
+
+def test_the_compute_types_a_load_may_pick_are_exactly_those_ctranslate2_parses() -> None:
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    allowed = [v for v in model_properties()["compute_type"]["enum"] if v is not None]
+    for value in [*allowed, "int3"]:
+        # CTranslate2 parses the compute type before it opens the model.
+        with pytest.raises((RuntimeError, ValueError)) as failed:
+            ctranslate2.Generator("/nonexistent-model", compute_type=value)
+        assert ("Invalid compute type" in str(failed.value)) == (value == "int3"), value
 
 
 def test_check_names_a_missing_model_a_missing_interpreter_and_a_missing_engine(tmp_path: Path,

@@ -10,7 +10,7 @@ import pytest
 
 from launchers import launcher_for, vllm_serve
 from launchers.spec import render_replica
-from proxy.config import ModelConfig
+from proxy.config import ModelConfig, model_properties
 from seed_vllm_examples import SEED_EXAMPLES
 
 HERE = Path(__file__).parent
@@ -240,6 +240,15 @@ def test_speculative_values_exist_in_the_pinned_vllm() -> None:
     assert {"method", "model", "moe_backend", "attention_backend", "num_speculative_tokens"} == \
         {key for _, key in vllm_serve.SPECULATIVE_KEYS}
     assert "triton" in ENUMS["moe_backend"] and "triton_attn" in ENUMS["attention_backend"]
+
+
+def test_the_schema_allows_exactly_the_values_the_pinned_vllm_accepts() -> None:
+    # What a load override may pick (conf/schema.json), from what this vLLM declares.
+    schema = model_properties()
+    for field, key in vllm_serve.SPECULATIVE_KEYS:
+        if key in ENUMS:
+            assert schema[field]["enum"] == [*ENUMS[key], None], field
+    assert schema["vllm_kv_cache_dtype"]["enum"] == [*vllm_serve.KV_CACHE_DTYPES, None]
 
 
 def test_the_max_num_seqs_flag_the_warning_reads_exists() -> None:

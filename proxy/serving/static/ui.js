@@ -67,7 +67,12 @@
   async function api(method, path, body) {
     const headers = {};
     if (state.token) headers.Authorization = `Bearer ${state.token}`;
-    if (body !== undefined) headers["Content-Type"] = "application/json";
+    // Every admin POST is JSON, an unload's too ({}): the API refuses any other type (415), which is
+    // what a page of another site could send it.
+    if (method === "POST") {
+      headers["Content-Type"] = "application/json";
+      if (body === undefined) body = {};
+    }
     let response;
     try {
       // Relative to /ui, so the page works under a reverse proxy's prefix too.

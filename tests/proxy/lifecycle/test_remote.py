@@ -3,6 +3,7 @@ rules; and that the supervisord monitor leaves endpoint replicas alone."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import email.utils
 import json
 import time
@@ -102,6 +103,36 @@ def test_provider_errors_as_the_client_sees_them() -> None:
     assert (failed.status, failed.code) == (502, "backend_error") and "down, ***" in failed.message
     bad = r.error(400, b'{"error": {"message": "max_tokens too large"}}', {}, "the request")
     assert bad.status == 400 and "max_tokens too large" in bad.message
+
+
+def test_a_provider_echoing_parts_of_the_key_shows_none_of_them() -> None:
+    # KEY is 19 characters: its first 10 and 9 from its middle, as providers that show a prefix do.
+    raw = json.dumps({"error": {"message": f"key {KEY[:10]}... ({KEY[5:14]}) may not use max_tokens 9999"}})
+    message = reach().error(400, raw.encode(), {}, "the request").message
+    assert "key ***... (***) may not use max_tokens 9999" in message
+    assert not any(KEY[i:i + 8] in message for i in range(len(KEY) - 7))
+
+
+def test_credentials_in_the_base_url_become_basic_auth_and_show_nowhere() -> None:
+    cfg = config(remote_base_url="https://pool-user:p%40ss-SECRET-42@api.example.com/v1/", remote_api_key_env=None)
+    r = RemoteReach(cfg, None)
+    assert r.base_url == "https://api.example.com/v1" and r.describe() == {"endpoint": "https://api.example.com/v1"}
+    assert r.url("/v1/chat/completions") == "https://api.example.com/v1/chat/completions"
+    basic = "Basic " + base64.b64encode(b"pool-user:p@ss-SECRET-42").decode()
+    assert r.headers()["Authorization"] == basic and "pool-user" not in repr(vars(r))
+    kind = EndpointKind(http=None, environ={})  # type: ignore[arg-type]
+    assert kind.describe(cfg)["remote"]["base_url"] == "https://api.example.com/v1/"  # type: ignore[index]
+    assert kind.check(cfg) == []
+    # A provider echoing the password, as written or decoded, or a part of it.
+    raw = b'{"error": {"message": "no user pool-user:p@ss-SECRET-42 (p%40ss-SECR)"}}'
+    assert r.error(400, raw, {}, "the request").message.endswith("no user ***:*** (***)")
+
+
+def test_a_key_and_credentials_in_the_url_are_refused_together() -> None:
+    # One Authorization header carries either the Bearer key or the URL's Basic auth, never both.
+    kind = EndpointKind(http=None, environ={"EXAMPLE_API_KEY": KEY})  # type: ignore[arg-type]
+    (problem,) = kind.check(config(remote_base_url="https://u:p@api.example.com/v1"))
+    assert "remote_base_url" in problem and "remote_api_key_env" in problem and "u:p" not in problem
 
 
 def test_a_missing_key_variable_is_named_never_valued() -> None:

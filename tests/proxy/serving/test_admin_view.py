@@ -50,6 +50,7 @@ def test_an_object_override_carries_its_properties(tmp_path: Path) -> None:
     overrides = load_constraints(model, model_properties(), True)["overrides"]
     assert list(overrides) == list(sim.LOAD_OVERRIDES)
     assert overrides["sim"]["type"] == ["object"] and "max_seqs" in overrides["sim"]["properties"]
+    assert "python" not in overrides["sim"]["properties"]   # config-only: a load cannot pick the interpreter
 
 
 def test_a_backend_this_version_cannot_run_offers_no_overrides(tmp_path: Path, monkeypatch) -> None:
@@ -86,7 +87,7 @@ def test_definition_shows_metadata_and_redacts_secrets(tmp_path: Path) -> None:
 
     remote = definition(model["r"], environ={"TEST_REMOTE_KEY": "sk-remote-000"})
     assert remote["fields"]["remote_api_key_env"] == {"variable": "TEST_REMOTE_KEY", "set": True}
-    assert remote["fields"]["remote_base_url"] == f"https://{REDACTED}@api.example.com/v1"
+    assert remote["fields"]["remote_base_url"] == "https://api.example.com/v1"
     assert "sk-remote-000" not in json.dumps(remote) and "pw-789" not in json.dumps(remote)
     assert definition(model["r"], environ={})["fields"]["remote_api_key_env"]["set"] is False
 

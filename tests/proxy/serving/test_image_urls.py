@@ -75,26 +75,14 @@ async def test_responses_input_items_are_checked_too() -> None:
     assert err.param == "input.0.content.0.image_url"
 
 
-async def test_the_raw_bytes_spare_no_check_of_a_body_that_holds_an_image() -> None:
-    body = chat("http://127.0.0.1/x.png")
-    await refused_with_raw(body, json.dumps(body).encode())
-
-
-async def test_an_image_item_spelled_with_json_escapes_is_still_checked() -> None:
-    # `\u0069mage_url` decodes to image_url, but its bytes do not say "image": the raw pre-test
-    # must not take such a body for one without images.
+async def test_an_image_item_spelled_with_json_escapes_is_checked() -> None:
+    # `\u0069mage_url` decodes to image_url, though its bytes do not say "image": the check reads
+    # the parsed body, not the bytes.
     raw = (b'{"model": "vision", "messages": [{"role": "user", "content": [{"type": "\\u0069mage_url", '
            b'"\\u0069mage_url": {"url": "http://169.254.169.254/latest"}}]}]}')
     assert b"image" not in raw
-    await refused_with_raw(json.loads(raw), raw)
+    await refused(json.loads(raw), model())
 
 
-async def test_a_body_without_images_passes_with_its_raw_bytes() -> None:
-    body = {"model": "vision", "messages": [{"role": "user", "content": "hi"}]}
-    await check_image_urls(body, model(), json.dumps(body).encode())
-
-
-async def refused_with_raw(body: dict[str, Any], raw: bytes) -> None:
-    with pytest.raises(BadRequest) as info:
-        await check_image_urls(body, model(), raw)
-    assert info.value.code == "image_url_not_allowed" and info.value.status == 400
+async def test_a_body_without_images_passes() -> None:
+    await check_image_urls({"model": "vision", "messages": [{"role": "user", "content": "hi"}]}, model())

@@ -9,7 +9,7 @@ import pytest
 
 from fakes import FakeSSEResponse
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable
-from proxy.serving.body import MAX_JSON_DEPTH, _deeper_than
+from proxy.serving.strict_json import MAX_DEPTH, _deeper_than
 from proxy.serving.relay import KNOWN_BACKEND_CODES, Timeouts, backend_error, sse_data
 
 
@@ -74,8 +74,8 @@ def test_depth_is_measured_without_recursion() -> None:
     deep: object = "leaf"
     for _ in range(50_000):
         deep = [deep]
-    assert _deeper_than({"a": deep}, MAX_JSON_DEPTH)
-    assert not _deeper_than({"messages": [{"content": [{"type": "text"}]}]}, MAX_JSON_DEPTH)
+    assert _deeper_than({"a": deep}, MAX_DEPTH)
+    assert not _deeper_than({"messages": [{"content": [{"type": "text"}]}]}, MAX_DEPTH)
 
 
 

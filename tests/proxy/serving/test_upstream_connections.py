@@ -19,18 +19,14 @@ import pytest
 from aiohttp import web
 
 from fakes import FakeLlamaServerHTTP, FakeSupervisor
+from in_process import in_rotation, serve_routes
 from launchers import llama_server
 from proxy.config import load_settings
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.reach import ProgramReach
-from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+from proxy.lifecycle.replicas import Replica, ReplicaState
 from proxy.lifecycle.upstream_http import UpstreamHttp
-from proxy.serving import routes_public, routes_responses
-from proxy.serving.app import metrics_middleware
-from proxy.serving.errors_http import error_middleware
 from proxy.serving.forward import upstream_session
-from proxy.serving.keys import HTTP, METRICS, POOL, SETTINGS
-from proxy.serving.metrics import ProxyMetrics
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -64,27 +60,13 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Proxy]]
             settings = load_settings(tmp_path / "pool.yaml")
             http = await stack.enter_async_context(upstream_session())
             pool = Pool(settings, FakeSupervisor(), http, environ={})  # type: ignore[arg-type]
-            runtime = pool.models["m"]
-            runtime.state = ModelState.LOADED
             specs = [llama_server.launch(settings.models["m"], i, fake.port, 5, {}) for i, fake in enumerate(fakes)]
             # Alive processes (this one's PID): a replica whose process is gone is another rule's case.
-            runtime.replicas = [Replica(model="m", index=i, spec=spec, fullname=f"m:r{i}", pid=os.getpid(),
-                                        reach=ProgramReach(spec)) for i, spec in enumerate(specs)]
-            for replica in runtime.replicas:
-                runtime.set_replica_state(replica, ReplicaState.STARTING)
-                runtime.set_replica_state(replica, ReplicaState.READY)
-
-            app = web.Application(middlewares=[metrics_middleware, error_middleware])
-            app[SETTINGS], app[POOL], app[HTTP], app[METRICS] = settings, pool, http, ProxyMetrics()
-            app.add_routes(routes_public.routes)
-            app.add_routes(routes_responses.routes)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            stack.push_async_callback(runner.cleanup)
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            port = runner.addresses[0][1]
+            in_rotation(pool, "m", [Replica(model="m", index=i, spec=spec, fullname=f"m:r{i}", pid=os.getpid(),
+                                            reach=ProgramReach(spec)) for i, spec in enumerate(specs)])
+            url = await serve_routes(stack, settings, pool, http)
             client = await stack.enter_async_context(aiohttp.ClientSession())
-            out = Proxy(f"http://127.0.0.1:{port}", client, runtime.replicas, fakes)
+            out = Proxy(url, client, pool.models["m"].replicas, fakes)
             out.http = http   # the app's upstream client, whose session the monitor's probes use
             return out
         yield start

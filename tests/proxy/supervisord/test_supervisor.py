@@ -10,9 +10,10 @@ from typing import AsyncIterator
 import pytest
 import yaml
 
-from helpers import pid_alive
+from helpers import free_port, pid_alive
 from proxy.supervisord import managed
-from proxy.config import Settings, load_settings
+from proxy.config import HostSettings, Settings, load_settings
+from proxy.supervisord.hosts import Host
 from proxy.supervisord.supervisor import BadName, NotRunning, ProcessState, SupervisorClient, SupervisorUnavailable
 
 PROGRAM = """[group:g]
@@ -90,3 +91,15 @@ async def test_unanswered_socket_is_unavailable(tmp_path: Path) -> None:
     with pytest.raises(SupervisorUnavailable):
         await client.get_pid()
     await client.close()
+
+
+async def test_an_unanswered_node_is_named_without_its_credentials() -> None:
+    url = f"http://pool:node-SECRET-pw@127.0.0.1:{free_port()}"   # nothing listens there
+    client = SupervisorClient(url, timeout=1)
+    with pytest.raises(SupervisorUnavailable) as info:
+        await client.get_pid()
+    await client.close()
+    assert "supervisord at http://127.0.0.1:" in str(info.value) and "node-SECRET-pw" not in str(info.value)
+    host = Host(name="n", client=client, log_dir=None,
+                settings=HostSettings(name="n", url=url, username="pool", password_env="X", address="127.0.0.1"))
+    assert host.describe()["url"] == url.replace("pool:node-SECRET-pw@", "")
