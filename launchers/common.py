@@ -61,6 +61,16 @@ def model_file_problems(where: str, key: str, value: Any, judge: Callable[[Path]
     return [f"{where}.{key}: {problem}"] if problem else []
 
 
+def managed_flag_problem(where: str, given: str, flag: str, field: str | None, engine: str) -> str:
+    """An extra argument `given` that sets `flag` again, which llm-pool sets from `field` (None: for
+    itself): the engine keeps the last one given, so the field would be silently lost."""
+    shown = given if given == flag else f"{given} ({flag})"
+    if field is None:
+        return f"{where}: {shown} is set by llm-pool itself, and {engine} keeps the last one given; remove it"
+    return (f"{where}: {shown} is set by llm-pool from {field}, and {engine} keeps the last one given, so one "
+            f"of the two would be silently lost; set {field} instead")
+
+
 def shim_env(model: ModelConfig, library_field: str | None,
              environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """library_env plus PYTHONPATH naming llm-pool's own source tree.

@@ -14,10 +14,11 @@ import difflib
 import os
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Mapping
 
-from launchers.common import gguf_problem, library_env, model_file_problems
+from launchers.common import gguf_problem, library_env, managed_flag_problem, model_file_problems
 from launchers.gguf_header import declared_pooling
 from launchers.llama_help import HelpUnavailable, Option, choices, help_text, options
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
@@ -42,6 +43,14 @@ FLAGS = (
 )
 # Switches: the flag is given when the field is true.
 SWITCHES = (("llama_server_embeddings", "--embeddings"),)
+# The field behind each flag argv gives besides FLAGS and SWITCHES (None: llm-pool sets it for
+# itself), named when llama_server_extra_args gives one again. Which flags a model's argv gives is
+# read from argv itself (managed_flags), so a flag added there is caught without an edit here.
+FIXED_FLAGS: dict[str, str | None] = {
+    "--model": "model_path", "--host": "llama_server_host", "--port": "llama_server_port", "--alias": None,
+    "--parallel": "target_inflight", "--metrics": None, "--no-webui": None, "--ctx-size": "llama_server_n_ctx",
+    "--kv-unified": "llama_server_n_ctx", "--reasoning": "enable_thinking",
+}
 # Fields whose value must be one the binary lists for the flag; checked against the binary's --help.
 ENUM_FIELDS = (("llama_server_flash_attn", "--flash-attn"), ("llama_server_spec_type", "--spec-type"),
                ("llama_server_reasoning", "--reasoning-format"), ("llama_server_pooling", "--pooling"))
@@ -122,13 +131,30 @@ def option_problems(model: ModelConfig) -> list[str]:
         if refused:
             problems.append(f"engine.models.{model.name}.{key}: {model.get(key)!r} is not accepted by {exe} "
                             f"({flag} {', '.join(refused)}); it accepts: {', '.join(sorted(accepted or ()))}")
-    return problems + extra_args_problems(f"engine.models.{model.name}.llama_server_extra_args", extra, exe, known)
+    return problems + extra_args_problems(f"engine.models.{model.name}.llama_server_extra_args", extra, exe, known,
+                                          managed_flags(model, known))
 
 
-def extra_args_problems(where: str, extra: list[str], exe: str, known: Mapping[str, Option]) -> list[str]:
+def managed_flags(model: ModelConfig, known: Mapping[str, Option]) -> dict[str, tuple[str, str | None]]:
+    """Each flag llm-pool's own argv gives this model, under every name the binary has for it (`-c`
+    is `--ctx-size`): the flag as argv gives it, and the field behind it."""
+    fields = {**FIXED_FLAGS, **{flag: key for key, flag in FLAGS + SWITCHES}}
+    own = argv(replace(model, options={**model.options, "llama_server_extra_args": []}), "127.0.0.1", 0)
+    managed: dict[str, tuple[str, str | None]] = {}
+    for flag in own[1:]:
+        if re.match(r"--?[A-Za-z]", flag):
+            option = known.get(flag)
+            managed.update((name, (flag, fields.get(flag))) for name in (option.flags if option else (flag,)))
+    return managed
+
+
+def extra_args_problems(where: str, extra: list[str], exe: str, known: Mapping[str, Option],
+                        managed: Mapping[str, tuple[str, str | None]] | None = None) -> list[str]:
     """Options of `llama_server_extra_args` the binary does not have: it would exit at start with
-    `invalid argument`. Each option's values (as many as its --help hint names) are skipped, so a
-    value such as `-1` is never taken for an option; a stray value is left to llama-server."""
+    `invalid argument`; and options `managed` (managed_flags) says llm-pool gives already, which
+    llama-server would take from the extra argument, the last one given. Each option's values (as
+    many as its --help hint names) are skipped, so a value such as `-1` is never taken for an
+    option; a stray value is left to llama-server."""
     problems = []
     i = 0
     while i < len(extra):
@@ -137,13 +163,19 @@ def extra_args_problems(where: str, extra: list[str], exe: str, known: Mapping[s
         if not re.match(r"--?[A-Za-z]", arg):
             continue
         option = known.get(arg)
+        name, _, value = arg.partition("=")
+        if managed and name in managed:
+            problems.append(managed_flag_problem(where, name, *managed[name], "llama-server"))
+            i += option.nargs if option is not None else 0
+            continue
         if option is not None:
             i += option.nargs
             continue
-        name, _, value = arg.partition("=")
         if value and name in known:
             # The pinned build reads `--threads 8` and refuses `--threads=8`.
-            problems.append(f"{where}: {exe} does not read {arg}; give the value as the next item: {name}, {value}")
+            # The value is not repeated: it may be a secret (`--api-key=...`).
+            problems.append(f"{where}: {exe} does not read {name}=<value>; give the value as the next item: "
+                            f"{name}, <value>")
             continue
         same_kind = [flag for flag in known if flag.startswith("--") == arg.startswith("--")]
         close = difflib.get_close_matches(arg, same_kind, n=1, cutoff=0.8)

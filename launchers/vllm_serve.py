@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+from dataclasses import replace
 from typing import Any, Mapping
 
 from pathlib import Path
 
-from launchers.common import library_env, model_file_problems
+from launchers.common import library_env, managed_flag_problem, model_file_problems
 from launchers.gguf_header import is_gguf
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.capabilities import Traits
@@ -64,6 +66,19 @@ METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_r
                         kv_cache="vllm:kv_cache_usage_perc")
 # Blackwell with an older CUDA toolkit: flashinfer's JIT sampler targets an unsupported architecture.
 FLASHINFER_SAMPLER = "VLLM_USE_FLASHINFER_SAMPLER"
+# The field behind each flag argv gives besides FLAGS and JSON_FLAGS (None: llm-pool sets it for
+# itself), named when vllm_serve_extra_args gives one again; which flags a model's argv gives is
+# read from argv itself (managed_flags). ALWAYS are managed whatever argv gives: `--model` is the
+# positional model, and the proxy sends vllm_serve_api_key, so an `--api-key` of its own locks it out.
+FIXED_FLAGS: dict[str, str | None] = {
+    "--model": "vllm_model", "--host": "vllm_serve_host", "--port": PORT_FIELD, "--served-model-name": None,
+    "--trust-remote-code": "vllm_trust_remote_code", "--speculative-config": "vllm_speculative_method",
+    "--api-key": "vllm_serve_api_key",
+}
+ALWAYS = ("--model", "--api-key")
+# Other names the pinned vLLM has for a flag argv gives (its --help; tests/launchers checks them).
+ALIASES = {"--tensor-parallel-size": ("-tp",), "--gpu-memory-utilization": ("--device-memory-utilization",),
+           "--speculative-config": ("-sc",), "--trust-remote-code": ("--no-trust-remote-code",)}
 
 
 def binary(model: ModelConfig) -> str:
@@ -111,10 +126,26 @@ def option_problems(model: ModelConfig) -> list[str]:
         if backends:
             problems.append(f"{where}.{backends[0]}: {', '.join(backends)} configure the target's own MTP "
                             f"(method 'mtp'), not method {method!r}; the methods are never mixed")
-    if set_fields and _extra_flag(model, "--speculative-config") is not None:
-        problems.append(f"{where}.vllm_serve_extra_args: --speculative-config there and {', '.join(set_fields)} "
-                        "would mix two speculative configurations; use one")
+    managed = managed_flags(model)
+    for arg in (str(a) for a in model.get("vllm_serve_extra_args", [])):
+        name = arg.partition("=")[0]
+        # vLLM's parser reads `--max_model_len` as `--max-model-len`.
+        key = name.replace("_", "-") if name.startswith("--") else name
+        if key in managed:
+            problems.append(managed_flag_problem(f"{where}.vllm_serve_extra_args", name, *managed[key], "vLLM"))
     return problems
+
+
+def managed_flags(model: ModelConfig) -> dict[str, tuple[str, str | None]]:
+    """Each flag llm-pool's own argv gives this model (and ALWAYS), under each of its names: the
+    flag as argv gives it, and the field behind it."""
+    fields = {**FIXED_FLAGS, **{flag: key for key, flag in FLAGS + JSON_FLAGS}}
+    own = argv(replace(model, options={**model.options, "vllm_serve_extra_args": []}), "127.0.0.1", 0)
+    managed: dict[str, tuple[str, str | None]] = {}
+    for flag in (*own[2:], *ALWAYS):
+        if re.match(r"--?[A-Za-z]", flag):
+            managed.update((name, (flag, fields.get(flag))) for name in (flag, *ALIASES.get(flag, ())))
+    return managed
 
 
 def device(model: ModelConfig) -> tuple[str, str]:
@@ -206,7 +237,8 @@ def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
     speculative = speculative_config(model)
     if speculative is not None:
         args += ["--speculative-config", _json(speculative)]
-    # Extra args come last so that, as argparse keeps the last value, they can override a field.
+    # Extra args come last; one that gives a flag of the above again is a config error (option_problems):
+    # argparse keeps the last value, so the field would be silently lost.
     args += [str(a) for a in model.get("vllm_serve_extra_args", [])]
     return tuple(args)
 

@@ -84,6 +84,13 @@ class Admission:
     def closed(self) -> PoolError | None:
         return self._closed
 
+    def describe(self) -> dict[str, object]:
+        """Whether requests may queue; when not, the error each one gets (the admin view shows it:
+        a closed queue refuses every request whatever the model's state says)."""
+        closed = self._closed
+        return {"open": closed is None, "code": closed.code if closed else None,
+                "reason": closed.message if closed else None}
+
     def oldest_wait_s(self) -> float:
         """How long the longest-waiting request has waited; 0 when none waits."""
         if not self.scheduler.waiting:

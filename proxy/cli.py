@@ -10,7 +10,7 @@ import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from launchers import launcher_for
 from proxy import ctl
@@ -20,6 +20,7 @@ from proxy.lifecycle.memory import memory_warnings
 from proxy.lifecycle.programs import ProgramKind
 from proxy.lifecycle.remote import EndpointKind
 from proxy.masking import shown_url
+from proxy.supervisord.host_login import try_logins
 from proxy.supervisord.managed import StateDirBusy, claim_state_dir
 
 EXIT_CONFIG = 2
@@ -53,23 +54,23 @@ def service_problems(settings: Settings, environ: Mapping[str, str] | None = Non
     return problems
 
 
-def startup_problems(settings: Settings) -> list[str]:
-    """What would stop an enabled model from starting: an unsupported backend, missing files.
-    Each costs only its model: `serve` goes on, `check-config` exits non-zero. Each names the file
-    and line that set its key."""
-    problems = []
+def startup_problems(settings: Settings) -> tuple[list[str], list[str]]:
+    """What would stop a configured model from starting (an unsupported backend, a missing file, a
+    value or an extra argument its engine refuses), each naming the file and line that set its key:
+    of the models the pool loads by itself (enabled, or load_on_demand: a request loads it), and of
+    those only an admin's load starts. Each costs only its model: `serve` goes on; `check-config`
+    exits non-zero for the first, and warns of the second (errors too with --strict)."""
+    automatic: list[str] = []
+    admin_only: list[str] = []
     # Kinds without supervisord or an HTTP session: enough to check a model, not to run one.
     kinds = kinds_for({m.backend for m in settings.models.values()}, ProgramKind(None), EndpointKind(None, os.environ))
     for name, model in settings.models.items():
-        if not model.enabled:
-            continue
         kind = kinds.get(model.backend)
-        if kind is None:
-            problems.append(f"engine.models.{name}.backend: {model.backend!r} cannot be run by this version "
-                            "of llm-pool (set enabled: false to keep it configured)")
-        else:
-            problems += kind.check(model)
-    return [settings.where(p) for p in problems]
+        found = kind.check(model) if kind is not None else [
+            f"engine.models.{name}.backend: {model.backend!r} cannot be run by this version of llm-pool (set "
+            "enabled: false and load_on_demand: false to keep it configured)"]
+        (automatic if model.enabled or model.load_on_demand else admin_only).extend(found)
+    return [settings.where(p) for p in automatic], [settings.where(p) for p in admin_only]
 
 
 def _load_or_exit(config: str | None, strict: bool = False, host: str | None = None) -> Settings:
@@ -79,46 +80,65 @@ def _load_or_exit(config: str | None, strict: bool = False, host: str | None = N
     try:
         settings = load_settings(config, strict=strict)
     except ConfigError as exc:
-        _report(exc.problems)
+        _report(exc.problems, exc.warnings)
         raise SystemExit(EXIT_CONFIG) from None
     if host:
         settings = replace(settings, service=replace(settings.service, host=host))
     problems = service_problems(settings)
     if problems:
-        _report(problems)
+        _report(problems, settings.warnings)
         raise SystemExit(EXIT_CONFIG)
     return settings
 
 
-def _report(problems: list[str]) -> None:
+def _warn(warnings: Iterable[str]) -> None:
+    for warning in warnings:
+        print(f"llm-pool: warning: {warning}", file=sys.stderr)
+
+
+def _report(problems: list[str], warnings: Iterable[str] = ()) -> None:
+    """The problems, after the warnings: an error never hides a warning."""
+    _warn(warnings)
     print(f"llm-pool: {len(problems)} configuration problem(s):", file=sys.stderr)
     for problem in problems:
         print(f"  {problem}", file=sys.stderr)
 
 
 def startup_warnings(settings: Settings) -> list[str]:
-    """Settings of enabled models that load but work against the pool (a launcher's `warnings`)."""
+    """Settings of any model that load but work against the pool (a launcher's `warnings`)."""
     found: list[str] = []
     for model in settings.models.values():
         launcher = launcher_for(model.backend)
-        if model.enabled and launcher is not None:
+        if launcher is not None:
             found += launcher.warnings(model)
     return [settings.where(w) for w in found]
 
 
+ADMIN_ONLY = "; an admin's load of this model (neither enabled nor load_on_demand) would fail"
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     settings = _load_or_exit(args.config, strict=args.strict)
-    for warning in settings.warnings:
-        print(f"llm-pool: warning: {warning}", file=sys.stderr)
-    for warning in startup_warnings(settings) + memory_warnings(settings):
-        print(f"llm-pool: warning: {warning}", file=sys.stderr)
-    problems = startup_problems(settings)
+    warnings = [*settings.warnings, *startup_warnings(settings), *memory_warnings(settings)]
+    problems, admin_only = startup_problems(settings)
+    if args.strict:
+        problems += [p + ADMIN_ONLY for p in admin_only]
+    else:
+        warnings += [p + ADMIN_ONLY for p in admin_only]
+    if args.hosts and not settings.supervisor.hosts:
+        print("hosts: none configured (supervisor.hosts)")
+    if args.hosts:
+        for login in asyncio.run(try_logins(settings, os.environ)):
+            print(login)
+            if login.problem:
+                problems.append(settings.where(login.problem))
     if problems:
-        _report(problems)
+        _report(problems, warnings)
         return EXIT_CONFIG
+    _warn(warnings)
     enabled = sum(1 for m in settings.models.values() if m.enabled)
     sources = ", ".join(str(s) for s in settings.sources)
-    warned = f", {len(settings.warnings)} warning(s)" if settings.warnings else ""
+    warned = f", {len(warnings)} warning(s)" if warnings else ""
     print(f"ok: {len(settings.models)} model(s), {enabled} enabled{warned} ({sources})")
     return 0
 
@@ -159,8 +179,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning("config: %s", warning)
     # A model that cannot start costs that model, not the service: it ends FAILED with this reason
     # when the pool tries to load it, and every other model serves.
-    for problem in startup_problems(settings):
+    automatic, admin_only = startup_problems(settings)
+    for problem in automatic:
         log.error("config: %s (this model will not start; the others are served)", problem)
+    for problem in admin_only:
+        log.warning("config: %s%s", problem, ADMIN_ONLY)
     host = settings.service.host
     port = args.port or settings.service.port
     # Claim the state folder and the port before anything starts: a second `serve` by mistake must
@@ -243,7 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check-config", help="validate the settings; print every problem and exit non-zero")
     check.add_argument("--strict", action="store_true",
-                       help="unknown keys are errors, not warnings (for an admin's CI)")
+                       help="unknown keys, and problems of models only an admin loads, are errors, not warnings "
+                            "(for an admin's CI)")
+    check.add_argument("--hosts", action="store_true",
+                       help="also log into each node of supervisor.hosts and say whether it answered and the "
+                            "login worked")
     check.set_defaults(func=cmd_check_config)
     setup = sub.add_parser("setup", help="build llama-server if not cached and write the demo model")
     setup.add_argument("--all-engines", action="store_true",

@@ -79,11 +79,13 @@ MAX_SOCKET_PATH = 107
 
 
 class ConfigError(Exception):
-    """The settings are unusable; `problems` holds one `path: message` line each."""
+    """The settings are unusable; `problems` holds one `path: message` line each, `warnings` the
+    unknown keys found on the way (shown with the problems, never hidden by them)."""
 
-    def __init__(self, problems: list[str]) -> None:
+    def __init__(self, problems: list[str], warnings: tuple[str, ...] = ()) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
+        self.warnings = warnings
 
 
 @dataclass(frozen=True)
@@ -270,6 +272,30 @@ def _key_origins(node: yaml.Node, file: Path, key: Key = (), seen: frozenset[int
         yield from _key_origins(value, file, key + (name,), seen)
 
 
+def _duplicate_keys(node: yaml.Node, file: Path, key: Key = (), seen: frozenset[int] = frozenset()
+                    ) -> Iterator[str]:
+    """A key given twice in one mapping, with both lines: YAML keeps the last one and drops the
+    other without a word. Read from the composed nodes, before a merge key (`<<`) adds its keys,
+    which a mapping may override by design."""
+    if id(node) in seen:
+        return
+    seen = seen | {id(node)}
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], int] = {}
+        for k, v in node.value:
+            name = str(k.value)
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                line = k.start_mark.line + 1
+                if (k.tag, name) in first:
+                    yield (f"{_json_path(key + (name,))}: set twice in one mapping ({file}:{first[k.tag, name]} "
+                           f"and {file}:{line}); YAML keeps only the last, so remove one")
+                first.setdefault((k.tag, name), line)
+            yield from _duplicate_keys(v, file, key + (name,), seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            yield from _duplicate_keys(item, file, key + (str(i),), seen)
+
+
 def _value_at(doc: Any, key: Key) -> Any:
     for part in key:
         if isinstance(doc, dict):
@@ -345,9 +371,9 @@ def changed(base: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, An
     return found
 
 
-def _read_document(path: Path) -> tuple[dict[str, Any], list[tuple[Key, Origin]]]:
-    """The file's document and the line of each of its keys (from the composed nodes' marks; JSON
-    is YAML, so a settings.json has its lines too)."""
+def _read_document(path: Path) -> tuple[dict[str, Any], list[tuple[Key, Origin]], list[str]]:
+    """The file's document, the line of each of its keys (from the composed nodes' marks; JSON
+    is YAML, so a settings.json has its lines too) and its keys given twice in one mapping."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -355,6 +381,7 @@ def _read_document(path: Path) -> tuple[dict[str, Any], list[tuple[Key, Origin]]
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
+        duplicates = list(_duplicate_keys(node, path)) if node is not None else []
         doc = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -364,10 +391,10 @@ def _read_document(path: Path) -> tuple[dict[str, Any], list[tuple[Key, Origin]]
     finally:
         loader.dispose()
     if doc is None or node is None:
-        return {}, []
+        return {}, [], []
     if not isinstance(doc, dict):
         raise ConfigError([f"{path}: the top level must be a mapping, not {type(doc).__name__}"])
-    return doc, list(_key_origins(node, path))
+    return doc, list(_key_origins(node, path)), duplicates
 
 
 def settings_paths(config: str | os.PathLike[str] | None = None) -> tuple[Path, Path]:
@@ -382,20 +409,23 @@ def settings_paths(config: str | os.PathLike[str] | None = None) -> tuple[Path, 
     return base, local
 
 
-def load_document(config: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], tuple[Path, ...], Origins]:
-    """The merged document, the files it came from, and where each of its keys was set."""
+def load_document(config: str | os.PathLike[str] | None = None
+                  ) -> tuple[dict[str, Any], tuple[Path, ...], Origins, list[str]]:
+    """The merged document, the files it came from, where each of its keys was set, and the keys
+    a file gives twice in one mapping (problems, each naming both lines)."""
     base, local = settings_paths(config)
     if not base.exists():
         raise ConfigError([f"{base}: settings file not found"])
-    doc, keys = _read_document(base)
+    doc, keys, duplicates = _read_document(base)
     by_key: dict[Key, tuple[Origin, ...]] = {key: (origin,) for key, origin in keys}
     sources = [base]
     if local.exists():
-        local_doc, local_keys = _read_document(local)
+        local_doc, local_keys, local_duplicates = _read_document(local)
         _merge_origins(by_key, doc, local_keys, local_doc)
         doc = deep_merge(doc, local_doc)
         sources.append(local)
-    return doc, tuple(sources), Origins(by_key, base)
+        duplicates += local_duplicates
+    return doc, tuple(sources), Origins(by_key, base), duplicates
 
 
 def _json_path(parts: Any) -> str:
@@ -561,14 +591,16 @@ def semantic_problems(settings: Settings) -> list[str]:
 
 
 def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = False) -> Settings:
-    """Load, merge and validate; raise ConfigError listing every problem found. Unknown keys are
-    returned as `Settings.warnings`, or are problems too when `strict`."""
-    doc, sources, origins = load_document(config)
+    """Load, merge and validate; raise ConfigError listing every problem found (a key given twice in
+    one mapping among them). Unknown keys are returned as `Settings.warnings` (the ConfigError's
+    `warnings` when there are problems), or are problems too when `strict`."""
+    doc, sources, origins, duplicates = load_document(config)
     problems, warnings = schema_findings(doc, origins)
     if strict:
         problems, warnings = sorted(problems + warnings), []
+    problems = duplicates + problems
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, tuple(warnings))
     base_dir = sources[0].resolve().parent
     service = {**DEFAULT_SERVICE, **doc.get("service", {})}
     supervisor = {**DEFAULT_SUPERVISOR, **doc.get("supervisor", {})}
@@ -613,7 +645,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
     )
     problems = semantic_problems(settings)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, settings.warnings)
     return settings
 
 

@@ -133,6 +133,20 @@ def _idle(m: dict[str, Any]) -> str | None:
 
 
 def _state(m: dict[str, Any]) -> str:
+    """The model's state; a loaded model's closed queue with the code every request gets."""
+    closed = _closed(m)
+    shown = _lifecycle_state(m)
+    return f"{shown} (refusing requests: {closed.get('code')})" if closed else shown
+
+
+def _closed(m: dict[str, Any]) -> dict[str, Any] | None:
+    """A loaded model's admission when it is closed. Only there does it refuse what the state would
+    serve: in every other state the state says what a request gets (refused, or loaded on demand)."""
+    admission = m.get("admission") or {}
+    return admission if m.get("state") == "loaded" and not admission.get("open", True) else None
+
+
+def _lifecycle_state(m: dict[str, Any]) -> str:
     """The model's state, and where a failed startup load is tried again, when."""
     retry = m.get("load_retry")
     backoff = m.get("backoff")
@@ -151,6 +165,9 @@ def model_summary(m: dict[str, Any]) -> str:
         lines.append(f"  replica {r['index']}: {r['state']} pid={r.get('pid') or '-'} port={r.get('port')}")
     if m.get("last_error"):
         lines.append(f"  last error: {m['last_error']}")
+    closed = _closed(m)
+    if closed:
+        lines.append(f"  refusing requests: {closed.get('reason')}")
     return "\n".join(lines)
 
 

@@ -165,7 +165,8 @@ CODES: dict[str, str] = {
     "conflict": "the pool's state forbids it now",
     "model_not_loaded": "the model is configured but not loaded, and does not load on demand",
     "model_already_loaded": "a load asked for a model that is loaded with other settings",
-    "model_not_loadable": "this version cannot run the model's backend",
+    "model_not_loadable": "a setting stops the model from starting (a missing file, a refused value); "
+                          "`llm-pool check-config` names it, and no wait helps (no Retry-After)",
     "no_process_log": "a remote replica has no process log",
     "backend_not_supported": "the backend has no launcher in this version",
     "request_too_large": "the body is over service.max_body_bytes",

@@ -88,8 +88,10 @@ SEED_EXAMPLES: dict[str, dict[str, Any]] = {
 
 # Extra args of the Qwen 3.6 example that need its CUDA build and NVFP4 checkpoint; the rest stay.
 _GPU_ONLY_ARGS = ("--quantization", "--attention-backend", "--moe-backend", "--load-format", "--linear-backend")
-# What a 2-core CPU and the tiny float32 model need: last, so they win over the example's fields.
-CPU_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512"]
+# What a 2-core CPU and the tiny float32 model need: the fields in their own fields (an extra
+# argument that gives a field's flag again is refused), the rest as extra args.
+CPU_FIELDS: dict[str, Any] = {"vllm_dtype": "float32", "vllm_max_model_len": 512}
+CPU_ARGS = ["--enforce-eager"]
 # Live overrides that take the GPU-only parts out for one load, as an admin would.
 CPU_OVERRIDES: dict[str, Any] = {
     "vllm_kv_cache_memory_bytes": 4 * 1024 * 1024, "vllm_kv_cache_dtype": None, "vllm_max_model_len": 512,
@@ -109,6 +111,6 @@ def cpu_variant(example: dict[str, Any], model_dir: str, vllm: str, env: dict[st
             continue
         kept.append(args[i])
         i += 1
-    return {**example, "vllm_model": model_dir, "vllm_serve_binary": vllm, "vllm_serve_library_path": [],
+    return {**example, **CPU_FIELDS, "vllm_model": model_dir, "vllm_serve_binary": vllm, "vllm_serve_library_path": [],
             "vllm_serve_env": {**example.get("vllm_serve_env", {}), **env},
             "vllm_serve_extra_args": kept + CPU_ARGS, "enabled": False}

@@ -31,7 +31,7 @@ from proxy.config import LOCAL_HOST, ModelConfig, Settings
 from proxy.errors import BackendError, Conflict, PoolError, Unavailable
 from proxy.gpu.footprint import tree_gpu_bytes, tree_pss_bytes
 from proxy.gpu.report import load_nvml
-from proxy.lifecycle.load_retry import retry_delay
+from proxy.lifecycle.load_retry import retry_delay, worth_retrying
 from proxy.lifecycle.memory import CPU, Memory, qualify
 from proxy.lifecycle.placement import HOLDING, Limits, ModelView, Shortfall, Status, plan, room_for, spread
 from proxy.lifecycle.replicas import ModelState, ReplicaState
@@ -188,6 +188,11 @@ class Placer:
         now = time.time()
         if backoff is not None and backoff.until > now:
             error = backoff.error
+            if not worth_retrying(error):
+                # A setting stops it (a missing file, a refused value): no wait helps, so no
+                # Retry-After. A request after the back-off still tries again: a file may be put back.
+                raise type(error)(f"{error.message} (a setting to change, not a wait: `llm-pool check-config` "
+                                  "names it)", code=error.code)
             raise type(error)(f"{error.message}; the next load is tried in {backoff.left_s(now):.0f}s",
                               code=error.code, retry_after=max(1.0, backoff.left_s(now)))
         room = room_for(runtime.name, self.views(), self.limits(), now, may_evict_busy=True)
@@ -280,7 +285,7 @@ class Placer:
             attempts = runtime.backoff.attempts + 1 if runtime.backoff is not None else 1
             delay = retry_delay(self.settings.service, attempts)
             runtime.backoff = Backoff(attempts, time.time() + delay, error)
-            error.retry_after = delay
+            error.retry_after = delay if worth_retrying(error) else None
             runtime.admission.close(error)
             log.error("model %s: on-demand load failed (%d in a row): %s; next try after %gs", name, attempts,
                       error.message, delay)

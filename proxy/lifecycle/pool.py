@@ -198,13 +198,6 @@ class Pool:
             if not (adopting and runtime.last_used):
                 runtime.admission.last_used = max(runtime.admission.last_used, time.time())
             return loaded
-        except Exception as exc:
-            # Requests that queued for it meanwhile (it loads on demand) learn why; an on-demand
-            # load's waiters get the error with its back-off from the placer instead.
-            if reason != "on_demand":
-                runtime.admission.close(exc if isinstance(exc, PoolError) else
-                                        BackendError(f"model {name!r} failed to load: {exc}", code="model_load_failed"))
-            raise
         finally:
             self.placer.settled(name)
 
@@ -212,19 +205,19 @@ class Pool:
                            evict: tuple[str, ...] | None) -> ModelRuntime:
         name = runtime.name
         if runtime.state == ModelState.LOADED:
-            if runtime.active == config:
-                return runtime
+            if runtime.active == config or reason == "on_demand":
+                return runtime   # on demand: its requests want it serving, as an admin's load left it
             raise Conflict(f"model {name!r} is loaded with other settings; unload it first",
                            code="model_already_loaded")
         kind = runtime.kind
         if kind is None:
-            raise self._cannot_start(runtime, Conflict(
+            raise self._cannot_start(runtime, reason, Conflict(
                 f"model {name!r}: backend {config.backend!r} cannot be run by this version of llm-pool",
                 code="backend_not_supported"))
         problems = kind.check(config)
         if problems:
-            raise self._cannot_start(runtime, Conflict(f"model {name!r} cannot be loaded: " + "; ".join(problems),
-                                                       code="model_not_loadable"))
+            raise self._cannot_start(runtime, reason, Conflict(
+                f"model {name!r} cannot be loaded: " + "; ".join(problems), code="model_not_loadable"))
         if config.replicas < 1:
             raise Conflict(f"model {name!r}: replicas must be at least 1 to load", code="model_not_loadable")
         if evict is None:
@@ -249,7 +242,10 @@ class Pool:
                 await self._teardown(runtime, drain=False, keep_waiters=True)
             runtime.move(ModelState.FAILED)
             if isinstance(exc, SupervisorError):
-                raise Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=5) from exc
+                error = Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=5)
+                self._fail_waiters(runtime, reason, error)
+                raise error from exc
+            self._fail_waiters(runtime, reason, exc)
             raise
         errors = "; ".join(f"replica {r.index}: {r.last_error}" for r in runtime.replicas
                            if r.state != ReplicaState.READY)
@@ -257,7 +253,9 @@ class Pool:
         if not runtime.ready():
             await self._teardown(runtime, drain=False, keep_waiters=True)
             runtime.move(ModelState.FAILED)
-            raise BackendError(f"model {name!r} failed to load: {errors}", code="model_load_failed")
+            failed = BackendError(f"model {name!r} failed to load: {errors}", code="model_load_failed")
+            self._fail_waiters(runtime, reason, failed)
+            raise failed
         runtime.move(ModelState.LOADED)
         runtime.loaded_at = time.monotonic()
         runtime.load_s = runtime.loaded_at - started
@@ -267,12 +265,23 @@ class Pool:
         self._spawn(self.placer.measure(runtime))
         return runtime
 
-    @staticmethod
-    def _cannot_start(runtime: ModelRuntime, error: Conflict) -> Conflict:
+    @classmethod
+    def _cannot_start(cls, runtime: ModelRuntime, reason: str, error: Conflict) -> Conflict:
         """A model that cannot even be started is FAILED with the reason, for the admin view and
         /health; every other model is unaffected."""
         runtime.move(ModelState.FAILED, error.message)
+        cls._fail_waiters(runtime, reason, error)
         return error
+
+    @staticmethod
+    def _fail_waiters(runtime: ModelRuntime, reason: str, exc: Exception) -> None:
+        """A load failed (the model is FAILED): requests that queued for it meanwhile (it loads on
+        demand) learn why; an on-demand load's waiters get the error with its back-off from the
+        placer instead. A load refused before it began (the model is loaded with other settings,
+        there is no room) never comes here: it changed nothing, and the model serves on."""
+        if reason != "on_demand":
+            runtime.admission.close(exc if isinstance(exc, PoolError) else BackendError(
+                f"model {runtime.name!r} failed to load: {exc}", code="model_load_failed"))
 
     # -- unload ----------------------------------------------------------------------------------
 

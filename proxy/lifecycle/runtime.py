@@ -248,6 +248,7 @@ class ModelRuntime:
             "replica_count": cfg.replicas,
             "replica_max": cfg.replica_max,
             "target_inflight": cfg.target_inflight,
+            "admission": self.admission.describe(),
             "capacity": self.admission.capacity,
             "affinity_waiting": self._waiters.total(),   # each one's place is in capacity too
             "active": self.admission.active,

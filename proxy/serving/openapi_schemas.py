@@ -103,7 +103,7 @@ def scale_request() -> dict[str, Any]:
 def model_state() -> dict[str, Any]:
     """A model's runtime state (the answer of load, unload and scale)."""
     return {
-        "type": "object", "required": ["id", "backend", "state", "replicas"], "additionalProperties": True,
+        "type": "object", "required": ["id", "backend", "state", "replicas", "admission"], "additionalProperties": True,
         "properties": {
             "id": {"type": "string"},
             "backend": {"type": "string"},
@@ -114,6 +114,11 @@ def model_state() -> dict[str, Any]:
                                "state": {"enum": [s.value for s in ReplicaState]},
                                "pid": {"type": ["integer", "null"]}}}},
             "last_error": {"type": ["string", "null"]},
+            "admission": {
+                "type": "object", "required": ["open", "code", "reason"], "additionalProperties": False,
+                "description": "whether requests may queue for the model; when not, the error each one gets",
+                "properties": {"open": {"type": "boolean"}, "code": {"type": ["string", "null"]},
+                               "reason": {"type": ["string", "null"]}}},
         },
     }
 

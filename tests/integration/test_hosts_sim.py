@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from helpers import REPO, Node, ProxyProcess, http, node_pool as pool, sim_model as sim, wait_for
+from helpers import REPO, Node, ProxyProcess, free_port, http, node_pool as pool, sim_model as sim, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -255,3 +255,38 @@ def test_a_node_whose_old_pid_is_now_another_process_starts_and_one_beside_a_run
                            capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if k != "LLM_POOL_NODE_PASSWORD"})
     assert unset.returncode == 2 and "LLM_POOL_NODE_PASSWORD is unset" in unset.stderr, unset
+
+
+def test_check_config_hosts_logs_into_each_node_and_names_the_one_that_refuses(nodes: list[Node],
+                                                                               tmp_path: Path) -> None:
+    # Before: check-config had no --hosts, and a wrong password showed only once `serve` ran.
+    nodes.extend([Node("a", "node-a-secret-7").start(), Node("b", "node-b-secret-8").start()])
+    closed = f"http://127.0.0.1:{free_port()}"   # nothing listens there
+    config = tmp_path / "pool.yaml"
+    config.write_text(yaml.safe_dump({
+        "service": {"state_dir": str(tmp_path / "state")},
+        "supervisor": {"mode": "hosts", "rpc_timeout_s": 5, "hosts": {
+            "a": {"url": nodes[0].url, "password_env": "NODE_A_PASSWORD"},
+            "b": {"url": nodes[1].url, "password_env": "NODE_B_PASSWORD"},
+            "c": {"url": closed, "password_env": "NODE_C_PASSWORD"}}},
+        "engine": {"models": {"m": sim()}}}))
+
+    def check_hosts(**passwords: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "proxy.cli", "--config", str(config), "check-config", "--hosts"],
+                              cwd=REPO, env={**os.environ, **passwords}, capture_output=True, text=True, timeout=60)
+
+    done = check_hosts(NODE_A_PASSWORD="node-a-secret-7", NODE_B_PASSWORD="wrong-secret-9", NODE_C_PASSWORD="x")
+    assert done.returncode == 2, done
+    assert done.stdout.splitlines() == [f"host a: {nodes[0].url} answered, login as llm-pool worked",
+                                        f"host b: {nodes[1].url} answered, login as llm-pool refused",
+                                        f"host c: {closed} did not answer"], done
+    assert (f"  supervisor.hosts.b: {nodes[1].url} refused the login as llm-pool with the password in "
+            f"NODE_B_PASSWORD; set that variable to the node's LLM_POOL_NODE_PASSWORD") in done.stderr, done.stderr
+    assert f"  supervisor.hosts.c: supervisord at {closed} did not answer llm_pool.getInfo" in done.stderr, done.stderr
+    assert "supervisor.hosts.a" not in done.stderr
+    assert "secret" not in done.stdout + done.stderr   # no password shown, right or wrong
+    config.write_text(config.read_text().replace(closed, nodes[0].url))   # c: a second name for node a
+    done = check_hosts(NODE_A_PASSWORD="node-a-secret-7", NODE_B_PASSWORD="node-b-secret-8",
+                       NODE_C_PASSWORD="node-a-secret-7")
+    assert done.returncode == 0 and done.stdout.splitlines()[-1].startswith("ok: 1 model(s), 1 enabled"), done
+    assert done.stdout.count("login as llm-pool worked") == 3, done

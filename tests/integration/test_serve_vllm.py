@@ -247,7 +247,7 @@ def test_a_crash_is_restarted_and_served_again(proxy: ProxyProcess) -> None:
 
 @pytest.mark.parametrize("name", sorted(SEED_EXAMPLES))
 def test_seed_example_loads_and_serves(proxy: ProxyProcess, name: str) -> None:
-    """The seed's example, paths pointed at the tiny model and CPU settings in its extra args
+    """The seed's example, paths pointed at the tiny model and CPU settings in its fields and extra args
     (see seed_vllm_examples.cpu_variant), loaded with overrides that drop the GPU-only knobs."""
     status, _, body = http("POST", proxy.url + f"/v1/admin/models/{name}/load", {"overrides": CPU_OVERRIDES},
                            timeout=START_S)

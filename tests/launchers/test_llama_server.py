@@ -11,7 +11,7 @@ import pytest
 from launchers import llama_server
 from launchers.llama_help import choices, help_text, options
 from launchers.spec import group_name, ports_in_file, program_name, render_replica, replica_index
-from proxy.config import REPO_ROOT, ModelConfig
+from proxy.config import REPO_ROOT, ModelConfig, model_properties
 
 GOLDEN = Path(__file__).parent / "golden"
 ENVIRON = {"LD_LIBRARY_PATH": "/usr/local/lib"}
@@ -274,8 +274,11 @@ def test_model_files_must_be_gguf_files_not_folders_or_other_files(tmp_path: Pat
 @pytest.mark.parametrize("extra, expected", [
     (["--no-such-flag"], "--no-such-flag is not an option of {exe}"),
     (["--thread", "8"], "--thread is not an option of {exe}; did you mean --threads?"),
-    (["--threads=8"], "{exe} does not read --threads=8; give the value as the next item: --threads, 8"),
+    (["--threads=8"], "{exe} does not read --threads=<value>; give the value as the next item: --threads, <value>"),
     (["--threads", "8", "-x"], "-x is not an option of {exe}"),
+    # The value may be a secret: never repeated.
+    (["--api-key=sk-never-shown"], "{exe} does not read --api-key=<value>; give the value as the next item: "
+                                   "--api-key, <value>"),
 ])
 def test_extra_args_the_built_binary_does_not_know_are_config_errors(llama_server_bin: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch,
@@ -290,10 +293,57 @@ def test_extra_args_the_built_binary_knows_pass_with_their_values(llama_server_b
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLM_POOL_CACHE_DIR", str(tmp_path))
     # Values that look like flags (-1) belong to the option before them; one option takes two values.
-    extra = ["--threads", "8", "-ngl", "-1", "--no-warmup", "--control-vector-layer-range", "1", "2",
-             "--override-kv", "tokenizer.ggml.add_bos_token=bool:false", "-c", "512"]
+    extra = ["--threads", "8", "-n", "-1", "--no-warmup", "--control-vector-layer-range", "1", "2",
+             "--override-kv", "tokenizer.ggml.add_bos_token=bool:false", "-b", "512"]
     assert llama_server.option_problems(model(llama_server_binary=str(llama_server_bin),
                                               llama_server_extra_args=extra)) == []
+    # A flag llm-pool gives only for a field that is set is free while the field is not.
+    assert llama_server.option_problems(model(llama_server_binary=str(llama_server_bin), llama_server_n_gpu_layers=None,
+                                              llama_server_extra_args=["-ngl", "-1"])) == []
+
+
+# -- extra args may not give again a flag llm-pool sets: llama-server keeps the last one given ------
+
+@pytest.mark.parametrize("fields, extra, given, field", [
+    ({}, ["-c", "512"], "-c (--ctx-size)", "llama_server_n_ctx"),
+    ({}, ["--ctx-size=512"], "--ctx-size", "llama_server_n_ctx"),
+    ({"llama_server_n_ctx": None}, ["--no-kv-unified"], "--no-kv-unified (--kv-unified)", "llama_server_n_ctx"),
+    ({}, ["-np", "8"], "-np (--parallel)", "target_inflight"),
+    ({}, ["-ngl", "-1"], "-ngl (--n-gpu-layers)", "llama_server_n_gpu_layers"),
+    ({}, ["-m", "/other.gguf"], "-m (--model)", "model_path"),
+    ({}, ["--port", "9"], "--port", "llama_server_port"),
+    ({}, ["--embedding"], "--embedding (--embeddings)", "llama_server_embeddings"),
+])
+def test_extra_args_that_repeat_a_flag_llm_pool_sets_are_errors_naming_the_field(
+        llama_server_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: dict[str, object],
+        extra: list[str], given: str, field: str) -> None:
+    # Before: they passed, and llama-server took the last value given: the field was silently ignored.
+    monkeypatch.setenv("LLM_POOL_CACHE_DIR", str(tmp_path))
+    cfg = model(llama_server_binary=str(llama_server_bin), llama_server_extra_args=["--threads", "8", *extra],
+                **fields)
+    assert llama_server.option_problems(cfg) == [
+        f"engine.models.{cfg.name}.llama_server_extra_args: {given} is set by llm-pool from {field}, and "
+        f"llama-server keeps the last one given, so one of the two would be silently lost; set {field} instead"]
+
+
+@pytest.mark.parametrize("extra, given", [(["--webui"], "--webui (--no-webui)"), (["--metrics"], "--metrics"),
+                                          (["-a", "other"], "-a (--alias)")])
+def test_extra_args_that_repeat_a_flag_llm_pool_sets_for_itself_are_errors(
+        llama_server_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str], given: str) -> None:
+    monkeypatch.setenv("LLM_POOL_CACHE_DIR", str(tmp_path))
+    cfg = model(llama_server_binary=str(llama_server_bin), llama_server_extra_args=extra)
+    assert llama_server.option_problems(cfg) == [
+        f"engine.models.{cfg.name}.llama_server_extra_args: {given} is set by llm-pool itself, and llama-server "
+        "keeps the last one given; remove it"]
+
+
+def test_every_flag_argv_gives_has_the_field_behind_it_named() -> None:
+    fields = {**llama_server.FIXED_FLAGS, **{flag: key for key, flag in llama_server.FLAGS + llama_server.SWITCHES}}
+    for cfg in (model(), model(llama_server_n_ctx=None, enable_thinking=True)):
+        own = llama_server.argv(replace(cfg, options={**cfg.options, "llama_server_extra_args": []}), "h", 1)
+        flags = {a for a in own[1:] if a.startswith("-") and not a.lstrip("-").isdigit()}
+        assert sorted(flags - set(fields)) == []
+    assert all(v is None or v in model_properties() for v in fields.values())   # each a field of the schema
 
 
 def _gguf_declaring(path: Path, pooling: int | None) -> Path:

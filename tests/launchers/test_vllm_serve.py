@@ -136,9 +136,44 @@ def test_host_port_timeouts_come_from_their_fields() -> None:
     assert vllm_serve.PORT_FIELD == "vllm_serve_port"
 
 
-def test_extra_args_come_last_so_they_override_a_field() -> None:
-    argv = vllm_serve.argv(seed("qwen2.5-vl-3b", vllm_serve_extra_args=["--dtype", "float32"]), "h", 1)
+def test_extra_args_come_last_and_one_that_repeats_a_fields_flag_is_refused() -> None:
+    cfg = seed("qwen2.5-vl-3b", vllm_serve_extra_args=["--dtype", "float32"])
+    argv = vllm_serve.argv(cfg, "h", 1)
     assert argv.index("--dtype", argv.index("--dtype") + 1) == len(argv) - 2
+    # vLLM keeps the last value: before, the field was silently lost; now the settings are refused.
+    assert vllm_serve.option_problems(cfg) == [
+        "engine.models.qwen2.5-vl-3b.vllm_serve_extra_args: --dtype is set by llm-pool from vllm_dtype, and vLLM "
+        "keeps the last one given, so one of the two would be silently lost; set vllm_dtype instead"]
+
+
+@pytest.mark.parametrize("fields, extra, given, field", [
+    ({"vllm_tensor_parallel_size": 2}, ["-tp", "4"], "-tp (--tensor-parallel-size)", "vllm_tensor_parallel_size"),
+    ({"vllm_max_model_len": 512}, ["--max_model_len=4096"], "--max_model_len (--max-model-len)", "vllm_max_model_len"),
+    ({}, ["--model", "org/other"], "--model", "vllm_model"),
+    ({}, ["--port", "9"], "--port", "vllm_serve_port"),
+    ({"vllm_trust_remote_code": True}, ["--no-trust-remote-code"], "--no-trust-remote-code (--trust-remote-code)",
+     "vllm_trust_remote_code"),
+    ({"vllm_max_pixels": 1024}, ["--mm-processor-kwargs", "{}"], "--mm-processor-kwargs", "vllm_mm_processor_kwargs"),
+])
+def test_extra_args_that_repeat_a_flag_llm_pool_sets_are_errors_naming_the_field(
+        fields: dict[str, object], extra: list[str], given: str, field: str) -> None:
+    assert problems(**fields, vllm_serve_extra_args=["--enforce-eager", *extra]) == [
+        f"engine.models.m.vllm_serve_extra_args: {given} is set by llm-pool from {field}, and vLLM keeps the last one "
+        f"given, so one of the two would be silently lost; set {field} instead"]
+
+
+def test_a_flag_llm_pool_gives_only_for_a_field_is_free_while_the_field_is_not_set() -> None:
+    assert problems(vllm_serve_extra_args=["--dtype", "float32", "-tp", "2", "--max-num-seqs", "2"]) == []
+
+
+def test_an_api_key_in_extra_args_is_refused_and_never_shown() -> None:
+    # The proxy sends vllm_serve_api_key: a key of vLLM's own would lock the proxy out of its replica.
+    for extra in (["--api-key", "sk-arg-456"], ["--api-key=sk-arg-456"]):
+        (problem,) = problems(vllm_serve_extra_args=extra)
+        assert "--api-key is set by llm-pool from vllm_serve_api_key" in problem and "sk-arg" not in problem
+    (problem,) = problems(vllm_serve_extra_args=["--served-model-name", "other"])
+    assert problem == ("engine.models.m.vllm_serve_extra_args: --served-model-name is set by llm-pool itself, and "
+                       "vLLM keeps the last one given; remove it")
 
 
 # -- option problems: methods never mixed, each error names its fields ------------------------------
@@ -227,6 +262,20 @@ def test_every_flag_the_launcher_emits_exists_in_the_pinned_vllm() -> None:
         emitted |= {a for a in vllm_serve.argv(seed(name), "h", 1) if a.startswith("--")}
     assert sorted(emitted - _help_flags()) == []
     assert "usage: vllm serve [model_tag]" in HELP   # the model is positional
+
+
+def test_every_flag_argv_gives_is_managed_under_each_name_the_pinned_vllm_has_for_it() -> None:
+    # Each option's names, from its line in --help (`--tensor-parallel-size N, -tp N`).
+    names = [[word.split()[0] for word in re.split(r", (?=-)", line.strip())]
+             for line in HELP.splitlines() if line.startswith("  -")]
+    full = seed("qwen3.6-35b-a3b-nvfp4-vllm-serve", vllm_tensor_parallel_size=2, vllm_serve_extra_args=[])
+    managed = vllm_serve.managed_flags(full)
+    emitted = {a for a in vllm_serve.argv(full, "h", 1) if a.startswith("-")}
+    assert emitted <= set(managed) and {"--model", "--api-key"} <= set(managed)
+    for flag, field in set(managed.values()):
+        (group,) = [n for n in names if flag in n]
+        assert set(group) <= set(managed), (flag, group)   # every alias of it is caught
+        assert field is None or field in model_properties(), field
 
 
 def test_enumerated_values_match_the_pinned_vllm() -> None:

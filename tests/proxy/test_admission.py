@@ -223,3 +223,12 @@ async def test_hooks_tell_the_pool_a_request_waits_and_the_queue_is_idle() -> No
     assert events == ["queued"]          # the waiter took the slot: not idle
     adm.release(second)
     assert events == ["queued", "idle"] and adm.oldest_wait_s() == 0
+
+
+def test_a_closed_queue_says_so_with_the_error_each_request_gets() -> None:
+    adm = Admission()
+    assert adm.describe() == {"open": True, "code": None, "reason": None}
+    adm.close(Unavailable("model 'm' is being unloaded", code="model_unloading"))
+    assert adm.describe() == {"open": False, "code": "model_unloading", "reason": "model 'm' is being unloaded"}
+    adm.accept()
+    assert adm.describe() == {"open": True, "code": None, "reason": None}

@@ -115,6 +115,42 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     assert len(problems) == 3, problems  # the unknown `extra` is a warning, not a problem
 
 
+def test_a_key_given_twice_in_one_mapping_is_an_error_naming_both_lines(tmp_path: Path) -> None:
+    # Before: YAML kept the last one, and the first was dropped without a word.
+    base = write(tmp_path / "pool.yaml", "engine:\n  models:\n    m:\n      backend: llama_server\n"
+                                         "      model_path: /m.gguf\n      llama_server_n_ctx: 4096\n"
+                                         "      target_inflight: 2\n      llama_server_n_ctx: 512\n")
+    local = write(tmp_path / "local.yaml", "service: {port: 9001, port: 9002}\n")
+    assert problems_of(base) == [
+        f"engine.models.m.llama_server_n_ctx: set twice in one mapping ({base}:6 and {base}:8); YAML keeps only the "
+        "last, so remove one",
+        f"service.port: set twice in one mapping ({local}:1 and {local}:1); YAML keeps only the last, so remove one"]
+
+
+def test_a_merge_key_and_keys_that_only_look_alike_are_not_duplicates(tmp_path: Path) -> None:
+    # A mapping overrides what `<<` merges in by design; `1` and `"1"` are two keys.
+    base = write(tmp_path / "pool.yaml", "x-model: &m {backend: sim, target_inflight: 1}\n"
+                                         "engine:\n  models:\n    a:\n      <<: *m\n      target_inflight: 2\n"
+                                         "    b: *m\n  fairness: {weights: {1: 1.0, '1': 2.0}}\n")
+    settings = load_settings(base)
+    assert settings.models["a"].target_inflight == 2 and settings.models["b"].target_inflight == 1
+
+
+def test_warnings_are_shown_when_there_are_errors_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: an error hid every unknown-key warning, so the typo behind it went unseen.
+    path = write(tmp_path / "pool.yaml", "engine:\n  models:\n    m:\n      backend: llama_server\n"
+                                         "      model_path: /m.gguf\n      llama_server_nctx: 4096\n"
+                                         "      target_inflight: 0\n")
+    with pytest.raises(SystemExit) as info:
+        main(["--config", str(path), "check-config"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("llm-pool: warning: engine.models.m.llama_server_nctx: unknown field, ignored; did you "
+                             "mean `llama_server_n_ctx`?")
+    assert err[1:] == ["llm-pool: 1 configuration problem(s):",
+                       f"  engine.models.m.target_inflight: 0 is less than the minimum of 1 ({path}:7)"]
+
+
 def test_deep_merge_replaces_lists_and_merges_maps() -> None:
     assert deep_merge({"a": {"b": 1, "c": [1, 2]}}, {"a": {"c": [3]}}) == {"a": {"b": 1, "c": [3]}}
 
@@ -202,6 +238,28 @@ def test_check_config_fails_what_would_fail_at_load(tmp_path: Path, capsys: pyte
         code = exc.code
     assert code == 2
     assert expected.format(**values) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", [{"load_on_demand": True}, {"enabled": True}])
+def test_check_config_fails_a_model_that_loads_without_an_admin_and_cannot_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], how: dict[str, bool]) -> None:
+    # Before: a load_on_demand model was not checked; its first request got 409 model_not_loadable.
+    missing = tmp_path / "missing.gguf"
+    path = write(tmp_path / "pool.yaml", {"service": {"state_dir": str(tmp_path / "state")}, "engine": {"models": {
+        "m": {**LLAMA_MODEL, "model_path": str(missing), "llama_server_binary": "/bin/true", **how}}}})
+    assert main(["--config", str(path), "check-config"]) == 2
+    assert f"  engine.models.m.model_path: {missing} does not exist ({path}:" in capsys.readouterr().err
+
+
+def test_check_config_fails_an_extra_arg_that_repeats_a_flag_llm_pool_sets(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_gguf: Path, llama_server_bin: Path) -> None:
+    # Before: it passed, and llama-server took the last --ctx-size: llama_server_n_ctx was silently ignored.
+    path = write(tmp_path / "pool.yaml", {"service": {"state_dir": str(tmp_path / "state")}, "engine": {"models": {
+        "m": {"backend": "llama_server", "model_path": str(tiny_gguf), "llama_server_binary": str(llama_server_bin),
+              "llama_server_n_ctx": 512, "llama_server_extra_args": ["-c", "8192"], "load_on_demand": True}}}})
+    assert main(["--config", str(path), "check-config"]) == 2
+    assert ("engine.models.m.llama_server_extra_args: -c (--ctx-size) is set by llm-pool from llama_server_n_ctx"
+            in capsys.readouterr().err)
 
 
 def test_a_load_override_of_a_nested_field_keeps_the_models_other_settings() -> None:

@@ -234,3 +234,16 @@ def test_models_table_shows_idle_time_and_pinned() -> None:
     assert "5s" in gemma.split() and "yes" in gemma.split()
     assert "-" in busy.split()
     assert "(backing off, next load in 8s)" in cold
+
+
+def test_a_loaded_model_whose_queue_is_closed_says_it_refuses_requests_and_why() -> None:
+    closed = {"open": False, "code": "model_already_loaded", "reason": "model 'duo' is loaded with other settings"}
+    rows = [{**MODEL, "id": "duo", "admission": closed},
+            {**MODEL, "id": "ok", "admission": {"open": True, "code": None, "reason": None}},
+            # Not loaded: its state says what a request gets (refused, or loaded on demand).
+            {**MODEL, "id": "gone", "state": "unloaded", "replicas": [], "admission": {**closed, "code": "x"}}]
+    _, duo, ok, gone = ctl.models_table(rows).splitlines()
+    assert "loaded (refusing requests: model_already_loaded)" in duo
+    assert "refusing" not in ok and "refusing" not in gone
+    assert "  refusing requests: model 'duo' is loaded with other settings" in ctl.model_summary(rows[0]).splitlines()
+    assert "refusing" not in ctl.model_summary(rows[2])

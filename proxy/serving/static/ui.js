@@ -51,6 +51,10 @@
     node.className = `state ${value}`;
   }
 
+  // A loaded model whose queue is closed refuses every request although its state says it serves; in
+  // any other state the state itself says what a request gets (refused, or loaded on demand).
+  const refusing = (m) => m.state === "loaded" && m.admission && !m.admission.open ? m.admission : null;
+
   // -- the admin API ----------------------------------------------------------------------------
 
   class ApiError extends Error {
@@ -191,11 +195,15 @@
                       ["ready", "active", "waiting", "capacity", "rate", "errors", "p50", "p95", "wait", "total"]);
       c.link = c.name.appendChild(el("a", {}));
       c.badge = c.state.appendChild(el("span", {}));
+      c.refusing = c.state.appendChild(el("span", {class: "error-text"}));
       return c;
     }, (c, m) => {
       setText(c.link, m.id);
       c.link.href = `#${cardId(m.id)}`;
       stateBadge(c.badge, m.state);
+      const closed = refusing(m);
+      setText(c.refusing, closed ? ` refusing requests (${closed.code})` : "");
+      c.refusing.title = closed ? closed.reason : "";
       setText(c.ready, `${m.replicas.filter((r) => r.state === "ready").length} / ${m.replica_count}`);
       setText(c.active, m.active);
       setText(c.waiting, m.waiting);
@@ -346,6 +354,8 @@
       Object.entries(fp.needed_mib || {}).map(([d, v]) => `${fmtMiB(v)} on ${d}`).join(", ") +
       ` (${fp.admitted_by || "–"})`);
     const life = [];
+    const closed = refusing(m);
+    if (closed) life.push(`refusing requests: ${closed.reason}`);
     if (m.pinned) life.push("pinned");
     if (m.load_on_demand) life.push("loads on demand");
     if (m.idle_unload_s !== null && m.idle_unload_s !== undefined) life.push(`idle unload after ${m.idle_unload_s} s`);

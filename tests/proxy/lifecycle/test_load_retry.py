@@ -23,10 +23,11 @@ KEY = "sk-fake-retry"
 
 
 def remote(port: int, **fields: Any) -> str:
-    extra = "".join(f", {k}: {v}" for k, v in fields.items())
-    return ("{backend: openai_remote, model_path: null, remote_api_kind: chat_completions, "
-            f"remote_base_url: 'http://127.0.0.1:{port}/v1', remote_model: up-later, "
-            "remote_api_key_env: FAKE_KEY, remote_health_check: models, enabled: true" + extra + "}")
+    # `fields` replace the defaults: a key given twice in one mapping is a config error.
+    values = {"backend": "openai_remote", "model_path": "null", "remote_api_kind": "chat_completions",
+              "remote_base_url": f"'http://127.0.0.1:{port}/v1'", "remote_model": "up-later",
+              "remote_api_key_env": "FAKE_KEY", "remote_health_check": "models", "enabled": "true", **fields}
+    return "{" + ", ".join(f"{k}: {v}" for k, v in values.items()) + "}"
 
 
 @pytest.fixture

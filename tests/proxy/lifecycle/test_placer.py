@@ -7,7 +7,7 @@ import pytest
 
 from proxy.admission import Admission
 from proxy.config import load_settings
-from proxy.errors import BackendError, Unavailable
+from proxy.errors import BackendError, Conflict, Unavailable
 from proxy.gpu.footprint import GpuTotals
 from proxy.gpu.vram_estimate import Estimator
 from proxy.lifecycle.footprints import Footprints
@@ -53,3 +53,17 @@ def test_a_model_backing_off_is_refused_at_once_with_when_it_is_tried_again(tmp_
         placer_.demand(runtime)
     assert caught.value.code == "model_load_failed" and "next load is tried in" in caught.value.message
     assert caught.value.retry_after is not None and caught.value.retry_after > 50
+
+
+def test_a_model_backing_off_for_a_setting_is_refused_without_retry_after(tmp_path: Path) -> None:
+    # Before: 409 model_not_loadable with Retry-After, for a missing file that no wait brings back.
+    import time
+
+    placer_, runtime = placer(tmp_path)
+    runtime.backoff = Backoff(1, time.time() + 60, Conflict("model 'm' cannot be loaded: engine.models.m.model_path: "
+                                                            "/m.gguf does not exist", code="model_not_loadable"))
+    with pytest.raises(Conflict) as caught:
+        placer_.demand(runtime)
+    assert caught.value.code == "model_not_loadable" and caught.value.headers() == {}
+    assert "model_path: /m.gguf does not exist" in caught.value.message
+    assert "llm-pool check-config" in caught.value.message and "tried in" not in caught.value.message
