@@ -125,9 +125,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         problems += [p + ADMIN_ONLY for p in admin_only]
     else:
         warnings += [p + ADMIN_ONLY for p in admin_only]
-    if args.hosts and not settings.supervisor.hosts:
-        print("hosts: none configured (supervisor.hosts)")
     if args.hosts:
+        if not settings.supervisor.hosts:
+            print("hosts: none configured (supervisor.hosts)")
         for login in asyncio.run(try_logins(settings, os.environ)):
             print(login)
             if login.problem:

@@ -677,7 +677,7 @@ def _config_only(rule: Mapping[str, Any], value: Any, where: str) -> list[str]:
         sub = rule.get("properties", {}).get(key, {})
         if sub.get("readOnly") and inner is not None:   # a null only removes it: the default is the config's
             found.append(f"{where}.{key}: set in the config files only (it names an executable, a path or a "
-                         "library); a load may only remove it (null)")
+                         "library); a load cannot set it")
         else:
             found += _config_only(sub, inner, f"{where}.{key}")
     return found
