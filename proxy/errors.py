@@ -151,6 +151,7 @@ CODES: dict[str, str] = {
     "invalid_load_request": "a load body with unknown fields, a bad override or replica count",
     "invalid_scale_request": "a scale body that is not {\"replicas\": N} within 1..replica_max",
     "invalid_log_request": "a log query parameter out of range",
+    "invalid_events_request": "an events query parameter out of range, or an unknown event kind",
     "invalid_unload_request": "an unload body that is not empty or {}",
     "unsupported_media_type": "an admin POST without `Content-Type: application/json` (415)",
     "origin_not_allowed": "an admin request whose Origin is another site's (403)",

@@ -21,6 +21,7 @@ from launchers.spec import replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from proxy.config import ModelConfig, Settings
 from proxy.errors import BackendError, Conflict, NotFound, PoolError, Unavailable
+from proxy.events import Events
 from proxy.fairness import FairnessPolicy
 from proxy.gpu.footprint import gpu_totals
 from proxy.gpu.report import load_nvml
@@ -54,6 +55,8 @@ class Pool:
         self.supervisor = supervisor
         self.http = http
         self.environ = dict(os.environ if environ is None else environ)
+        # What happened to models, replicas and hosts (GET /v1/admin/events); each event is logged too.
+        self.events = Events()
         policy = FairnessPolicy.from_settings(settings.fairness)
         max_wait_s = settings.fairness.get("max_queue_wait_s", DEFAULT_MAX_QUEUE_WAIT_S)
         # One queue per model for its whole life: requests wait in it while it loads on demand.

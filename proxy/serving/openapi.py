@@ -14,6 +14,7 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.errors import CODES
+from proxy.events import KINDS as EVENT_KINDS
 from proxy.serving import openapi_schemas as schemas
 from proxy.serving import ui
 from proxy.serving.keys import SETTINGS
@@ -116,6 +117,15 @@ def operations() -> tuple[Operation, ...]:
                              "properties": {"object": {"const": "list"},
                                             "data": {"type": "array", "items": {"type": "object"}}}}),
                       errors=ADMIN_READ_ERRORS, admin=True),
+            Operation("get", "/v1/admin/events", "what happened, oldest first: loads, unloads with their reason "
+                      "and cause, evictions, restarts, crashes, ejections, hosts down and up, admin actions",
+                      _json(schemas.events()), errors=(400, *ADMIN_READ_ERRORS, 404), admin=True,
+                      parameters=(_query("after", 0, 2 ** 62, "only events with a larger id (poll with last_id)"),
+                                  _query("limit", 1, 1000, "at most this many, the newest (default 200)"),
+                                  {"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
+                                   "description": "only this model's events"},
+                                  {"name": "kind", "in": "query", "required": False, "schema": {"type": "string"},
+                                   "description": f"comma-separated kinds of {', '.join(EVENT_KINDS)}"})),
             Operation("get", "/v1/admin/traffic", "the proxy's request counters per model (requests by status, "
                       "latency, time-to-first-token and queue-wait histograms), with the reading's time",
                       _json(schemas.any_object("the counters")), errors=ADMIN_READ_ERRORS, admin=True),

@@ -14,6 +14,7 @@ from typing import Any
 from launchers import LAUNCHERS
 from proxy.config import model_properties, override_rule
 from proxy.errors import CODES
+from proxy.events import KINDS as EVENT_KINDS
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.serving.body import ITEMS, REQUIRED
 from proxy.serving.relay import KNOWN_BACKEND_CODES
@@ -186,3 +187,15 @@ def sse_event(events: list[str]) -> dict[str, Any]:
 
 def any_object(description: str) -> dict[str, Any]:
     return {"type": "object", "description": description}
+
+
+def events() -> dict[str, Any]:
+    text_or_null = {"type": ["string", "null"]}
+    event = {"type": "object", "required": ["id", "time", "kind", "message"],
+             "properties": {"id": {"type": "integer", "minimum": 1}, "time": {"type": "number"},
+                            "kind": {"enum": list(EVENT_KINDS)}, "message": {"type": "string"},
+                            "model": text_or_null, "replica": {"type": ["integer", "null"]}, "host": text_or_null,
+                            "reason": text_or_null, "cause": text_or_null, "actor": text_or_null}}
+    return {"type": "object", "required": ["object", "data", "last_id"],
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": event},
+                           "last_id": {"type": "integer", "minimum": 0}}}

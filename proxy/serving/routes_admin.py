@@ -11,6 +11,7 @@ from launchers import launcher_for
 from proxy.serving.admin_view import admin_row
 from proxy.config import LOCAL_HOST, model_properties, override_problems, replicas_problem
 from proxy.errors import BadRequest, Conflict, Unavailable
+from proxy.events import KINDS as EVENT_KINDS
 from proxy.serving.admin_guard import admit
 from proxy.serving.body import read_json
 from proxy.lifecycle.pool import Pool
@@ -135,10 +136,34 @@ async def admin_hosts(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": request.app[POOL].describe_hosts()})
 
 
+@routes.get("/v1/admin/events")
+async def admin_events(request: web.Request) -> web.Response:
+    """What happened, oldest first: loads, unloads with their reason and cause, evictions with the
+    model they made room for, restarts, crashes, ejections, hosts down and up, admin actions with
+    who. `after` (the last id seen, to poll), `limit`, `model` and `kind` (comma-separated) filter."""
+    admit(request)
+    events = request.app[POOL].events
+    after = _int_param(request, "after", 0, 0, 2 ** 62, code="invalid_events_request")
+    limit = _int_param(request, "limit", 200, 1, 1000, code="invalid_events_request")
+    kinds = None
+    if "kind" in request.query:
+        kinds = frozenset(k for k in request.query["kind"].split(",") if k)
+        unknown = sorted(kinds - set(EVENT_KINDS))
+        if unknown or not kinds:
+            raise BadRequest(f"`kind` must be comma-separated event kinds of {list(EVENT_KINDS)}",
+                             code="invalid_events_request", param="kind")
+    model = request.query.get("model")
+    if model is not None:
+        request.app[POOL].get(model)   # 404 model_not_found for a model that is not configured
+    picked = events.since(after, limit, model=model, kinds=kinds)
+    return web.json_response({"object": "list", "data": [e.to_json() for e in picked], "last_id": events.last_id})
+
+
 MAX_LOG_BYTES = 1024 * 1024
 
 
-def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int,
+               code: str = "invalid_log_request") -> int:
     raw = request.query.get(name)
     if raw is None:
         return default
@@ -147,7 +172,7 @@ def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) 
     except ValueError:
         value = lo - 1
     if not lo <= value <= hi:
-        raise BadRequest(f"`{name}` must be an integer from {lo} to {hi}", code="invalid_log_request", param=name)
+        raise BadRequest(f"`{name}` must be an integer from {lo} to {hi}", code=code, param=name)
     return value
 
 
