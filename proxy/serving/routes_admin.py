@@ -162,8 +162,7 @@ async def admin_events(request: web.Request) -> web.Response:
 MAX_LOG_BYTES = 1024 * 1024
 
 
-def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int,
-               code: str = "invalid_log_request") -> int:
+def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int, code: str) -> int:
     raw = request.query.get(name)
     if raw is None:
         return default
@@ -185,9 +184,9 @@ async def admin_logs(request: web.Request) -> web.Response:
     if not runtime.replicas:
         raise Conflict(f"model {runtime.name!r} has no replicas to read a log from; load it first",
                        code="model_not_loaded")
-    index = _int_param(request, "replica", 0, 0, len(runtime.replicas) - 1)
-    length = _int_param(request, "bytes", 16384, 1, MAX_LOG_BYTES)
-    offset = _int_param(request, "offset", 0, 0, 2 ** 62)
+    index = _int_param(request, "replica", 0, 0, len(runtime.replicas) - 1, code="invalid_log_request")
+    length = _int_param(request, "bytes", 16384, 1, MAX_LOG_BYTES, code="invalid_log_request")
+    offset = _int_param(request, "offset", 0, 0, 2 ** 62, code="invalid_log_request")
     replica = runtime.replicas[index]
     if replica.spec is None:
         raise Conflict(f"replica {index} of model {runtime.name!r} is a remote endpoint, not a process of this "
