@@ -19,10 +19,13 @@ import json
 import logging
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from launchers import launcher_for
 from proxy.atomic_file import PRIVATE_MODE, write_atomic
 from proxy.config import ModelConfig, changed, override_problems, replicas_problem
+from proxy.lifecycle.replicas import ModelState
+from proxy.lifecycle.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +65,45 @@ def _settings(raw: Any) -> ModelConfig | None:
 
 
 class KeptModels:
-    """The state dir's file of kept entries, by model name."""
+    """The state dir's file of kept entries, by model name, and the entries the last proxy left for
+    the models whose startup load has not ended yet (they stand in the file until it has)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.pending: dict[str, KeptModel] = {}
+
+    def honour(self, runtime: ModelRuntime, kept: KeptModel | None) -> dict[str, Any]:
+        """The overrides of `kept` (the last proxy's entry for the model) that its settings now
+        accept, to load it with at startup; each dropped one is a warning naming it."""
+        if kept is None:
+            return {}
+        self.pending[runtime.name] = kept
+        runtime.kept = kept.settings
+        launcher = launcher_for(runtime.config.backend)
+        allowed = launcher.LOAD_OVERRIDES if launcher is not None else ()
+        overrides, warnings = honoured(runtime.config, kept.overrides, allowed,
+                                       launcher.option_problems if launcher is not None else lambda _: [])
+        for warning in warnings:
+            log.warning("%s", warning)
+        if overrides:
+            log.info("model %s: loading with its kept overrides %s", runtime.name, sorted(overrides))
+        return overrides
+
+    def settled(self, name: str) -> None:
+        """Its startup load ended (loaded or not): from now on the model's own state says what is kept."""
+        self.pending.pop(name, None)
+
+    def save(self, runtimes: Iterable[ModelRuntime]) -> None:
+        """Write the entry of every loaded model: after each load, scale, roll and unload."""
+        entries = dict(self.pending)
+        for runtime in runtimes:
+            if runtime.state == ModelState.LOADED and runtime.active is not None:
+                found = entry(runtime.config, runtime.active)
+                if runtime.kept is not None and any(r.outdated for r in runtime.replicas):
+                    # Mid-roll: the settings the old replicas run, so that a reload now can still reach them.
+                    found = KeptModel(found.overrides, runtime.kept)
+                entries[runtime.name] = found
+        self.write(entries)
 
     def read(self) -> dict[str, KeptModel]:
         """The entries the last proxy left; none when there is no file. A file that cannot be read
@@ -142,3 +180,11 @@ not among them: they change no replica's program."""
                 names.append(prefix + key)
     walk(old.options, new.options, "")
     return sorted(set(names))
+
+
+def outdated_reason(names: Sequence[str], exact: bool) -> str:
+    """Why a running replica is out of date, by setting name (never a value: a program holds secrets)."""
+    if names:
+        said = "settings changed: " + ", ".join(names)
+        return said if exact else said + " (and its program differs otherwise: environment or llm-pool version)"
+    return "its program differs from what its settings give now (environment or llm-pool version)"

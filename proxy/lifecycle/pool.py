@@ -17,7 +17,6 @@ import os
 import time
 from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
-from launchers import launcher_for
 from launchers.spec import replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from proxy.config import ModelConfig, Settings
@@ -28,7 +27,7 @@ from proxy.gpu.footprint import gpu_totals
 from proxy.gpu.report import load_nvml
 from proxy.gpu.vram_estimate import Estimator
 from proxy.lifecycle.footprints import Footprints
-from proxy.lifecycle.kept import FILE_NAME as KEPT_FILE, KeptModel, KeptModels, entry, honoured
+from proxy.lifecycle.kept import FILE_NAME as KEPT_FILE, KeptModels
 from proxy.lifecycle.kinds import kinds_for, traits_for
 from proxy.lifecycle.load_retry import retry_delay, worth_retrying
 from proxy.lifecycle.memory import Memory
@@ -87,10 +86,8 @@ class Pool:
         self.startup_pending: set[str] = set()
         # Startup loads that failed and are tried again, until they load or an admin steps in.
         self._retries: dict[str, LoadRetry] = {}
-        # What an admin set for the loaded models, for the next serve (proxy/lifecycle/kept.py), and
-        # the entries the last proxy left for models whose startup load has not ended yet.
+        # What an admin set for the loaded models, for the next serve (proxy/lifecycle/kept.py).
         self.kept = KeptModels(settings.service.state_dir / KEPT_FILE)
-        self._kept_pending: dict[str, KeptModel] = {}
         # Set while no earlier proxy process may still send requests to the replicas: a roll
         # (rolling.py) stops no old replica before. Set from the start; a handover from a
         # predecessor that is still draining clears it until that process has exited.
@@ -118,41 +115,16 @@ class Pool:
             adopting = any(replica_index(runtime.name, g) is not None for g in running)
             if runtime.config.enabled or adopting:
                 self.startup_pending.add(runtime.name)
-                overrides = self._honour(runtime, kept.pop(runtime.name, None))
+                overrides = self.kept.honour(runtime, kept.pop(runtime.name, None))
                 self._spawn(self._load_at_startup(runtime.name, adopting, overrides))
         for name in sorted(kept):
             log.info("model %s is not loaded at startup: its kept overrides are dropped", name)
         self._save_kept()
         self._spawn(self._remove_orphans())
 
-    def _honour(self, runtime: ModelRuntime, kept: KeptModel | None) -> dict[str, Any]:
-        """The overrides of `kept` (the last proxy's entry for the model) that its settings now
-        accept; each dropped one is a warning naming it. The entry stands until the load ends."""
-        if kept is None:
-            return {}
-        self._kept_pending[runtime.name] = kept
-        runtime.kept = kept.settings
-        launcher = launcher_for(runtime.config.backend)
-        allowed = launcher.LOAD_OVERRIDES if launcher is not None else ()
-        overrides, warnings = honoured(runtime.config, kept.overrides, allowed,
-                                       launcher.option_problems if launcher is not None else lambda _: [])
-        for warning in warnings:
-            log.warning("%s", warning)
-        if overrides:
-            log.info("model %s: loading with its kept overrides %s", runtime.name, sorted(overrides))
-        return overrides
-
     def _save_kept(self) -> None:
-        """Write what an admin set for every loaded model (kept.py): after each load, scale, roll and unload."""
-        entries = dict(self._kept_pending)
-        for name, runtime in self.models.items():
-            if runtime.state == ModelState.LOADED and runtime.active is not None:
-                found = entry(runtime.config, runtime.active)
-                if runtime.kept is not None and any(r.outdated for r in runtime.replicas):
-                    # Mid-roll: the settings the old replicas run, so that a reload now can still reach them.
-                    found = KeptModel(found.overrides, runtime.kept)
-                entries[name] = found
-        self.kept.write(entries)
+        """What an admin set for every loaded model, for the next serve (kept.py)."""
+        self.kept.save(self.models.values())
 
     async def _remove_orphans(self) -> None:
         for path in sorted(self.settings.supervisor.programs_dir.glob("*.conf")):
@@ -183,8 +155,9 @@ class Pool:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        # The kept state is not written here: it was after each change, and a successor that took
+        # over the listeners (a handover) may have written its own since.
         self.placer.save_usage()
-        self._save_kept()
         if stop_models:
             await asyncio.gather(*(self._unload(n, drain=False, reason="shutdown") for n, rt in self.models.items()
                                    if rt.state not in (ModelState.UNLOADED,)), return_exceptions=True)
@@ -257,7 +230,7 @@ class Pool:
         finally:
             self.placer.settled(name)
             if not cancelled:
-                self._kept_pending.pop(name, None)
+                self.kept.settled(name)
             self._save_kept()
 
     async def _roll(self, runtime: ModelRuntime) -> None:

@@ -22,7 +22,7 @@ from launchers.spec import (Launcher, ProgramSpec, UnsafeProgramValue, ports_in_
                             replica_index)
 from proxy.config import LOCAL_HOST, ModelConfig, Settings
 from proxy.errors import Unavailable
-from proxy.lifecycle.kept import what_changed
+from proxy.lifecycle.kept import outdated_reason, what_changed
 from proxy.lifecycle.scaling import free_indices
 from proxy.supervisord.hosts import Host
 from proxy.supervisord.orphans import PidRecord
@@ -477,14 +477,6 @@ class ProgramKind:
 
     def describe(self, config: ModelConfig) -> dict[str, object]:
         return {}
-
-
-def outdated_reason(names: Sequence[str], exact: bool) -> str:
-    """Why a running replica is out of date, by setting name (never a value: a program holds secrets)."""
-    if names:
-        said = "settings changed: " + ", ".join(names)
-        return said if exact else said + " (and its program differs otherwise: environment or llm-pool version)"
-    return "its program differs from what its settings give now (environment or llm-pool version)"
 
 
 def _set_spec(replica: Replica, spec: ProgramSpec) -> None:

@@ -86,3 +86,24 @@ def test_free_indices_are_the_lowest_not_in_use() -> None:
     assert free_indices([1, 2], 1) == [0]
     assert free_indices([0, 2], 2) == [1, 3]
     assert free_indices([], 2) == [0, 1]
+
+
+def test_saving_keeps_loaded_models_the_last_proxys_pending_ones_and_mid_roll_the_old_settings(tmp_path: Path) -> None:
+    from helpers import ready_runtime
+    from proxy.lifecycle.replicas import ModelState
+
+    old, new = model(), model(sim={"ttft_ms": 2})
+    rolling = ready_runtime(new, 2)
+    rolling.state, rolling.active, rolling.kept = ModelState.LOADED, new.with_overrides({"replicas": 1}), old
+    rolling.replicas[0].outdated = "settings changed: sim.ttft_ms"
+    unloaded = ready_runtime(replace(new, name="gone"), 0)
+    kept = KeptModels(tmp_path / "kept.json")
+    kept.pending["later"] = entry(replace(old, name="later"), replace(old, name="later"))
+    kept.save([rolling, unloaded])
+    found = kept.read()
+    assert sorted(found) == ["duo", "later"]
+    assert found["duo"].overrides == {"replicas": 1} and found["duo"].settings == old   # what the old ones run
+    rolling.replicas[0].outdated = None
+    kept.settled("later")
+    kept.save([rolling])
+    assert sorted(kept.read()) == ["duo"] and kept.read()["duo"].settings == rolling.active
