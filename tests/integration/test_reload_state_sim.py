@@ -116,7 +116,8 @@ class Watch:
         self.thread.join(60)
 
 
-def test_a_settings_change_rolls_the_replicas_one_by_one_while_requests_flow(start_proxy) -> None:
+def test_a_settings_change_rolls_the_replicas_one_by_one_while_requests_flow(
+        start_proxy, capsys: pytest.CaptureFixture[str]) -> None:
     proxy = start_proxy({"duo": sim_model(replica_max=2), "other": sim_model(replicas=1)},
                         keep_models=True, drain_timeout_s=30)
     before = pids(proxy.wait_replicas_ready("duo", 2))
@@ -132,6 +133,10 @@ def test_a_settings_change_rolls_the_replicas_one_by_one_while_requests_flow(sta
         answered = load.answered()
         wait_for(lambda: load.answered() > answered, what="answers after the roll")
     assert load.failures == [], load.failures[:3]
+    with capsys.disabled():
+        print(f"\nroll of 2 sim replicas: {restarts[-1]['time'] - started:.2f}s from the adopted model loaded to "
+              f"the last restart; {load.ok} requests answered, {len(load.failures)} failed; "
+              f"fewest READY seen {watch.fewest_ready}")
     assert watch.fewest_ready >= 2 and watch.saw_outdated == {"settings changed: sim.ttft_ms"}
     assert all(e["reason"] == "settings changed: sim.ttft_ms" and e["model"] == "duo" for e in restarts)
     assert restarts[0]["time"] > started   # requests were flowing as it rolled
