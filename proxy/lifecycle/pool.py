@@ -93,6 +93,7 @@ class Pool:
         # predecessor that is still draining clears it until that process has exited.
         self.predecessor_gone = asyncio.Event()
         self.predecessor_gone.set()
+        self._rolling: set[str] = set()   # models whose roll runs: one at a time each
 
     # -- lifecycle of the pool itself ------------------------------------------------------------
 
@@ -221,7 +222,7 @@ class Pool:
             # Its idle time counts from its load; an adopted model's from its last use before the restart.
             if not (adopting and runtime.last_used):
                 runtime.admission.last_used = max(runtime.admission.last_used, time.time())
-            if any(r.outdated for r in runtime.replicas):
+            if any(r.outdated for r in runtime.replicas) and name not in self._rolling:
                 self._spawn(self._roll(runtime))
             return loaded
         except asyncio.CancelledError:
@@ -238,8 +239,12 @@ class Pool:
         outdated = sum(1 for r in runtime.replicas if r.outdated)
         log.info("model %s: rolling %d out-of-date replica(s) onto its settings, one at a time", runtime.name,
                  outdated)
-        done = await roll(runtime, self.monitor, self.events, self.predecessor_gone,
-                          self.settings.service.drain_timeout_s)
+        self._rolling.add(runtime.name)
+        try:
+            done = await roll(runtime, self.monitor, self.events, self.predecessor_gone,
+                              self.settings.service.drain_timeout_s)
+        finally:
+            self._rolling.discard(runtime.name)
         if done:
             runtime.kept = None
             log.info("model %s: every replica runs its settings", runtime.name)

@@ -308,9 +308,13 @@ class Programs:
         port = ports_in_file(text).get(replica.spec.program, replica.spec.port)
         old = runtime.kept
         if old is not None:
-            spec = launcher.launch(old, replica.index, port, self.settings.supervisor.stopwaitsecs, self.environ)
-            spec = on_host(spec, host.address) if host.address else spec
-            if render_replica(current.name, spec, log_dir) == text:
+            try:
+                spec = launcher.launch(old, replica.index, port, self.settings.supervisor.stopwaitsecs, self.environ)
+                spec = on_host(spec, host.address) if host.address else spec
+                exact = render_replica(current.name, spec, log_dir) == text
+            except Exception:   # kept by another version of llm-pool, say: reached as below
+                exact = False
+            if exact:
                 replica.outdated = outdated_reason(what_changed(old, current), exact=True)
                 _set_spec(replica, spec)
                 return
