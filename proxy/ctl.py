@@ -162,7 +162,8 @@ def _lifecycle_state(m: dict[str, Any]) -> str:
 def model_summary(m: dict[str, Any]) -> str:
     lines = [f"{m['id']}: {_state(m)}"]
     for r in m.get("replicas") or []:
-        lines.append(f"  replica {r['index']}: {r['state']} pid={r.get('pid') or '-'} port={r.get('port')}")
+        outdated = f" (out of date: {r['outdated']})" if r.get("outdated") else ""
+        lines.append(f"  replica {r['index']}: {r['state']} pid={r.get('pid') or '-'} port={r.get('port')}{outdated}")
     if m.get("last_error"):
         lines.append(f"  last error: {m['last_error']}")
     closed = _closed(m)
@@ -268,7 +269,8 @@ def cmd_logs(client: AdminClient, args: argparse.Namespace, out: TextIO,
              sleep: Callable[[float], None] = time.sleep) -> None:
     """Print the replica's log tail; with --follow keep polling from the last offset until
     interrupted (Ctrl-C ends it with exit 0)."""
-    base = f"/v1/admin/models/{_quote(args.name)}/logs?replica={args.replica}&bytes={args.bytes}"
+    replica = "" if args.replica is None else f"replica={args.replica}&"
+    base = f"/v1/admin/models/{_quote(args.name)}/logs?{replica}bytes={args.bytes}"
     chunk = client.call("GET", base)
     _write_log(chunk, args, out)
     try:
@@ -316,7 +318,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     scale.add_argument("replicas", type=int)
     logs = cmds.add_parser("logs", help="a replica's log, read through the admin API")
     logs.add_argument("name")
-    logs.add_argument("--replica", type=int, default=0, help="replica index (default 0)")
+    logs.add_argument("--replica", type=int, help="replica index (default: the model's first; a rolled "
+                      "model's may start past 0)")
     logs.add_argument("--bytes", type=int, default=16384, help="how much of the end of the log (default 16384)")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing what is written, like tail -f")
     gpu = cmds.add_parser("gpu", help="GPU memory: measured per GPU and model, estimated per model")

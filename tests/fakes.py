@@ -851,3 +851,54 @@ class FakeApt:
         installs = [c for c in self.calls if c[1] == "install"]
         done = self.installs_on is not None and len(installs) >= self.installs_on
         return "/usr/bin/chromium" if done and name == "chromium" else None
+
+
+class FakeReplicaKind:
+    """A fake `Kind` (proxy/lifecycle/kinds.py) whose replicas are READY the moment they are added
+    and gone the moment they are removed, no process behind them; `fail_adds` makes that many
+    adds come up FAILED. For the pool's decisions about replicas (a roll's order), not for how
+    replicas start (the integration tests start real ones). Each add and remove is in `calls`,
+    with the READY count of the model just before."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+        self.fail_adds = 0
+
+    def check(self, config: Any) -> list[str]:
+        return []
+
+    async def start(self, runtime: Any, config: Any) -> None:
+        raise NotImplementedError
+
+    async def stop(self, runtime: Any) -> None:
+        return None
+
+    async def add(self, runtime: Any, config: Any, indices: Sequence[int]) -> list[Any]:
+        from proxy.lifecycle.reach import ProgramReach
+        from proxy.lifecycle.replicas import Replica, ReplicaState
+        from launchers import sim
+
+        added = []
+        for i in indices:
+            self.calls.append(("add", i, len(runtime.ready())))
+            spec = sim.launch(config, i, 18000 + i, 1, {})
+            replica = Replica(model=runtime.name, index=i, spec=spec, reach=ProgramReach(spec), fullname=f"g:r{i}")
+            runtime.replicas = sorted(runtime.replicas + [replica], key=lambda r: r.index)
+            runtime.set_replica_state(replica, ReplicaState.STARTING)
+            if self.fail_adds:
+                self.fail_adds -= 1
+                runtime.set_replica_state(replica, ReplicaState.FAILED, "exited at once")
+            else:
+                runtime.set_replica_state(replica, ReplicaState.READY)
+            added.append(replica)
+        return added
+
+    async def remove(self, runtime: Any, replicas: list[Any]) -> None:
+        for replica in replicas:
+            self.calls.append(("remove", replica.index, len(runtime.ready())))
+
+    def gate(self, config: Any, headers: Any, body: Any) -> None:
+        return None
+
+    def describe(self, config: Any) -> dict[str, object]:
+        return {}

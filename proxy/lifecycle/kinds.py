@@ -8,7 +8,7 @@ that seam; the kinds themselves are `ProgramKind` (proxy/lifecycle/programs.py) 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 from launchers import launcher_for
 from proxy.capabilities import Traits
@@ -39,7 +39,7 @@ class Kind(Protocol):
         """Whatever runs for the replicas is gone when this returns."""
         ...
 
-    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: range) -> list[Replica]:
+    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: Sequence[int]) -> list[Replica]:
         """Live scaling up: append replicas `indices` to runtime.replicas and set them going, leaving
         the others alone; health decides READY (the pool waits for it). Returns the new replicas."""
         ...

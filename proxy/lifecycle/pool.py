@@ -27,6 +27,7 @@ from proxy.gpu.footprint import gpu_totals
 from proxy.gpu.report import load_nvml
 from proxy.gpu.vram_estimate import Estimator
 from proxy.lifecycle.footprints import Footprints
+from proxy.lifecycle.kept import FILE_NAME as KEPT_FILE, KeptModels
 from proxy.lifecycle.kinds import kinds_for, traits_for
 from proxy.lifecycle.load_retry import retry_delay, worth_retrying
 from proxy.lifecycle.memory import Memory
@@ -35,6 +36,7 @@ from proxy.lifecycle.placer import Placer
 from proxy.lifecycle.programs import ProgramKind, Programs, live
 from proxy.lifecycle.remote import EndpointKind
 from proxy.lifecycle.replicas import ModelState, ReplicaState
+from proxy.lifecycle.rolling import roll
 from proxy.lifecycle.runtime import LoadRetry, ModelRuntime
 from proxy.lifecycle.scaling import scale
 from proxy.lifecycle.upstream_http import UpstreamHttp
@@ -84,6 +86,14 @@ class Pool:
         self.startup_pending: set[str] = set()
         # Startup loads that failed and are tried again, until they load or an admin steps in.
         self._retries: dict[str, LoadRetry] = {}
+        # What an admin set for the loaded models, for the next serve (proxy/lifecycle/kept.py).
+        self.kept = KeptModels(settings.service.state_dir / KEPT_FILE)
+        # Set while no earlier proxy process may still send requests to the replicas: a roll
+        # (rolling.py) stops no old replica before. Set from the start; a handover from a
+        # predecessor that is still draining clears it until that process has exited.
+        self.predecessor_gone = asyncio.Event()
+        self.predecessor_gone.set()
+        self._rolling: set[str] = set()   # models whose roll runs: one at a time each
 
     # -- lifecycle of the pool itself ------------------------------------------------------------
 
@@ -101,12 +111,21 @@ class Pool:
         running (an admin loaded it before the proxy restarted). Groups left in the programs folder
         by models no longer configured are stopped and removed."""
         running = {i.group for i in self.programs.processes.values() if live(i)}
+        kept = self.kept.read()
         for runtime in self.models.values():
             adopting = any(replica_index(runtime.name, g) is not None for g in running)
             if runtime.config.enabled or adopting:
                 self.startup_pending.add(runtime.name)
-                self._spawn(self._load_at_startup(runtime.name, adopting))
+                overrides = self.kept.honour(runtime, kept.pop(runtime.name, None))
+                self._spawn(self._load_at_startup(runtime.name, adopting, overrides))
+        for name in sorted(kept):
+            log.info("model %s is not loaded at startup: its kept overrides are dropped", name)
+        self._save_kept()
         self._spawn(self._remove_orphans())
+
+    def _save_kept(self) -> None:
+        """What an admin set for every loaded model, for the next serve (kept.py)."""
+        self.kept.save(self.models.values())
 
     async def _remove_orphans(self) -> None:
         for path in sorted(self.settings.supervisor.programs_dir.glob("*.conf")):
@@ -137,6 +156,8 @@ class Pool:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        # The kept state is not written here: it was after each change, and a successor that took
+        # over the listeners (a handover) may have written its own since.
         self.placer.save_usage()
         if stop_models:
             await asyncio.gather(*(self._unload(n, drain=False, reason="shutdown") for n, rt in self.models.items()
@@ -194,15 +215,40 @@ class Pool:
         evict for it; None passes the admission here (placer.admit), which may refuse it."""
         runtime = self.get(name)
         config = runtime.config.with_overrides(overrides or {})
+        cancelled = False
         try:
             async with runtime.lock:
                 loaded = await self._load_locked(runtime, config, reason, evict)
             # Its idle time counts from its load; an adopted model's from its last use before the restart.
             if not (adopting and runtime.last_used):
                 runtime.admission.last_used = max(runtime.admission.last_used, time.time())
+            if any(r.outdated for r in runtime.replicas) and name not in self._rolling:
+                self._spawn(self._roll(runtime))
             return loaded
+        except asyncio.CancelledError:
+            cancelled = True   # the proxy is stopping: the last proxy's entry stands for the next one
+            raise
         finally:
             self.placer.settled(name)
+            if not cancelled:
+                self.kept.settled(name)
+            self._save_kept()
+
+    async def _roll(self, runtime: ModelRuntime) -> None:
+        """Replace the replicas adopted out of date one by one (proxy/lifecycle/rolling.py)."""
+        outdated = sum(1 for r in runtime.replicas if r.outdated)
+        log.info("model %s: rolling %d out-of-date replica(s) onto its settings, one at a time", runtime.name,
+                 outdated)
+        self._rolling.add(runtime.name)
+        try:
+            done = await roll(runtime, self.monitor, self.events, self.predecessor_gone,
+                              self.settings.service.drain_timeout_s)
+        finally:
+            self._rolling.discard(runtime.name)
+        if done:
+            runtime.kept = None
+            log.info("model %s: every replica runs its settings", runtime.name)
+        self._save_kept()
 
     async def _load_locked(self, runtime: ModelRuntime, config: ModelConfig, reason: str,
                            evict: tuple[str, ...] | None) -> ModelRuntime:
@@ -298,11 +344,17 @@ class Pool:
         self._stop_retry(name)   # an admin's unload: the model stays unloaded
         return await self._unload(name, drain, reason="admin")
 
+    async def _unload(self, name: str, drain: bool, reason: str) -> ModelRuntime:
+        try:
+            return await self._unload_model(name, drain, reason)
+        finally:
+            self._save_kept()   # an unloaded model keeps nothing: the next serve loads it as configured
+
     async def unload_by_pool(self, name: str, reason: str) -> ModelRuntime:
         """An unload placement decided (`reason`: idle, evicted): drained, its waiters kept queued."""
         return await self._unload(name, drain=True, reason=reason)
 
-    async def _unload(self, name: str, drain: bool, reason: str) -> ModelRuntime:
+    async def _unload_model(self, name: str, drain: bool, reason: str) -> ModelRuntime:
         runtime = self.get(name)
         if runtime.state in (ModelState.UNLOADED, ModelState.UNLOADING):
             raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
@@ -341,7 +393,10 @@ class Pool:
 
     async def scale(self, name: str, replicas: int) -> ModelRuntime:
         """Start or stop replicas of a loaded model, leaving the others running (proxy/lifecycle/scaling.py)."""
-        return await scale(self.get(name), replicas, self.monitor, self.settings.service.drain_timeout_s)
+        try:
+            return await scale(self.get(name), replicas, self.monitor, self.settings.service.drain_timeout_s)
+        finally:
+            self._save_kept()
 
     async def _teardown(self, runtime: ModelRuntime, drain: bool, keep_waiters: bool = False,
                         measure: bool = False) -> None:
@@ -382,16 +437,19 @@ class Pool:
             self.models[name].load_retry = None
             log.info("model %s: no more load retries, an admin loads or unloads it", name)
 
-    async def _load_at_startup(self, name: str, adopting: bool = False) -> None:
+    async def _load_at_startup(self, name: str, adopting: bool = False, overrides: Mapping[str, Any] | None = None
+                               ) -> None:
         """Load a model at startup; a failure that can pass without an edit (worth_retrying) is tried
         again after retry_delay, for as long as it fails, until an admin loads or unloads the model.
-        `adopting`: its replicas run already; their memory is in use, so it is not admitted again."""
+        `adopting`: its replicas run already; their memory is in use, so it is not admitted again.
+        `overrides`: what the last proxy kept of an admin's (kept.py), for every try."""
         runtime = self.models[name]
         retry = self._retries[name] = LoadRetry()
         try:
             while True:
                 try:
-                    await self._load(name, reason="startup", evict=() if adopting else None, adopting=adopting)
+                    await self._load(name, overrides, reason="startup", evict=() if adopting else None,
+                                     adopting=adopting)
                     return
                 except Exception as exc:
                     # A load refused before it began (e.g. not loadable) left no error on the model: /ready shows it.

@@ -15,12 +15,15 @@ import logging
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from launchers import launcher_for
-from launchers.spec import Launcher, ProgramSpec, ports_in_file, program_name, render_replica, replica_index
+from launchers.spec import (Launcher, ProgramSpec, UnsafeProgramValue, ports_in_file, program_name, render_replica,
+                            replica_index)
 from proxy.config import LOCAL_HOST, ModelConfig, Settings
 from proxy.errors import Unavailable
+from proxy.lifecycle.kept import outdated_reason, what_changed
+from proxy.lifecycle.scaling import free_indices
 from proxy.supervisord.hosts import Host
 from proxy.supervisord.orphans import PidRecord
 from proxy.lifecycle.reach import ProgramReach
@@ -192,35 +195,39 @@ class Programs:
     async def start(self, runtime: ModelRuntime, config: ModelConfig, launcher: Launcher) -> None:
         await self.snapshot()
         files = await self.replica_texts(config.name)
-        if config.replicas == runtime.config.replicas:
-            # A proxy restarted after a live scale: running replicas past the configured count
-            # (their files in place, contiguous) are the model's too, and are adopted with it.
-            count = config.replicas
-            while count < config.replica_max and count in files and \
-                    self.running(program_name(config.name, count), files[count][0]):
-                count += 1
-            if count != config.replicas:
-                config = runtime.active = runtime.with_replicas(count)
+        # Those that run what the settings give now first: a reload in the middle of a roll keeps
+        # its new replicas and leaves out old ones beyond the count.
+        running = sorted((i for i, (host, _) in files.items() if self.running(program_name(config.name, i), host)),
+                         key=lambda i: (not self._current(config, launcher, i, *files[i]), i))
+        if runtime.kept is None and config.replicas == runtime.config.replicas and \
+                config.replicas < len(running) <= config.replica_max:
+            # A proxy restarted after a live scale that it kept no count of (an older version):
+            # every running replica is the model's, and is adopted with it.
+            config = runtime.active = runtime.with_replicas(len(running))
+        indices = sorted(running[:config.replicas])
+        indices += free_indices(indices, config.replicas - len(indices))
         stale = [(host, program_name(config.name, index)) for index, (host, _) in files.items()
-                 if index >= config.replicas]
+                 if index not in indices]
         if stale:
             await self.remove(stale)
         runtime.replicas = []   # those of a failed unload, if any: their programs are judged afresh below
-        await self.add(runtime, config, launcher, range(config.replicas), adopt=True)
+        await self.add(runtime, config, launcher, indices, adopt=True)
 
-    async def add(self, runtime: ModelRuntime, config: ModelConfig, launcher: Launcher, indices: range,
+    async def add(self, runtime: ModelRuntime, config: ModelConfig, launcher: Launcher, indices: Sequence[int],
                   adopt: bool = False) -> list[Replica]:
         """Write, add and start the programs of replicas `indices` and append them to
-        runtime.replicas. With `adopt`, a replica whose file is unchanged and whose program runs is
-        taken over as it is."""
+        runtime.replicas (kept in index order). With `adopt`, a replica whose program runs is taken
+        over as it is: one whose file is what `config` gives now, as current; any other, as out of
+        date (Replica.outdated says why), reached as runtime.kept (the settings it was started with)
+        says, for the pool to replace it by a current one (proxy/lifecycle/rolling.py)."""
         await self.snapshot()
         all_texts = await self.texts()
         existing = await self.replica_texts(config.name, all_texts)
         previous: dict[str, int] = {}
         for _host, text in existing.values():
             previous.update(ports_in_file(text))
-        ports = self._assign_ports(config, launcher, previous, all_texts)
         wanted = list(indices)
+        ports = self._assign_ports(config, launcher, previous, all_texts, wanted)
         held = {i: existing[i][0] for i in wanted if i in existing}
         where = dict(self.choose(config, wanted, held)) if self.choose is not None else {}
         local_dir = self.settings.service.state_dir / "logs"
@@ -236,14 +243,17 @@ class Programs:
             texts.append(render_replica(config.name, spec, host.log_dir or local_dir))
         added = [Replica(model=config.name, index=i, spec=spec, fullname=f"{spec.program}:{spec.program}",
                          reach=ProgramReach(spec), host=host.name) for i, spec, host in zip(wanted, specs, hosts)]
-        runtime.replicas = runtime.replicas + added
+        runtime.replicas = sorted(runtime.replicas + added, key=lambda r: r.index)
         to_start: list[tuple[Replica, ProgramSpec]] = []
         for replica, spec, host, text in zip(added, specs, hosts, texts):
             log_dir = host.log_dir or local_dir
             info = self.running(spec.program, host.name)
-            if adopt and info is not None and all_texts.get(host.name, {}).get(spec.program) == text:
-                log.info("model %s: adopting running replica %d (pid %d) on host %s", config.name, replica.index,
-                         info.pid, host.name)
+            found = all_texts.get(host.name, {}).get(spec.program)
+            if adopt and info is not None and found is not None:
+                if found != text:
+                    self._as_running(runtime, replica, launcher, found, host, log_dir)
+                log.info("model %s: adopting running replica %d (pid %d) on host %s%s", config.name, replica.index,
+                         info.pid, host.name, f", out of date: {replica.outdated}" if replica.outdated else "")
                 replica.pid, replica.alive = info.pid, True
                 if host.local:   # an older version wrote it readable by all: the text stays, the mode tightens
                     self.replica_file(config.name, replica.index).chmod(PRIVATE_MODE)
@@ -272,27 +282,70 @@ class Programs:
         self.wake()
         return added
 
+    def _current(self, config: ModelConfig, launcher: Launcher, index: int, host_name: str, text: str) -> bool:
+        """Whether program file `text` (replica `index`'s, on `host_name`) is what `config` gives now."""
+        host = self.hosts.get(host_name)
+        if host is None:
+            return False
+        program = program_name(config.name, index)
+        spec = launcher.launch(config, index, ports_in_file(text).get(program, 0),
+                               self.settings.supervisor.stopwaitsecs, self.environ)
+        spec = on_host(spec, host.address) if host.address else spec
+        try:
+            return render_replica(config.name, spec, host.log_dir or self.settings.service.state_dir / "logs") == text
+        except UnsafeProgramValue:
+            return False
+
+    def _as_running(self, runtime: ModelRuntime, replica: Replica, launcher: Launcher, text: str, host: Host,
+                    log_dir: Path) -> None:
+        """Make `replica` the running program of file `text` (not what the settings give now): its
+        spec is rendered from the settings it was started with (runtime.kept) when they give that
+        very file; else (no kept settings, or the environment or llm-pool changed since) from the
+        current ones on the port it listens on, which reaches it as long as its health check and
+        model name are the same. Its `outdated` says what changed, by setting name only."""
+        assert replica.spec is not None
+        current = runtime.active or runtime.config
+        port = ports_in_file(text).get(replica.spec.program, replica.spec.port)
+        old = runtime.kept
+        if old is not None:
+            try:
+                spec = launcher.launch(old, replica.index, port, self.settings.supervisor.stopwaitsecs, self.environ)
+                spec = on_host(spec, host.address) if host.address else spec
+                exact = render_replica(current.name, spec, log_dir) == text
+            except Exception:   # kept by another version of llm-pool, say: reached as below
+                exact = False
+            if exact:
+                replica.outdated = outdated_reason(what_changed(old, current), exact=True)
+                _set_spec(replica, spec)
+                return
+        spec = launcher.launch(current, replica.index, port, self.settings.supervisor.stopwaitsecs, self.environ)
+        spec = on_host(spec, host.address) if host.address else spec
+        replica.outdated = outdated_reason(what_changed(old, current) if old is not None else [], exact=False)
+        _set_spec(replica, spec)
+
     def _assign_ports(self, config: ModelConfig, launcher: Launcher, previous: dict[str, int],
-                      texts: Mapping[str, Mapping[str, str]]) -> list[int]:
-        """Stable ports: the fixed port if configured, else the one this replica had, else the
-        first free one in the range. Ports of other models' programs and ports in use are skipped."""
+                      texts: Mapping[str, Mapping[str, str]], indices: Sequence[int]) -> dict[int, int]:
+        """Stable ports, by replica index: the fixed port (plus the index) if configured, else the
+        one this replica had, else the first free one in the range. Ports of other models' programs,
+        of this model's other replicas (running ones included) and ports in use are skipped."""
         fixed = config.get(launcher.PORT_FIELD)
         if fixed:
-            return [int(fixed) + i for i in range(config.replicas)]
+            return {i: int(fixed) + i for i in indices}
         taken = self._ports_of_other_groups(config.name, texts)
         lo, hi = self.settings.supervisor.port_range
-        ports: list[int] = []
+        ports: dict[int, int] = {}
         candidates = iter(range(lo, hi + 1))
-        for i in range(config.replicas):
+        for i in indices:
             program = program_name(config.name, i)
             old = previous.get(program)
             ours_running = any(self.running(program, h) is not None for h in self.hosts)
-            if old and old not in taken and old not in ports and (ours_running or port_free(old)):
-                ports.append(old)
+            if old and old not in taken and old not in ports.values() and (ours_running or port_free(old)):
+                ports[i] = old
                 continue
             for port in candidates:
-                if port not in taken and port not in ports and port not in previous.values() and port_free(port):
-                    ports.append(port)
+                if port not in taken and port not in ports.values() and port not in previous.values() \
+                        and port_free(port):
+                    ports[i] = port
                     break
             else:
                 raise Unavailable(f"no free port left in supervisor.port_range {lo}-{hi}", code="no_free_port")
@@ -415,7 +468,7 @@ class ProgramKind:
         assert self.programs is not None
         await self.programs.stop(runtime.name)
 
-    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: range) -> list[Replica]:
+    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: Sequence[int]) -> list[Replica]:
         assert self.programs is not None
         return await self.programs.add(runtime, config, _launcher(config), indices)
 
@@ -428,6 +481,11 @@ class ProgramKind:
 
     def describe(self, config: ModelConfig) -> dict[str, object]:
         return {}
+
+
+def _set_spec(replica: Replica, spec: ProgramSpec) -> None:
+    replica.spec, replica.reach = spec, ProgramReach(spec)
+    replica.fullname = f"{spec.program}:{spec.program}"
 
 
 def live(info: ProcessInfo) -> bool:

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from urllib.parse import unquote, urlsplit
 
 import aiohttp
@@ -310,12 +310,12 @@ class EndpointKind:
     async def stop(self, runtime: ModelRuntime) -> None:
         return None   # nothing runs here; requests in flight were drained or cancelled by the pool
 
-    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: range) -> list[Replica]:
+    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: Sequence[int]) -> list[Replica]:
         """Scaling an endpoint model changes how many requests the proxy sends it at once (each
         replica is target_inflight more); the provider is not asked again, it was judged at load."""
         reach = RemoteReach(config, self._key(config))
         added = [Replica(model=config.name, index=i, reach=reach) for i in indices]
-        runtime.replicas = runtime.replicas + added
+        runtime.replicas = sorted(runtime.replicas + added, key=lambda r: r.index)
         for replica in added:
             runtime.set_replica_state(replica, ReplicaState.STARTING)
             runtime.set_replica_state(replica, ReplicaState.READY)

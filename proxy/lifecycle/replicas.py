@@ -126,6 +126,9 @@ class Replica:
     cache_hits: int = 0
     cache_misses: int = 0
     cached_tokens: int = 0
+    # Adopted running a program other than what its model's settings give now (why, by setting
+    # name); the pool replaces it by a current replica (proxy/lifecycle/rolling.py). None: current.
+    outdated: str | None = None
 
     def note_cache(self, prompt_tokens: object, cached_tokens: object) -> None:
         """One answer's usage: a hit when the engine reused part of the prompt from its cache. An
@@ -181,7 +184,7 @@ class Replica:
                 # The name `supervisorctl status` shows (each replica is a group of one).
                 "port": self.spec.port if self.spec else None, "program": self.spec.program if self.spec else None,
                 "restarts": self.restarts, "inflight": self.inflight, "reported": dict(self.reported),
-                "last_error": self.last_error, "consecutive_failures": self.failures,
+                "last_error": self.last_error, "outdated": self.outdated, "consecutive_failures": self.failures,
                 "ejections": self.ejected_total,
                 "ejected_for_s": round(max(0.0, self.eject_until - time.monotonic()), 1),
                 "affinity_picks": self.affinity_picks, "affinity_spills": self.affinity_spills,

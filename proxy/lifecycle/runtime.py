@@ -69,6 +69,9 @@ class ModelRuntime:
     loads: dict[str, int] = field(default_factory=dict)     # finished loads by reason
     unloads: dict[str, int] = field(default_factory=dict)   # finished unloads by reason
     loaded_at: float = 0.0                  # when it last became LOADED (monotonic)
+    # The settings its running replicas were started with, as the last proxy kept them
+    # (proxy/lifecycle/kept.py): how to reach one that runs other settings than `active`. None: unknown.
+    kept: ModelConfig | None = None
     _turn: int = 0
     # Requests waiting for their affinity key's full replica, per replica index (affinity.Wait).
     _waiters: Counter[int] = field(default_factory=Counter)

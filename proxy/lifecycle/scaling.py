@@ -1,19 +1,22 @@
 """Live scaling: start or stop replicas of a loaded model while requests keep flowing on the others.
 
-Up: the kind adds the new replicas (for programs: one supervisord program each, the running ones
-untouched) and the call returns once they are READY; admission's capacity grows as each becomes
-READY. Down: the highest-numbered replicas leave rotation at once (STOPPING: no new request is
-sent to them, capacity shrinks), their requests in flight finish (up to service.drain_timeout_s),
-then the kind stops them. Either way the runtime's `active` settings record the new count.
+Up: the kind adds the new replicas under the lowest free indices (free_indices: a rolled
+model's may have a gap) (for programs: one supervisord program each, the running ones untouched)
+and the call returns once they are READY; admission's capacity grows as each becomes READY. Down:
+the highest-numbered replicas (out-of-date ones first) leave rotation at once (STOPPING: no new
+request is sent to them, capacity shrinks), their requests in flight finish (up to
+service.drain_timeout_s), then the kind stops them. Either way the runtime's `active` settings
+record the new count. A roll (rolling.py) uses the same two moves, one replica at a time.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import Protocol
+from typing import Protocol, Sequence
 
-from proxy.config import replicas_problem
+from proxy.config import ModelConfig, replicas_problem
 from proxy.errors import BackendError, BadRequest, Conflict, Unavailable
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
@@ -26,6 +29,25 @@ class Waiter(Protocol):
     """What scaling needs of the monitor: to wait until new replicas have passed their checks."""
 
     async def await_replicas(self, runtime: ModelRuntime, replicas: list[Replica] | None = None) -> None: ...
+
+
+def free_indices(used: Sequence[int], count: int) -> list[int]:
+    """The `count` lowest replica indices not in `used`.
+
+    A replica's index is its name (program `<model>-<hash>-r<i>`, `model/r<i>` in the admin view),
+    not its position: a program cannot be renamed while it runs, so a roll (rolling.py) starts each
+    new replica under the lowest index free then (the one past the others for the first, then the
+    index of the old replica it replaced) and a rolled model's indices may have a gap (r0, r2).
+    Scaling takes the same rule: up adds the lowest free indices, down removes the highest ones,
+    and a restarted proxy adopts the running replicas by their indices, whatever they are."""
+    taken = set(used)
+    found: list[int] = []
+    i = 0
+    while len(found) < count:
+        if i not in taken:
+            found.append(i)
+        i += 1
+    return found
 
 
 async def scale(runtime: ModelRuntime, replicas: int, monitor: Waiter, drain_timeout_s: float) -> ModelRuntime:
@@ -52,23 +74,47 @@ async def scale(runtime: ModelRuntime, replicas: int, monitor: Waiter, drain_tim
 
 
 async def _scale_up(runtime: ModelRuntime, replicas: int, monitor: Waiter) -> None:
-    assert runtime.kind is not None
     config = runtime.with_replicas(replicas)
     started = time.monotonic()
-    added = await runtime.kind.add(runtime, config, range(len(runtime.replicas), replicas))
-    await monitor.await_replicas(runtime, added)
-    failed = [r for r in added if r.state != ReplicaState.READY]
-    if failed:
-        # All or nothing: a replica that cannot start is removed again, the model keeps its count.
-        errors = "; ".join(f"replica {r.index}: {r.last_error}" for r in failed)
-        await _remove(runtime, added)
+    indices = free_indices([r.index for r in runtime.replicas], replicas - len(runtime.replicas))
+    added, errors = await add_ready(runtime, config, indices, monitor)
+    if errors:
         raise BackendError(f"model {runtime.name!r} could not be scaled to {replicas}: {errors}",
                            code="model_scale_failed")
     log.info("model %s: %d replica(s) added in %.2fs", runtime.name, len(added), time.monotonic() - started)
 
 
+async def add_ready(runtime: ModelRuntime, config: ModelConfig, indices: list[int], monitor: Waiter
+                    ) -> tuple[list[Replica], str]:
+    """Add replicas `indices` with `config` and wait until they are READY: all or nothing, a
+    replica that cannot start is removed again. Returns them, and "" or why they could not start."""
+    assert runtime.kind is not None
+    before = list(runtime.replicas)
+    try:
+        added = await runtime.kind.add(runtime, config, indices)
+    except Exception:
+        # One that supervisord would not start (its command is missing, say) is listed already.
+        with contextlib.suppress(Exception):
+            await _remove(runtime, [r for r in runtime.replicas if r not in before])
+        raise
+    await monitor.await_replicas(runtime, added)
+    failed = [r for r in added if r.state != ReplicaState.READY]
+    if not failed:
+        return added, ""
+    errors = "; ".join(f"replica {r.index}: {r.last_error}" for r in failed)
+    await _remove(runtime, added)
+    return added, errors
+
+
 async def _scale_down(runtime: ModelRuntime, replicas: int, drain_timeout_s: float) -> None:
-    leaving = runtime.replicas[replicas:]
+    # Out-of-date replicas (a roll's, rolling.py) go first: they were to be replaced anyway.
+    staying = sorted(runtime.replicas, key=lambda r: (r.outdated is not None, r.index))[:replicas]
+    await drain_and_remove(runtime, [r for r in runtime.replicas if r not in staying], drain_timeout_s)
+
+
+async def drain_and_remove(runtime: ModelRuntime, leaving: list[Replica], drain_timeout_s: float) -> None:
+    """Take `leaving` out of rotation at once, let their requests in flight finish (up to
+    `drain_timeout_s`), then stop them."""
     for replica in leaving:
         runtime.set_replica_state(replica, ReplicaState.STOPPING)   # out of rotation; capacity follows
     deadline = time.monotonic() + drain_timeout_s

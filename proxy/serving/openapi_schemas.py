@@ -113,7 +113,10 @@ def model_state() -> dict[str, Any]:
                 "type": "object", "required": ["index", "state"], "additionalProperties": True,
                 "properties": {"index": {"type": "integer", "minimum": 0},
                                "state": {"enum": [s.value for s in ReplicaState]},
-                               "pid": {"type": ["integer", "null"]}}}},
+                               "pid": {"type": ["integer", "null"]},
+                               "outdated": {"type": ["string", "null"],
+                                            "description": "adopted running other settings than the model's now "
+                                                           "(which, by name); replaced one at a time (a roll)"}}}},
             "last_error": {"type": ["string", "null"]},
             "admission": {
                 "type": "object", "required": ["open", "code", "reason"], "additionalProperties": False,

@@ -184,10 +184,16 @@ async def admin_logs(request: web.Request) -> web.Response:
     if not runtime.replicas:
         raise Conflict(f"model {runtime.name!r} has no replicas to read a log from; load it first",
                        code="model_not_loaded")
-    index = _int_param(request, "replica", 0, 0, len(runtime.replicas) - 1, code="invalid_log_request")
+    # A replica by its index (its name, `model/r<i>`), not its place in the list: a rolled model's
+    # indices may have a gap (proxy/lifecycle/scaling.py, free_indices).
+    indices = [r.index for r in runtime.replicas]
+    index = _int_param(request, "replica", indices[0], 0, max(indices), code="invalid_log_request")
+    replica = next((r for r in runtime.replicas if r.index == index), None)
+    if replica is None:
+        raise BadRequest(f"model {runtime.name!r} has no replica {index}; its replicas are {indices}",
+                         code="invalid_log_request", param="replica")
     length = _int_param(request, "bytes", 16384, 1, MAX_LOG_BYTES, code="invalid_log_request")
     offset = _int_param(request, "offset", 0, 0, 2 ** 62, code="invalid_log_request")
-    replica = runtime.replicas[index]
     if replica.spec is None:
         raise Conflict(f"replica {index} of model {runtime.name!r} is a remote endpoint, not a process of this "
                        "machine: it has no process log (the proxy's own log records its requests)",

@@ -178,7 +178,26 @@ def test_sigusr1_exits_and_the_next_proxy_adopts_the_models(proxies, llama_model
     assert proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"] == pid  # adopted, not reloaded
 
 
-def test_a_reload_after_a_settings_change_restarts_every_replica_of_the_changed_model(proxies, llama_model) -> None:
+def test_a_reload_keeps_a_load_override_and_the_process_that_runs_it(proxies, llama_model) -> None:
+    proxy = ProxyProcess({"tiny": llama_model(enabled=False)})
+    proxies.append(proxy)
+    proxy.start()
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/tiny/load", {"overrides": {"llama_server_n_ctx": 2048}})
+    assert status == 200, body
+    pid = body["replicas"][0]["pid"]
+    proxy.seen_pids.add(pid)
+    assert proxy.proc is not None
+    proxy.proc.send_signal(signal.SIGUSR1)
+    assert proxy.proc.wait(60) == 0
+    proxy.stop()
+    proxy.start()
+    model = proxy.wait_state("tiny", "loaded")
+    assert model["replicas"][0]["pid"] == pid and model["overrides"] == {"llama_server_n_ctx": 2048}
+    argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--ctx-size") + 1] == b"4096"   # 2048 per request, 2 slots (configured: 8192)
+
+
+def test_a_reload_after_a_settings_change_rolls_every_replica_of_the_changed_model(proxies, llama_model) -> None:
     proxy = ProxyProcess({"pair": llama_model(replicas=2, replica_max=2), "other": llama_model()})
     proxies.append(proxy)
     proxy.start()
@@ -191,8 +210,15 @@ def test_a_reload_after_a_settings_change_restarts_every_replica_of_the_changed_
     proxy.config["engine"]["models"]["pair"]["llama_server_n_ctx"] = 2048
     proxy.config_path.write_text(yaml.safe_dump(proxy.config))
     proxy.start()
-    after = proxy.wait_replicas_ready("pair", 2)["replicas"]   # fails at once should it go `failed`
-    assert not {r["pid"] for r in after} & {r["pid"] for r in before}     # restarted with the new settings
+    old = {r["pid"] for r in before}
+
+    def rolled() -> list[dict[str, Any]] | None:
+        model = proxy.wait_replicas_ready("pair", 2)   # fails at once should it go `failed`
+        replicas = model["replicas"]
+        return replicas if not {r["pid"] for r in replicas} & old and not any(r["outdated"] for r in replicas) else None
+    after = wait_for(rolled, what="both replicas restarted with the new settings, one by one")
+    restarts = http("GET", proxy.url + "/v1/admin/events?kind=restart&model=pair")[2]["data"]
+    assert [e["reason"] for e in restarts] == ["settings changed: llama_server_n_ctx"] * 2
     for replica in after:
         argv = (Path("/proc") / str(replica["pid"]) / "cmdline").read_bytes().split(b"\0")
         assert argv[argv.index(b"--ctx-size") + 1] == b"4096"           # 2048 per request, 2 slots

@@ -6,13 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 from typing import Any, Callable
 
 import pytest
 
-from helpers import REPO, ProxyProcess, http, pid_alive, wait_for
+from helpers import REPO, Load, ProxyProcess, http, pid_alive, pids, program_files, scale, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -20,61 +18,6 @@ pytestmark = pytest.mark.integration
 def sim_model(**fields: Any) -> dict[str, Any]:
     return {"backend": "sim", "enabled": True, "replicas": 1, "replica_max": 3, "target_inflight": 2,
             "sim": {"max_seqs": 2, "decode_tokens_per_s": 200, "ttft_ms": 1}, **fields}
-
-
-class Load:
-    """Client threads sending requests one after another until stopped; every outcome is kept."""
-
-    def __init__(self, proxy: ProxyProcess, model: str, threads: int = 3, max_tokens: int = 20) -> None:
-        self.proxy, self.model, self.max_tokens = proxy, model, max_tokens
-        self.stopping = threading.Event()
-        self.ok = 0
-        self.failures: list[tuple[int, Any]] = []
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run) for _ in range(threads)]
-
-    def _run(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                status, _, body = http("POST", self.proxy.url + "/v1/chat/completions",
-                                       {"model": self.model, "max_tokens": self.max_tokens,
-                                        "messages": [{"role": "user", "content": "hi"}]})
-            except OSError as exc:
-                status, body = 0, repr(exc)
-            with self.lock:
-                if status == 200:
-                    self.ok += 1
-                else:
-                    self.failures.append((status, body))
-
-    def __enter__(self) -> "Load":
-        for thread in self.threads:
-            thread.start()
-        wait_for(lambda: self.ok >= 3 or self.failures, what="the first answers")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        for thread in self.threads:
-            thread.join(120)
-
-    def answered(self) -> int:
-        with self.lock:
-            return self.ok
-
-
-def scale(proxy: ProxyProcess, name: str, replicas: Any) -> tuple[int, Any, float]:
-    started = time.monotonic()
-    status, _, body = http("POST", proxy.url + f"/v1/admin/models/{name}/scale", {"replicas": replicas})
-    return status, body, time.monotonic() - started
-
-
-def pids(model: dict[str, Any]) -> list[int]:
-    return [r["pid"] for r in model["replicas"]]
-
-
-def program_files(proxy: ProxyProcess) -> list[str]:
-    return sorted(p.name for p in (proxy.state_dir / "programs").glob("*.conf"))
 
 
 def scale_under_load(proxy: ProxyProcess, name: str, up: int, report: Callable[[str], None]) -> None:

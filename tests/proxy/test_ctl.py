@@ -121,6 +121,12 @@ async def test_logs_follow_polls_from_the_last_offset(upstream: Upstream) -> Non
         "/v1/admin/models/qwen/logs?replica=1&bytes=100&offset=15"]
 
 
+async def test_logs_without_a_replica_reads_the_models_first_whatever_its_index(upstream: Upstream) -> None:
+    upstream.answers["/v1/admin/models/qwen/logs"] = lambda r: web.json_response({"text": "x\n", "offset": 2})
+    code, out = await run_ctl(upstream, "logs", "qwen")
+    assert code == 0 and [q for _, q, _, _ in upstream.seen] == ["/v1/admin/models/qwen/logs?bytes=16384"]
+
+
 async def _logs(up: Upstream, sleep: Callable[[float], None]) -> tuple[int, str]:
     """`ctl logs -f` with an injected sleep, so the test decides when the follow ends."""
     args = build_parser().parse_args(["ctl", "--url", up.url, "logs", "qwen", "--replica", "1", "--bytes", "100",

@@ -127,3 +127,10 @@ async def test_an_ejected_remote_slot_comes_back_once_its_ejection_is_over(tmp_p
     finally:
         await pool.close(stop_models=False)
     assert runtime.admission.capacity == 2
+
+
+async def test_scaling_down_stops_out_of_date_replicas_first(world: Any) -> None:
+    pool, runtime, fake = world
+    runtime.replicas[0].outdated = "settings changed: sim.ttft_ms"   # adopted mid-roll (proxy/lifecycle/rolling.py)
+    await asyncio.wait_for(pool.scale("m", 2), 10)
+    assert [r.index for r in runtime.replicas] == [1, 2] and set(fake.removed) == {P[0]}

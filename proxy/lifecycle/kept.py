@@ -1,0 +1,190 @@
+"""What an admin set for the models loaded now, kept in the state dir for the next `serve`.
+
+For each loaded model: the overrides it runs with (a load's `overrides`, and the replica count of a
+scale or a load's `replicas`: `changed(config, active)`, as the admin view shows them), and the
+settings its replicas were started with. Written (atomically) after every load, scale and unload;
+an unload removes the model's entry, so a full stop (SIGTERM unloads every model) leaves nothing
+kept and the next `serve` starts from the config files alone. A reload (SIGUSR1, --keep-models)
+leaves the replicas running and the entries in place: the next `serve` adopts each such model with
+its kept overrides, and compares the kept settings with what the config files (plus the kept
+overrides) give now to say what changed (by name: settings may name secrets' variables, programs
+hold their values) and roll the replicas that run the old ones (proxy/lifecycle/rolling.py).
+
+The file is the proxy's own (mode 0600, in its state dir), read only at startup. Nothing in it is
+ever started: the kept settings only describe and reach replicas that already run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from launchers import launcher_for
+from proxy.atomic_file import PRIVATE_MODE, write_atomic
+from proxy.config import ModelConfig, changed, override_problems, replicas_problem
+from proxy.lifecycle.replicas import ModelState
+from proxy.lifecycle.runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "kept-models.json"
+VERSION = 1
+# Fields of ModelConfig held as tuples (JSON gives lists back).
+_TUPLES = ("modalities", "gpus", "hosts")
+# Settings of how many replicas run and when, not of what each one runs.
+_NOT_PROGRAM = frozenset({"replicas", "replica_max", "enabled", "load_on_demand", "idle_unload_s", "pinned"})
+
+
+@dataclass(frozen=True)
+class KeptModel:
+    """One loaded model's entry: the overrides to load it with again, and the settings it runs with."""
+
+    overrides: Mapping[str, Any]
+    settings: ModelConfig | None    # None: written by a version that kept none, or unreadable
+
+    def to_json(self) -> dict[str, Any]:
+        return {"overrides": dict(self.overrides),
+                "settings": None if self.settings is None else asdict(self.settings)}
+
+
+def entry(config: ModelConfig, active: ModelConfig) -> KeptModel:
+    """The entry of a model configured as `config` and loaded as `active`."""
+    return KeptModel(overrides=changed(config.options, active.options), settings=active)
+
+
+def _settings(raw: Any) -> ModelConfig | None:
+    if not isinstance(raw, dict) or set(raw) != {f.name for f in fields(ModelConfig)}:
+        return None
+    try:
+        values: dict[str, Any] = {k: tuple(v) if k in _TUPLES else v for k, v in raw.items()}
+        return ModelConfig(**values)
+    except TypeError:
+        return None
+
+
+class KeptModels:
+    """The state dir's file of kept entries, by model name, and the entries the last proxy left for
+    the models whose startup load has not ended yet (they stand in the file until it has)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pending: dict[str, KeptModel] = {}
+
+    def honour(self, runtime: ModelRuntime, kept: KeptModel | None) -> dict[str, Any]:
+        """The overrides of `kept` (the last proxy's entry for the model) that its settings now
+        accept, to load it with at startup; each dropped one is a warning naming it."""
+        if kept is None:
+            return {}
+        self.pending[runtime.name] = kept
+        runtime.kept = kept.settings
+        launcher = launcher_for(runtime.config.backend)
+        allowed = launcher.LOAD_OVERRIDES if launcher is not None else ()
+        overrides, warnings = honoured(runtime.config, kept.overrides, allowed,
+                                       launcher.option_problems if launcher is not None else lambda _: [])
+        for warning in warnings:
+            log.warning("%s", warning)
+        if overrides:
+            log.info("model %s: loading with its kept overrides %s", runtime.name, sorted(overrides))
+        return overrides
+
+    def settled(self, name: str) -> None:
+        """Its startup load ended (loaded or not): from now on the model's own state says what is kept."""
+        self.pending.pop(name, None)
+
+    def save(self, runtimes: Iterable[ModelRuntime]) -> None:
+        """Write the entry of every loaded model: after each load, scale, roll and unload."""
+        entries = dict(self.pending)
+        for runtime in runtimes:
+            if runtime.state == ModelState.LOADED and runtime.active is not None:
+                found = entry(runtime.config, runtime.active)
+                if runtime.kept is not None and any(r.outdated for r in runtime.replicas):
+                    # Mid-roll: the settings the old replicas run, so that a reload now can still reach them.
+                    found = KeptModel(found.overrides, runtime.kept)
+                entries[runtime.name] = found
+        self.write(entries)
+
+    def read(self) -> dict[str, KeptModel]:
+        """The entries the last proxy left; none when there is no file. A file that cannot be read
+        is logged and ignored: the models then load with their configured settings."""
+        try:
+            doc = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring %s: %s", self.path, exc)
+            return {}
+        models = doc.get("models") if isinstance(doc, dict) and doc.get("version") == VERSION else None
+        if not isinstance(models, dict):
+            log.warning("ignoring %s: not a version %d file of kept models", self.path, VERSION)
+            return {}
+        found = {}
+        for name, raw in models.items():
+            if isinstance(raw, dict) and isinstance(raw.get("overrides"), dict):
+                found[name] = KeptModel(overrides=raw["overrides"], settings=_settings(raw.get("settings")))
+        return found
+
+    def write(self, entries: Mapping[str, KeptModel]) -> None:
+        """Replace the file with `entries` (whole or not at all); a failure is logged, never raised:
+        what runs is unaffected, only the next `serve` would load the configured settings."""
+        doc = {"version": VERSION, "models": {n: e.to_json() for n, e in sorted(entries.items())}}
+        try:
+            write_atomic(self.path, json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n", mode=PRIVATE_MODE)
+        except OSError as exc:
+            log.error("could not write %s: %s; a reload will not keep the admin's overrides", self.path, exc)
+
+
+def honoured(config: ModelConfig, overrides: Mapping[str, Any], allowed: tuple[str, ...],
+             option_problems: Callable[[ModelConfig], list[str]]) -> tuple[dict[str, Any], list[str]]:
+    """The kept `overrides` that the (new) `config` still accepts, and a warning for each one it
+    does not, naming it and why. `allowed`: the backend's live overrides. The checks are a load
+    request's own (proxy/serving/routes_admin.py), so that nothing is kept that a load would refuse."""
+    kept: dict[str, Any] = {}
+    warnings: list[str] = []
+    for key, value in overrides.items():
+        if key == "replicas":
+            problem = replicas_problem(value, config.replica_max)
+            problems = [problem] if problem else []
+        else:
+            problems = override_problems(config, {key: value}, allowed)
+        if problems:
+            warnings.append(f"model {config.name}: dropping the kept override {key}: " + "; ".join(problems))
+        else:
+            kept[key] = value
+    settings = {k: v for k, v in kept.items() if k != "replicas"}
+    if settings:
+        problems = option_problems(config.with_overrides(kept))
+        if problems:
+            warnings.append(f"model {config.name}: dropping the kept override(s) {', '.join(sorted(settings))}: "
+                            + "; ".join(problems))
+            kept = {k: v for k, v in kept.items() if k == "replicas"}
+    return kept, warnings
+
+
+def what_changed(old: ModelConfig, new: ModelConfig) -> list[str]:
+    """The names of the settings that differ between `old` and `new` (a nested one as `sim.ttft_ms`),
+    never their values. Those of how many replicas run and when (the count, idle_unload_s, ...) are
+not among them: they change no replica's program."""
+    names = [f.name for f in fields(ModelConfig)
+             if f.name not in _NOT_PROGRAM and f.name != "options" and getattr(old, f.name) != getattr(new, f.name)]
+
+    def walk(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str) -> None:
+        for key in sorted(set(a) | set(b)):
+            if not prefix and key in _NOT_PROGRAM:
+                continue
+            x, y = a.get(key), b.get(key)
+            if isinstance(x, Mapping) and isinstance(y, Mapping):
+                walk(x, y, f"{prefix}{key}.")
+            elif x != y:
+                names.append(prefix + key)
+    walk(old.options, new.options, "")
+    return sorted(set(names))
+
+
+def outdated_reason(names: Sequence[str], exact: bool) -> str:
+    """Why a running replica is out of date, by setting name (never a value: a program holds secrets)."""
+    if names:
+        said = "settings changed: " + ", ".join(names)
+        return said if exact else said + " (and its program differs otherwise: environment or llm-pool version)"
+    return "its program differs from what its settings give now (environment or llm-pool version)"
