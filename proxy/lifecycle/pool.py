@@ -84,6 +84,10 @@ class Pool:
         self.startup_pending: set[str] = set()
         # Startup loads that failed and are tried again, until they load or an admin steps in.
         self._retries: dict[str, LoadRetry] = {}
+        # Clear while a reload's predecessor process still runs and serves the same replicas
+        # (proxy/serving/handover.py clears it at a successor's startup and sets it on that exit).
+        self.predecessor_gone = asyncio.Event()
+        self.predecessor_gone.set()
 
     # -- lifecycle of the pool itself ------------------------------------------------------------
 
