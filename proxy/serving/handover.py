@@ -127,12 +127,13 @@ def take_inherited(environ: MutableMapping[str, str]) -> Inherited | None:
         os.set_inheritable(fd, False)
     listeners = []
     for fd in fds:
-        sock = socket.socket(fileno=fd)
-        listeners.append(sock)
-        if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sock = socket.socket(fileno=fd) if stat.S_ISSOCK(os.fstat(fd).st_mode) else None
+        if sock is None or sock.type != socket.SOCK_STREAM or \
+                not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             raise HandoverError(f"descriptor {fd} in {LISTEN_FDS_ENV} is not a listening TCP socket")
-    control = socket.socket(fileno=fields["control"])
-    if control.family != socket.AF_UNIX:
+        listeners.append(sock)
+    control = socket.socket(fileno=fields["control"]) if stat.S_ISSOCK(os.fstat(fields["control"]).st_mode) else None
+    if control is None or control.family != socket.AF_UNIX:
         raise HandoverError(f"the control descriptor {fields['control']} is not a unix socket")
     if not stat.S_ISREG(os.fstat(fields["lock"]).st_mode):
         raise HandoverError(f"the lock descriptor {fields['lock']} is not a file")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client as httpc
 import json
+import os
 import signal
 import socket
 import struct
@@ -173,3 +174,29 @@ def test_a_reload_with_broken_settings_changes_nothing_and_says_why(proxies) -> 
     proxy.config_path.write_text(good)
     assert proxy.reload() == 0
     assert proxy.admin_model("sim")["replicas"][0]["pid"] == replica
+
+
+def test_a_request_during_adoption_waits_for_it_instead_of_503_model_loading(proxies) -> None:
+    proxy = ProxyProcess({"sim": sim_model()})
+    proxies.append(proxy)
+    proxy.start(keep_models=True)
+    replica = proxy.wait_state("sim", "loaded")["replicas"][0]["pid"]
+    proxy.stop()   # --keep-models: the replica runs on for the next proxy to adopt
+    os.kill(replica, signal.SIGSTOP)   # its health check cannot pass: the adoption stays under way
+    try:
+        proxy.start()
+        assert proxy.admin_model("sim")["state"] == "loading"
+        answer: list[tuple[int, object]] = []
+        request = threading.Thread(target=lambda: answer.append(http(
+            "POST", proxy.url + "/v1/chat/completions",
+            {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})[::2]))
+        request.start()
+        # It waits in the model's queue (it used to get 503 model_loading at once)...
+        wait_for(lambda: proxy.admin_model("sim")["waiting"] == 1 or answer, what="the request to queue")
+        assert answer == [] and proxy.admin_model("sim")["state"] == "loading"
+    finally:
+        os.kill(replica, signal.SIGCONT)
+    request.join(60)
+    # ...and is served by the adopted replica once its health check passes.
+    assert answer and answer[0][0] == 200, answer
+    assert proxy.wait_state("sim", "loaded")["replicas"][0]["pid"] == replica
