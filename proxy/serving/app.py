@@ -284,6 +284,9 @@ async def _finish_handed_over(app: web.Application, runner: web.AppRunner, sites
         await site.stop()
     for sock in socks:
         sock.close()
+    open_now = len(runner.server.connections) if runner.server is not None else 0
+    log.info("reload: pid %d stopped accepting; %d connection(s) open, %d request(s) in flight", os.getpid(),
+             open_now, shutdown.inflight)
     await release_pool(app)   # keep_models: only this process's own tasks end
     loop = asyncio.get_running_loop()
     started = loop.time()

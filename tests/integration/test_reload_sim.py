@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ProxyProcess, http, sim_model, wait_for
+from helpers import ProxyProcess, http, pid_alive, sim_model, wait_for
 
 pytestmark = pytest.mark.integration
 CLIENTS = 4
@@ -200,3 +200,35 @@ def test_a_request_during_adoption_waits_for_it_instead_of_503_model_loading(pro
     # ...and is served by the adopted replica once its health check passes.
     assert answer and answer[0][0] == 200, answer
     assert proxy.wait_state("sim", "loaded")["replicas"][0]["pid"] == replica
+
+
+def test_a_successor_not_ready_in_time_is_stopped_and_a_stop_during_a_reload_stops_it_first(proxies) -> None:
+    proxy = ProxyProcess({"sim": sim_model()}, service={"reload_timeout_s": 3})
+    proxies.append(proxy)
+    proxy.start()
+    replica = proxy.wait_state("sim", "loaded")["replicas"][0]["pid"]
+    assert proxy.proc is not None
+    os.kill(replica, signal.SIGSTOP)   # its health check cannot pass: a successor's adoption never ends
+    try:
+        proxy.proc.send_signal(signal.SIGUSR1)
+        log = wait_for(lambda: "reload failed" in (text := proxy.log_path.read_text()) and text,
+                       what="the reload to time out")
+        assert "was not ready within service.reload_timeout_s (3s)" in log
+        first = int(log.split("reload: successor pid ")[1].split()[0])
+        proxy.seen_pids.add(first)
+        assert proxy.proc.poll() is None and proxy.lock_owner() == proxy.proc.pid   # it serves on
+        # A stop signal during the next reload: the successor is stopped first, then the proxy
+        # stops as any stop does (the replica unloaded, supervisord stopped), and exits 0.
+        proxy.proc.send_signal(signal.SIGUSR1)
+        second = wait_for(lambda: (pids := proxy.log_path.read_text().split("reload: successor pid ")[2:]) and
+                          int(pids[0].split()[0]), what="a second successor")
+        proxy.seen_pids.add(second)
+        wait_for(lambda: f"[successor {second}]" in proxy.log_path.read_text(), what="the successor to start")
+        proxy.proc.send_signal(signal.SIGTERM)
+    finally:
+        os.kill(replica, signal.SIGCONT)
+    assert proxy.proc.wait(60) == 0
+    log = proxy.log_path.read_text()
+    assert f"reload called off by a stop signal: stopping successor pid {second}" in log
+    assert log.index("reload called off") < log.index("model sim unloaded (shutdown)")
+    assert not pid_alive(second) and not pid_alive(replica)
