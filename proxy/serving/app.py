@@ -23,6 +23,7 @@ from proxy.serving import routes_responses
 from proxy.serving import ui
 from proxy.config import Settings
 from proxy.errors import NotFound
+from proxy.events import RELOAD
 from proxy.serving.errors_http import ERROR_CODE, error_middleware
 from proxy.serving.forward import upstream_session
 from proxy.serving.handover import Inherited, Succession
@@ -198,7 +199,7 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
     successor; it starts accepting once it has adopted the running replicas, and takes over."""
     shutdown = app[SHUTDOWN]
     loop = asyncio.get_running_loop()
-    reloader = Reloader(app[SETTINGS], socks, lock, shutdown) if lock is not None else None
+    reloader = Reloader(app, socks, lock) if lock is not None else None
     # Before the startup (supervisord, the pool): a signal then stops the proxy the same way.
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, shutdown.on_signal, sig)
@@ -222,10 +223,14 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
             for site in sites:
                 await site.start()
             on_listening()
+            if reloader is not None:
+                reloader.serving = True
             if succession is None:
                 notify("READY=1", f"STATUS=serving (pid {os.getpid()})")
             elif await succession.take_over():
                 shutdown.took_over()
+                app[POOL].events.record(RELOAD, f"reload: took over from pid {succession.inherited.predecessor}; "
+                                        f"pid {os.getpid()} serves now", reason="took_over")
                 if lock is not None:
                     managed.record_owner(lock)
                 watching = asyncio.create_task(_mark_gone(succession, app[POOL].predecessor_gone))

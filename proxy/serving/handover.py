@@ -163,9 +163,7 @@ class Succession:
         except OSError:
             answer = b""
         if answer == GO:
-            self._switch_output()
-            log.info("reload: took over from pid %d; this process (pid %d) is the proxy now",
-                     self.inherited.predecessor, os.getpid())
+            self._switch_output()   # the caller records (and so logs) the takeover
             return True
         log.error("reload: pid %d %s; exiting and leaving supervisord and the models as they are",
                   self.inherited.predecessor, "called the reload off" if answer == ABORT else

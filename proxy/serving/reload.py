@@ -28,10 +28,13 @@ import subprocess
 import sys
 from typing import IO, Sequence
 
-from proxy.config import Settings
+from aiohttp import web
+
+from proxy.events import RELOAD
 from proxy.serving.handover import ABORT, GO, READY, handover_environ
+from proxy.serving.keys import POOL, SETTINGS
 from proxy.serving.sd_notify import monotonic_usec, notify
-from proxy.serving.shutdown import Shutdown
+from proxy.serving.shutdown import SHUTDOWN
 
 log = logging.getLogger(__name__)
 TAIL_LINES = 20
@@ -51,11 +54,13 @@ def successor_argv() -> list[str]:
 class Reloader:
     """Starts a successor on SIGUSR1 and hands it the service; one reload at a time."""
 
-    def __init__(self, settings: Settings, socks: Sequence[socket.socket], lock: IO[str], shutdown: Shutdown) -> None:
-        self.settings = settings
+    def __init__(self, app: web.Application, socks: Sequence[socket.socket], lock: IO[str]) -> None:
+        self.app = app
+        self.settings = app[SETTINGS]
         self.socks = socks
         self.lock = lock
-        self.shutdown = shutdown
+        self.shutdown = app[SHUTDOWN]
+        self.serving = False   # set once it serves: a reload during the startup would hand over half a start
         self.task: asyncio.Task[None] | None = None
         self.successor: int | None = None
         # Kept open until this process exits: the successor learns of the exit by its closing.
@@ -71,6 +76,9 @@ class Reloader:
             return
         if self.shutdown.started:
             log.warning("SIGUSR1 ignored: shutting down")
+            return
+        if not self.serving:
+            log.warning("SIGUSR1 ignored: still starting; send it again once the proxy serves")
             return
         if self.task is not None and not self.task.done():
             log.warning("SIGUSR1 ignored: a reload is under way (successor pid %s)", self.successor)
@@ -153,9 +161,11 @@ class Reloader:
         await _stop(proc, writer)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(relay), TAIL_WAIT_S)
+        self.app[POOL].events.record(
+            RELOAD, f"reload failed: successor pid {proc.pid} {why}; nothing changed, this process (pid "
+            f"{os.getpid()}) goes on serving and a later SIGUSR1 tries again", reason="failed", level=logging.ERROR)
         lines = "\n".join(f"  {line}" for line in tail) or "  (it wrote nothing)"
-        log.error("reload failed: successor pid %d %s; nothing changed, this process (pid %d) goes on serving "
-                  "and a later SIGUSR1 tries again. Its last lines:\n%s", proc.pid, why, os.getpid(), lines)
+        log.error("reload: the last lines of successor pid %d:\n%s", proc.pid, lines)
         return False
 
     def _commit(self, pid: int, control: asyncio.StreamWriter) -> None:

@@ -139,6 +139,8 @@ def test_a_reload_under_load_fails_no_request_and_refuses_no_connection(proxies,
         log = proxy.log_path.read_text()
         assert f"reload: successor pid {new} started" in log and f"reload: handing over to pid {new}" in log
         assert f"reload: took over from pid {old}" in log and f"reload: the predecessor (pid {old}) has exited" in log
+        status, _, events = http("GET", proxy.url + "/v1/admin/events?kind=reload")
+        assert status == 200 and [e["reason"] for e in events["data"]] == ["took_over"], events   # the admin's feed
         # systemd: ready once listening; on the reload RELOADING=1, then the main PID changes and
         # the reload ends. Sent by the main process each time (NotifyAccess=main is enough).
         messages = notify.read()
@@ -170,6 +172,8 @@ def test_a_reload_with_broken_settings_changes_nothing_and_says_why(proxies) -> 
                            {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert status == 200, body
     assert proxy.admin_model("sim")["replicas"][0]["pid"] == replica
+    status, _, events = http("GET", proxy.url + "/v1/admin/events?kind=reload")
+    assert [e["reason"] for e in events["data"]] == ["failed"] and "exited with 2" in events["data"][0]["message"]
     # A later SIGUSR1 tries again, and with the settings fixed it goes through.
     proxy.config_path.write_text(good)
     assert proxy.reload() == 0
@@ -203,7 +207,7 @@ def test_a_request_during_adoption_waits_for_it_instead_of_503_model_loading(pro
 
 
 def test_a_successor_not_ready_in_time_is_stopped_and_a_stop_during_a_reload_stops_it_first(proxies) -> None:
-    proxy = ProxyProcess({"sim": sim_model()}, service={"reload_timeout_s": 3})
+    proxy = ProxyProcess({"sim": sim_model()}, service={"reload_timeout_s": 15})
     proxies.append(proxy)
     proxy.start()
     replica = proxy.wait_state("sim", "loaded")["replicas"][0]["pid"]
@@ -213,7 +217,7 @@ def test_a_successor_not_ready_in_time_is_stopped_and_a_stop_during_a_reload_sto
         proxy.proc.send_signal(signal.SIGUSR1)
         log = wait_for(lambda: "reload failed" in (text := proxy.log_path.read_text()) and text,
                        what="the reload to time out")
-        assert "was not ready within service.reload_timeout_s (3s)" in log
+        assert "was not ready within service.reload_timeout_s (15s)" in log
         first = int(log.split("reload: successor pid ")[1].split()[0])
         proxy.seen_pids.add(first)
         assert proxy.proc.poll() is None and proxy.lock_owner() == proxy.proc.pid   # it serves on
