@@ -223,8 +223,6 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
             for site in sites:
                 await site.start()
             on_listening()
-            if reloader is not None:
-                reloader.serving = True
             if succession is None:
                 notify("READY=1", f"STATUS=serving (pid {os.getpid()})")
             elif await succession.take_over():
@@ -236,6 +234,8 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
                 watching = asyncio.create_task(_mark_gone(succession, app[POOL].predecessor_gone))
             else:
                 shutdown.begin()
+            if reloader is not None:
+                reloader.serving = True   # a successor reloads in turn once it is the proxy
             await shutdown.requested.wait()
             if reloader is not None:
                 await reloader.cancel()   # a stop signal during a reload: the successor goes first

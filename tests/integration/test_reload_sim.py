@@ -178,6 +178,11 @@ def test_a_reload_with_broken_settings_changes_nothing_and_says_why(proxies) -> 
     proxy.config_path.write_text(good)
     assert proxy.reload() == 0
     assert proxy.admin_model("sim")["replicas"][0]["pid"] == replica
+    # And the new process reloads in turn (its descriptors were handed over, its stdout is the journal's).
+    first = proxy.serving_pid
+    proxy.reload()
+    assert proxy.serving_pid != first and proxy.admin_model("sim")["replicas"][0]["pid"] == replica
+    assert f"reload: took over from pid {first}" in proxy.log_path.read_text()
 
 
 def test_a_request_during_adoption_waits_for_it_instead_of_503_model_loading(proxies) -> None:
