@@ -233,7 +233,9 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
                     managed.record_owner(lock)
                 watching = asyncio.create_task(_mark_gone(succession, app[POOL].predecessor_gone))
             else:
-                shutdown.begin()
+                # Never handed the service (called off as it got ready): the predecessor serves on,
+                # so this one stops accepting at once and ends as a handed-over process does.
+                shutdown.hand_over()
             if reloader is not None:
                 reloader.serving = True   # a successor reloads in turn once it is the proxy
             await shutdown.requested.wait()

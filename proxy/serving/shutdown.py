@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 from aiohttp import hdrs, web
@@ -40,6 +41,8 @@ class Shutdown:
         # over (they are its predecessor's until then).
         self.keep_models = keep_models or successor
         self._keep_by_choice = keep_models
+        self._successor_pending = successor
+        self._stop_while_pending: signal.Signals | None = None
         self.started = False
         # A reload's successor took over: this process finishes and exits, keeping the models.
         self.handed_over = False
@@ -53,6 +56,15 @@ class Shutdown:
         """SIGINT, SIGTERM: stop, and unload the models unless they are kept.
         A later signal is ignored: the unload is bounded by each program's stop wait, so it is let
         finish, and the way out is said plainly."""
+        if self._successor_pending:
+            # Not the proxy yet: its predecessor serves on. It stops accepting and exits as a
+            # handed-over process does, refusing nothing; should it be handed the service meanwhile,
+            # the stop is carried out as the proxy's (took_over).
+            log.warning("%s before this reload's successor took over: it exits, leaving the service to pid %d",
+                        sig.name, os.getppid())
+            self._stop_while_pending = sig
+            self.hand_over()
+            return
         if self.handed_over:
             log.warning("%s ignored: this process handed the service over and is finishing its requests; the "
                         "models stay with its successor", sig.name)
@@ -65,8 +77,14 @@ class Shutdown:
         self.begin()
 
     def took_over(self) -> None:
-        """A reload's successor was handed the service: its models now go the way --keep-models says."""
+        """A reload's successor was handed the service: its models now go the way --keep-models says,
+        and a stop signal that came just before is a stop of the proxy (systemd's, say)."""
+        self._successor_pending = False
         self.keep_models = self._keep_by_choice
+        if self._stop_while_pending is not None:
+            self.handed_over = False
+            log.info("%s came as this process took over: stopping", self._stop_while_pending.name)
+            self.begin()
 
     def hand_over(self) -> None:
         """The successor took over (proxy/serving/reload.py): finish what runs, keep the models, exit."""

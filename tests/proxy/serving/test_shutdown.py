@@ -120,3 +120,14 @@ async def test_handed_over_it_answers_work_with_connection_close_and_refuses_adm
             assert "reloaded" in body["error"]["message"] and resp.headers["Retry-After"] == "1"
         served.shutdown.on_signal(signal.SIGTERM)
         assert not served.shutdown.started   # its models are the successor's: a stop signal changes nothing
+
+
+def test_a_stop_signal_before_a_successor_took_over_refuses_nothing_and_leaves_the_models() -> None:
+    shutdown = Shutdown(keep_models=False, successor=True)
+    shutdown.on_signal(signal.SIGTERM)
+    # Its predecessor still serves: it ends as a handed-over process (no 503s, models kept).
+    assert shutdown.handed_over and not shutdown.started and shutdown.keep_models
+    shutdown = Shutdown(keep_models=False, successor=True)
+    shutdown.on_signal(signal.SIGTERM)
+    shutdown.took_over()      # handed the service just then: the signal was a stop of the proxy
+    assert shutdown.started and not shutdown.handed_over and not shutdown.keep_models
