@@ -21,7 +21,7 @@ from proxy.lifecycle.programs import ProgramKind
 from proxy.lifecycle.remote import EndpointKind
 from proxy.masking import shown_url
 from proxy.supervisord.host_login import try_logins
-from proxy.supervisord.managed import StateDirBusy, claim_state_dir
+from proxy.supervisord.managed import StateDirBusy, claim_state_dir, inherited_lock
 
 EXIT_CONFIG = 2
 # LLM_POOL_EVENT_LOOP: `auto` (uvloop where it is installed), `uvloop` (required) or `asyncio`.
@@ -164,7 +164,15 @@ def event_loop_factory(environ: Mapping[str, str]) -> tuple[Callable[[], asyncio
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from proxy.serving.app import create_app, serve
+    from proxy.serving.handover import HandoverError, take_inherited
 
+    # A reload's successor (proxy/serving/handover.py): taken first, so that nothing it starts
+    # sees the variables, whatever happens next.
+    try:
+        inherited = take_inherited(os.environ)
+    except HandoverError as exc:
+        print(f"llm-pool: {exc}", file=sys.stderr)
+        return 1
     settings = _load_or_exit(args.config, host=args.host)
     try:
         loop_factory, loop_name = event_loop_factory(os.environ)
@@ -174,12 +182,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.service.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("llm-pool")
+    if inherited is not None:
+        log.info("reload: started by pid %d to take over from it", inherited.predecessor)
     log.info("event loop: %s", loop_name)
     for warning in settings.warnings:
         log.warning("config: %s", warning)
     # A model that cannot start costs that model, not the service: it ends FAILED with this reason
     # when the pool tries to load it, and every other model serves.
     automatic, admin_only = startup_problems(settings)
+    if automatic and inherited is not None:
+        # A reload with such settings would swap a serving model for a failed one: it changes
+        # nothing instead, as check-config (the unit's ExecStartPre) would refuse them at a start.
+        _report(automatic)
+        return EXIT_CONFIG
     for problem in automatic:
         log.error("config: %s (this model will not start; the others are served)", problem)
     for problem in admin_only:
@@ -189,7 +204,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Claim the state folder and the port before anything starts: a second `serve` by mistake must
     # fail at once, not adopt the first one's models and then unload them on its way out.
     try:
-        lock = claim_state_dir(settings.service.state_dir)
+        lock = inherited_lock(settings.service.state_dir, inherited.lock_fd) if inherited is not None else None
+        if inherited is not None and lock is None:
+            os.close(inherited.lock_fd)   # service.state_dir changed: that folder is its own
+        lock = lock or claim_state_dir(settings.service.state_dir)
     except StateDirBusy as exc:
         print(f"llm-pool: {exc}", file=sys.stderr)
         return 1
@@ -198,6 +216,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         listeners.append((settings.service.admin_host or host, settings.service.admin_port))
     socks: list[socket.socket] = []
     for where in listeners:
+        # A successor serves on its predecessor's socket where it listens at the same address.
+        kept = inherited.take_listener(*where) if inherited is not None else None
+        if kept is not None:
+            socks.append(kept)
+            continue
         try:
             socks.append(socket.create_server(where, family=socket.AF_INET6 if ":" in where[0] else socket.AF_INET))
         except OSError as exc:
@@ -205,16 +228,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             for sock in socks:
                 sock.close()
             return 1
+    if inherited is not None:
+        inherited.close_untaken()
     banner = f"llm-pool serving on http://{host}:{port}"
     if len(listeners) > 1:
         banner += f", admin API on http://{listeners[1][0]}:{listeners[1][1]}"
-    app = create_app(settings, keep_models=args.keep_models)
+    app = create_app(settings, keep_models=args.keep_models, successor=inherited is not None)
     with lock, contextlib.ExitStack() as stack:
         for sock in socks:
             stack.enter_context(sock)
         # Not web.run_app: it closes the listeners before the drain and the unload (see serve).
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve(app, socks, lambda: print(banner, flush=True)))
+            runner.run(serve(app, socks, lambda: print(banner, flush=True), lock, inherited))
     return 0
 
 

@@ -43,7 +43,7 @@ def cached_llama_server(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
     return cache_root() / "llama-server" / f"{version}-{platform.machine()}" / "llama-server"
 
 DEFAULT_SERVICE = {"host": "127.0.0.1", "port": 8011, "log_level": "info", "max_body_bytes": 32 * 1024 * 1024,
-                   "drain_timeout_s": 30.0, "admin_token_env": None}
+                   "drain_timeout_s": 30.0, "reload_timeout_s": 120.0, "admin_token_env": None}
 # Reliability defaults (README: Timeouts, health and ejection). A long prefill on a big model is
 # legitimate, so the first byte gets minutes; a stream that goes quiet mid-answer does not.
 DEFAULT_RELIABILITY: dict[str, Any] = {"first_byte_timeout_s": 600.0, "stream_idle_timeout_s": 120.0,
@@ -97,6 +97,8 @@ class ServiceSettings:
     max_body_bytes: int
     drain_timeout_s: float
     admin_token_env: str | None
+    # A reload's successor must have adopted every running replica and be accepting within this.
+    reload_timeout_s: float = 120.0
     admin_host: str | None = None       # with admin_port: the admin API listens there, and only there
     admin_port: int | None = None
     # Without a token, the admin API on an address other machines reach is refused at startup unless
@@ -617,6 +619,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                 log_level=str(service["log_level"]).lower(), state_dir=state_dir,
                                 max_body_bytes=int(service["max_body_bytes"]),
                                 drain_timeout_s=float(service["drain_timeout_s"]),
+                                reload_timeout_s=float(service["reload_timeout_s"]),
                                 admin_token_env=service.get("admin_token_env"),
                                 admin_host=service.get("admin_host"), admin_port=service.get("admin_port"),
                                 admin_allow_unauthenticated_remote=bool(

@@ -24,7 +24,8 @@ EJECT = "eject"              # a replica was taken out of rotation for its failu
 HOST_DOWN = "host_down"      # a host's supervisord stopped answering
 HOST_UP = "host_up"          # it answered again
 ADMIN = "admin"              # an admin action, refused or not (actor: who)
-KINDS = (LOAD, LOAD_FAILED, UNLOAD, EVICT, SCALE, RESTART, CRASH, EJECT, HOST_DOWN, HOST_UP, ADMIN)
+RELOAD = "reload"            # SIGUSR1: a new process took over (reason: took_over), or nothing changed (failed)
+KINDS = (LOAD, LOAD_FAILED, UNLOAD, EVICT, SCALE, RESTART, CRASH, EJECT, HOST_DOWN, HOST_UP, ADMIN, RELOAD)
 
 DEFAULT_CAPACITY = 1000
 

@@ -115,6 +115,8 @@ class ProxyProcess:
         }
         self.config_path.write_text(yaml.safe_dump(self.config))
         self.proc: subprocess.Popen[bytes] | None = None
+        # After a reload (SIGUSR1), the process that took over: not a child of the test's.
+        self.successor: int | None = None
         self.env: dict[str, str] = {}   # extra environment for the proxy process
         self.seen_pids: set[int] = set()
         self.log_path = self.state_dir / "proxy.log"
@@ -185,11 +187,51 @@ class ProxyProcess:
         return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.supervisord_conf),
                                *args], capture_output=True, text=True, timeout=60)
 
+    @property
+    def serving_pid(self) -> int:
+        """The PID of the process that serves now: the one started, or its successor after a reload."""
+        if self.successor is not None:
+            return self.successor
+        assert self.proc is not None
+        return self.proc.pid
+
+    def lock_owner(self) -> int | None:
+        """The PID the state folder's lock file names (the proxy that holds it writes its own)."""
+        try:
+            return int((self.state_dir / "serve.lock").read_text().strip() or 0) or None
+        except (OSError, ValueError):
+            return None
+
+    def reload(self, timeout: float = DEADLINE_S) -> int | None:
+        """SIGUSR1 to the serving process; return once its successor took over (the lock names it)
+        and the old process has exited, with the old one's exit status when it is this test's child."""
+        old = self.serving_pid
+        os.kill(old, signal.SIGUSR1)
+        new = wait_for(lambda: (owner := self.lock_owner()) not in (None, old) and owner, timeout,
+                       what=f"a successor to take over from pid {old} (log: {self.log_path})")
+        self.seen_pids.add(new)
+        code = None
+        if self.proc is not None and self.proc.pid == old:
+            code = self.proc.wait(timeout)
+        else:
+            wait_for(lambda: not pid_alive(old), timeout, what=f"pid {old} to exit after its reload")
+        self.successor = new
+        return code
+
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM the proxy and wait for it; it stops its models and supervisord unless kept."""
+        self._remember_supervisord()
+        if self.successor is not None:
+            # Not our child: waited for by its PID.
+            pid, self.successor = self.successor, None
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGTERM)
+                try:
+                    wait_for(lambda: not pid_alive(pid), timeout, what=f"pid {pid} to stop")
+                except AssertionError:
+                    os.kill(pid, signal.SIGKILL)
         if self.proc is None:
             return
-        self._remember_supervisord()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -90,7 +90,8 @@ class Pool:
         self.kept = KeptModels(settings.service.state_dir / KEPT_FILE)
         # Set while no earlier proxy process may still send requests to the replicas: a roll
         # (rolling.py) stops no old replica before. Set from the start; a handover from a
-        # predecessor that is still draining clears it until that process has exited.
+        # predecessor that is still draining clears it until that process has exited
+        # (proxy/serving/handover.py).
         self.predecessor_gone = asyncio.Event()
         self.predecessor_gone.set()
         self._rolling: set[str] = set()   # models whose roll runs: one at a time each

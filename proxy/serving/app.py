@@ -3,11 +3,14 @@ on its listeners until a stop signal (`serve`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
+import signal
 import socket
 import time
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import IO, Any, AsyncIterator, Callable, Sequence
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -20,20 +23,28 @@ from proxy.serving import routes_responses
 from proxy.serving import ui
 from proxy.config import Settings
 from proxy.errors import NotFound
+from proxy.events import RELOAD
 from proxy.serving.errors_http import ERROR_CODE, error_middleware
 from proxy.serving.forward import upstream_session
-from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, MODEL, ON_ADMIN_LISTENER, POOL, SETTINGS, STARTED,
-                                 STREAM_ERROR, VRAM)
+from proxy.serving.handover import Inherited, Succession
+from proxy.serving.keys import (ADOPTING, FAIRNESS_KEY, HTTP, METRICS, MODEL, ON_ADMIN_LISTENER, POOL, SETTINGS,
+                                STARTED, STREAM_ERROR, VRAM)
 from proxy.serving.metrics import ProxyMetrics
-from proxy.serving.shutdown import SHUTDOWN, STOP_SIGNALS, Shutdown, shutdown_middleware
+from proxy.serving.reload import Reloader
+from proxy.serving.sd_notify import notify
+from proxy.serving.shutdown import SHUTDOWN, STOP_SIGNALS, Shutdown, close_after_handover, shutdown_middleware
 from proxy.supervisord.orphans import PidRecord
+from launchers.spec import replica_index
 from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.programs import live
 from proxy.supervisord.supervisor import SupervisorClient
 from proxy.gpu.vram_estimate import Estimator
 
 log = logging.getLogger(__name__)
 STRAGGLERS_WAIT_S = 5.0
 KEEPALIVE_TIMEOUT_S = 75.0
+# A reload's old process closes a connection left idle this long after the handover.
+IDLE_CLOSE_S = 2.0
 
 
 @web.middleware
@@ -89,12 +100,12 @@ def admin_listener_middleware(admin_port: int) -> Any:
     return middleware
 
 
-def create_app(settings: Settings, *, keep_models: bool = False) -> web.Application:
+def create_app(settings: Settings, *, keep_models: bool = False, successor: bool = False) -> web.Application:
     """The proxy app. When it stops it unloads every model and, in managed mode, stops supervisord,
     unless `keep_models`: then both keep running for the next proxy to adopt.
 
-    SIGUSR1 makes a running proxy exit as if started with `--keep-models`: an upgrade or a settings
-    change without unloading anything (the systemd unit's `reload`). See `serve`."""
+    `successor`: started by a reloading proxy, which still serves the same replicas until this one
+    took over and it has exited (Pool.predecessor_gone). See `serve`."""
     # metrics outside errors: it sees the status the error middleware rendered.
     middlewares = [metrics_middleware, shutdown_middleware, error_middleware]
     if settings.service.admin_port is not None:
@@ -103,7 +114,8 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
     app[VRAM] = Estimator()
-    app[SHUTDOWN] = Shutdown(keep_models)
+    app[SHUTDOWN] = Shutdown(keep_models, successor=successor)
+    app.on_response_prepare.append(close_after_handover)
     app.add_routes(routes_public.routes)
     app.add_routes(routes_admin.routes)
     app.add_routes(routes_responses.routes)
@@ -122,7 +134,10 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
             pool = Pool(settings, supervisor, http,
                         pid_record=PidRecord(settings.service.state_dir) if managed_mode else None,
                         managed=managed.ManagedSupervisord(settings, supervisor) if managed_mode else None)
+            if successor:
+                pool.predecessor_gone.clear()
             await pool.start()
+            app[ADOPTING] = adopting(pool)
         except BaseException:
             await supervisor.close()
             await http.close()
@@ -142,6 +157,13 @@ def create_app(settings: Settings, *, keep_models: bool = False) -> web.Applicat
     return app
 
 
+def adopting(pool: Pool) -> frozenset[str]:
+    """The configured models with replicas running now, before the pool's startup: those it adopts
+    (the rule of Pool.load_in_background)."""
+    running = {i.group for i in pool.programs.processes.values() if live(i)}
+    return frozenset(name for name in pool.models if any(replica_index(name, g) is not None for g in running))
+
+
 async def release_pool(app: web.Application) -> None:
     """Unload every model and stop supervisord (managed mode), or leave both running when the
     models are kept. Once: `serve` calls it while the listeners still answer, the app's cleanup
@@ -151,6 +173,11 @@ async def release_pool(app: web.Application) -> None:
         return
     shutdown.pool_released = True
     pool, keep = app[POOL], shutdown.keep_models
+    if not keep and not pool.predecessor_gone.is_set():
+        # Stopped just after a reload: the old process may still finish requests on these models.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(app[SETTINGS].service.drain_timeout_s + STRAGGLERS_WAIT_S):
+                await pool.predecessor_gone.wait()
     await pool.close(stop_models=not keep)
     await asyncio.gather(*(h.client.close() for h in pool.hosts.values() if not h.local))
     if app[SETTINGS].supervisor.mode == "managed" and not keep:
@@ -160,28 +187,63 @@ async def release_pool(app: web.Application) -> None:
         await managed.stop_orphans_if_dead(app[SETTINGS])
 
 
-async def serve(app: web.Application, socks: Sequence[socket.socket], on_listening: Callable[[], None]) -> None:
-    """Serve `app` on `socks` until SIGINT, SIGTERM or SIGUSR1; then, with the listeners still open
-    and answering new work 503 shutting_down (proxy/serving/shutdown.py), let the requests in flight
-    finish (up to service.drain_timeout_s), unload the models (or keep them, on SIGUSR1 or
-    --keep-models), and only then close the listeners."""
+async def serve(app: web.Application, socks: Sequence[socket.socket], on_listening: Callable[[], None],
+                lock: IO[str] | None = None, inherited: Inherited | None = None) -> None:
+    """Serve `app` on `socks` until SIGINT or SIGTERM; then, with the listeners still open and
+    answering new work 503 shutting_down (proxy/serving/shutdown.py), let the requests in flight
+    finish (up to service.drain_timeout_s), unload the models (or keep them, with --keep-models),
+    and only then close the listeners.
+
+    SIGUSR1 reloads (proxy/serving/reload.py, given the state folder's `lock`): a successor takes
+    over and this process ends as `_finish_handed_over` says. `inherited`: this process is such a
+    successor; it starts accepting once it has adopted the running replicas, and takes over."""
     shutdown = app[SHUTDOWN]
     loop = asyncio.get_running_loop()
+    reloader = Reloader(app, socks, lock) if lock is not None else None
     # Before the startup (supervisord, the pool): a signal then stops the proxy the same way.
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, shutdown.on_signal, sig)
+    loop.add_signal_handler(signal.SIGUSR1, reloader.request if reloader is not None else _no_reload)
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream request so the backend stops generating for nobody. shutdown_timeout: what is still
     # running when the listeners close outlived the drain and lost its model; it is not waited for long.
     # keepalive_timeout: run_app's, not the runner's hour-long default.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=STRAGGLERS_WAIT_S,
                            keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+    watching: asyncio.Task[None] | None = None
     await runner.setup()
     try:
-        for sock in socks:
-            await web.SockSite(runner, sock).start()
-        on_listening()
-        await shutdown.requested.wait()
+        succession = Succession(inherited) if inherited is not None else None
+        if succession is not None:
+            # Not accepting before: the predecessor serves everything meanwhile, and a successor
+            # that fails now has taken no connection with it.
+            await _until_adopted(app)
+        if not shutdown.requested.is_set():
+            sites = [web.SockSite(runner, sock) for sock in socks]
+            for site in sites:
+                await site.start()
+            on_listening()
+            if succession is None:
+                notify("READY=1", f"STATUS=serving (pid {os.getpid()})")
+            elif await succession.take_over():
+                shutdown.took_over()
+                app[POOL].events.record(RELOAD, f"reload: took over from pid {succession.inherited.predecessor}; "
+                                        f"pid {os.getpid()} serves now", reason="took_over")
+                if lock is not None:
+                    managed.record_owner(lock)
+                watching = asyncio.create_task(_mark_gone(succession, app[POOL].predecessor_gone))
+            else:
+                # Never handed the service (called off as it got ready): the predecessor serves on,
+                # so this one stops accepting at once and ends as a handed-over process does.
+                shutdown.hand_over()
+            if reloader is not None:
+                reloader.serving = True   # a successor reloads in turn once it is the proxy
+            await shutdown.requested.wait()
+            if reloader is not None:
+                await reloader.cancel()   # a stop signal during a reload: the successor goes first
+            if shutdown.handed_over:
+                await _finish_handed_over(app, runner, sites, socks)
+                return
         drain_timeout_s = app[SETTINGS].service.drain_timeout_s
         if not await shutdown.drained(drain_timeout_s):
             log.warning("%d request(s) still in flight after service.drain_timeout_s (%ss); stopping anyway",
@@ -189,5 +251,62 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
         await release_pool(app)
     finally:
         await runner.cleanup()
-        for sig in STOP_SIGNALS:
+        for sig in (*STOP_SIGNALS, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
+        if watching is not None:
+            watching.cancel()
+
+
+def _no_reload() -> None:
+    log.warning("SIGUSR1 ignored: this proxy holds no state folder lock to hand over")
+
+
+async def _until_adopted(app: web.Application) -> None:
+    """Until every model whose replicas were running at startup has finished its first load
+    (adopted, or failed), or a stop signal."""
+    pool, shutdown = app[POOL], app[SHUTDOWN]
+    names: frozenset[str] = app[ADOPTING]
+    for name in sorted(names):
+        runtime = pool.models[name]
+        while name in pool.startup_pending and not shutdown.requested.is_set():
+            await runtime.wait_changed(0.1)
+    adopted = {n: pool.models[n].state.value for n in sorted(names)}
+    log.info("reload: adoption done (%s); accepting", ", ".join(f"{n}: {s}" for n, s in adopted.items()) or "none")
+
+
+async def _mark_gone(succession: Succession, gone: asyncio.Event) -> None:
+    await succession.predecessor_exited()
+    gone.set()
+
+
+async def _finish_handed_over(app: web.Application, runner: web.AppRunner, sites: list[web.SockSite],
+                              socks: Sequence[socket.socket]) -> None:
+    """A reload's old process, once the successor took over: stop accepting (the kernel's queue is the
+    successor's alone), make no more lifecycle decisions, answer what still comes on open
+    connections with `Connection: close` (proxy/serving/shutdown.py), close the connections that
+    stay idle, let the requests in flight finish (service.drain_timeout_s), and return: the
+    models and supervisord keep running."""
+    shutdown = app[SHUTDOWN]
+    for site in sites:
+        await site.stop()
+    for sock in socks:
+        sock.close()
+    open_now = len(runner.server.connections) if runner.server is not None else 0
+    log.info("reload: pid %d stopped accepting; %d connection(s) open, %d request(s) in flight", os.getpid(),
+             open_now, shutdown.inflight)
+    await release_pool(app)   # keep_models: only this process's own tasks end
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    drain_s = app[SETTINGS].service.drain_timeout_s
+    await shutdown.drained(drain_s)
+    # A connection that carries another request within IDLE_CLOSE_S is answered and closed by it;
+    # one that stays idle that long is closed by the cleanup (as its keep-alive timeout would).
+    linger = started + IDLE_CLOSE_S - loop.time()
+    if linger > 0 and runner.server is not None and runner.server.connections:
+        await asyncio.sleep(linger)
+        await shutdown.drained(max(0.0, started + drain_s - loop.time()))
+    if shutdown.inflight:
+        log.warning("%d request(s) still in flight after service.drain_timeout_s (%ss); exiting anyway",
+                    shutdown.inflight, app[SETTINGS].service.drain_timeout_s)
+    log.info("reload: pid %d done after %.1fs; exiting, supervisord and the models keep running",
+             os.getpid(), loop.time() - started)

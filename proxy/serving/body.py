@@ -14,7 +14,8 @@ from proxy.fairness import normalize_key
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.replicas import ModelState
 from proxy.lifecycle.runtime import ModelRuntime
-from proxy.serving.keys import FAIRNESS_KEY, MODEL, SETTINGS
+from proxy.serving.keys import ADOPTING, FAIRNESS_KEY, MODEL, SETTINGS
+from proxy.serving.shutdown import SHUTDOWN, handed_over_error
 from proxy.serving.strict_json import decode
 
 # What each pass-through endpoint cannot do without (OpenAI's required parameter, and its JSON
@@ -74,6 +75,12 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) 
         if not runtime.ready():
             raise Unavailable(f"model {name!r} has no healthy replica right now", code="model_unavailable",
                               retry_after=2)
+        return runtime
+    if request.app[SHUTDOWN].handed_over:
+        raise handed_over_error()   # a reload's old process loads nothing: its successor does
+    # Adopting the replicas a previous proxy left running (a restart, a reload) is a health check
+    # away from serving: wait in the queue for it, not a 503; its end (loaded or failed) ends the wait.
+    if state == ModelState.LOADING and name in pool.startup_pending and name in request.app[ADOPTING]:
         return runtime
     # An admin's unload is meant: its model is not brought back while it unloads.
     if runtime.config.load_on_demand and runtime.kind is not None and not (

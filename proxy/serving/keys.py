@@ -15,6 +15,8 @@ POOL = web.AppKey("pool", Pool)
 HTTP = web.AppKey("http", UpstreamHttp)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 VRAM = web.AppKey("vram_estimator", Estimator)
+# The models whose replicas were running when the pool started, which its startup adopts.
+ADOPTING: web.AppKey[frozenset[str]] = web.AppKey("adopting")
 # The model a request was admitted for, set once it is known to be a served model (so metric
 # labels only ever hold configured model ids, never whatever a client typed).
 MODEL = web.RequestKey("model", str)

@@ -80,11 +80,37 @@ def claim_state_dir(state_dir: Path) -> IO[str]:
         lock.close()
         raise StateDirBusy(f"{state_dir} is in use by llm-pool serve (pid {owner}); stop it first, or give "
                            "this one another service.state_dir") from None
+    record_owner(lock)
+    return lock
+
+
+def inherited_lock(state_dir: Path, fd: int) -> IO[str] | None:
+    """The state folder's lock as a reloading predecessor handed it over (`fd`: its open file, whose
+    flock both processes share, so the lock is never free in between), or None when `fd` is not
+    this folder's lock file (the settings moved service.state_dir: the caller claims the new one).
+    Once the predecessor exits, this process alone holds it."""
+    path = state_dir / "serve.lock"
+    try:
+        mine, theirs = os.stat(path), os.fstat(fd)
+    except OSError:
+        return None
+    if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+        return None
+    lock = open(fd, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)   # already ours (the same open file): at once
+    except BlockingIOError:
+        lock.close()
+        raise StateDirBusy(f"{state_dir}: the lock handed over is not held by the process that handed it") from None
+    return lock
+
+
+def record_owner(lock: IO[str]) -> None:
+    """Write this process's PID into the lock file: whom a second `serve` names."""
     lock.seek(0)
     lock.truncate()
     lock.write(str(os.getpid()))
     lock.flush()
-    return lock
 
 
 def conf_path(settings: Settings) -> Path:

@@ -47,10 +47,19 @@ def test_stop_reaches_the_proxy_alone_and_reload_keeps_the_models() -> None:
     # unit's cgroup, so any other KillMode would kill them when the proxy exits on reload.
     assert (service["KillMode"], service["KillSignal"]) == ("process", "SIGTERM")
     assert command(service["ExecReload"]) == ["/bin/kill", "-USR1", "$MAINPID"]
-    assert service["Restart"] == "always"  # brings the proxy back after a reload's clean exit
+    assert service["Restart"] == "always"  # brings the proxy back after a crash
     assert int(service["TimeoutStopSec"]) > DEFAULT_SERVICE["drain_timeout_s"] + DEFAULT_SUPERVISOR["stopwaitsecs"]
     assert service["EnvironmentFile"].startswith("-%h/")  # secrets, optional
     assert unit()["Install"]["WantedBy"] == "default.target"  # a user unit
+
+
+def test_a_reload_changes_the_main_pid_and_systemd_is_told() -> None:
+    service = unit()["Service"]
+    # The successor becomes the main process: systemd must follow MAINPID=, which the proxy sends
+    # (proxy/serving/sd_notify.py) from the main process, as NotifyAccess=main requires.
+    assert (service["Type"], service["NotifyAccess"]) == ("notify", "main")
+    # A reload is waited for until READY=1: longer than the successor may take to adopt.
+    assert int(service["TimeoutStartSec"]) > DEFAULT_SERVICE["reload_timeout_s"]
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")

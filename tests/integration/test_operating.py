@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from helpers import REPO, ProxyProcess, free_port, http, pid_alive, wait_for
+from helpers import REPO, ProxyProcess, free_port, http, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -164,17 +164,14 @@ def test_logs_follow_prints_what_the_replica_writes(start_proxy, llama_model) ->
         assert follow.wait(30) == 0
 
 
-def test_sigusr1_exits_and_the_next_proxy_adopts_the_models(proxies, llama_model) -> None:
+def test_sigusr1_hands_the_models_to_a_successor_that_adopts_them(proxies, llama_model) -> None:
     proxy = ProxyProcess({"tiny": llama_model()})
     proxies.append(proxy)
     proxy.start()
     pid = proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"]
-    assert proxy.proc is not None
-    proxy.proc.send_signal(signal.SIGUSR1)
-    assert proxy.proc.wait(60) == 0
-    assert pid_alive(pid)  # the model outlived the proxy, as with --keep-models
-    proxy.stop()
-    proxy.start()
+    old = proxy.serving_pid
+    assert proxy.reload() == 0   # the old process exits 0 once its successor took over
+    assert proxy.serving_pid != old
     assert proxy.wait_state("tiny", "loaded")["replicas"][0]["pid"] == pid  # adopted, not reloaded
 
 
@@ -186,11 +183,7 @@ def test_a_reload_keeps_a_load_override_and_the_process_that_runs_it(proxies, ll
     assert status == 200, body
     pid = body["replicas"][0]["pid"]
     proxy.seen_pids.add(pid)
-    assert proxy.proc is not None
-    proxy.proc.send_signal(signal.SIGUSR1)
-    assert proxy.proc.wait(60) == 0
-    proxy.stop()
-    proxy.start()
+    assert proxy.reload() == 0
     model = proxy.wait_state("tiny", "loaded")
     assert model["replicas"][0]["pid"] == pid and model["overrides"] == {"llama_server_n_ctx": 2048}
     argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
@@ -203,13 +196,9 @@ def test_a_reload_after_a_settings_change_rolls_every_replica_of_the_changed_mod
     proxy.start()
     before = proxy.wait_replicas_ready("pair", 2)["replicas"]
     other = proxy.wait_state("other", "loaded")["replicas"][0]["pid"]
-    assert proxy.proc is not None
-    proxy.proc.send_signal(signal.SIGUSR1)     # the README's restart without unloading
-    assert proxy.proc.wait(60) == 0
-    proxy.stop()
     proxy.config["engine"]["models"]["pair"]["llama_server_n_ctx"] = 2048
     proxy.config_path.write_text(yaml.safe_dump(proxy.config))
-    proxy.start()
+    assert proxy.reload() == 0     # the README's restart without unloading
     old = {r["pid"] for r in before}
 
     def rolled() -> list[dict[str, Any]] | None:
