@@ -111,10 +111,10 @@ class Pool:
         """Load the enabled models, and adopt any other configured model whose replicas are still
         running (an admin loaded it before the proxy restarted). Groups left in the programs folder
         by models no longer configured are stopped and removed."""
-        running = {i.group for i in self.programs.processes.values() if live(i)}
+        running = self.adopting()
         kept = self.kept.read()
         for runtime in self.models.values():
-            adopting = any(replica_index(runtime.name, g) is not None for g in running)
+            adopting = runtime.name in running
             if runtime.config.enabled or adopting:
                 self.startup_pending.add(runtime.name)
                 overrides = self.kept.honour(runtime, kept.pop(runtime.name, None))
@@ -124,11 +124,19 @@ class Pool:
         self._save_kept()
         self._spawn(self._remove_orphans())
 
+    def adopting(self) -> frozenset[str]:
+        """The configured models with replicas running now (as of the last snapshot): those the
+        startup adopts."""
+        running = {i.group for i in self.programs.processes.values() if live(i)}
+        return frozenset(name for name in self.models if any(replica_index(name, g) is not None for g in running))
+
     def _save_kept(self) -> None:
         """What an admin set for every loaded model, for the next serve (kept.py)."""
         self.kept.save(self.models.values())
 
     async def _remove_orphans(self) -> None:
+        # A reload's predecessor may still finish requests on a model the new settings dropped.
+        await self.predecessor_gone.wait()
         for path in sorted(self.settings.supervisor.programs_dir.glob("*.conf")):
             if any(replica_index(name, path.stem) is not None for name in self.models):
                 continue   # a configured model's replica: its load adopts, restarts or removes it

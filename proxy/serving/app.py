@@ -34,9 +34,7 @@ from proxy.serving.reload import Reloader
 from proxy.serving.sd_notify import notify
 from proxy.serving.shutdown import SHUTDOWN, STOP_SIGNALS, Shutdown, close_after_handover, shutdown_middleware
 from proxy.supervisord.orphans import PidRecord
-from launchers.spec import replica_index
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.programs import live
 from proxy.supervisord.supervisor import SupervisorClient
 from proxy.gpu.vram_estimate import Estimator
 
@@ -137,7 +135,7 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
             if successor:
                 pool.predecessor_gone.clear()
             await pool.start()
-            app[ADOPTING] = adopting(pool)
+            app[ADOPTING] = pool.adopting()
         except BaseException:
             await supervisor.close()
             await http.close()
@@ -155,13 +153,6 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
 
     app.cleanup_ctx.append(pool_ctx)
     return app
-
-
-def adopting(pool: Pool) -> frozenset[str]:
-    """The configured models with replicas running now, before the pool's startup: those it adopts
-    (the rule of Pool.load_in_background)."""
-    running = {i.group for i in pool.programs.processes.values() if live(i)}
-    return frozenset(name for name in pool.models if any(replica_index(name, g) is not None for g in running))
 
 
 async def release_pool(app: web.Application) -> None:
