@@ -15,8 +15,9 @@ from proxy.lifecycle.upstream_http import UpstreamHttp
 from proxy.serving import routes_public, routes_responses
 from proxy.serving.app import metrics_middleware
 from proxy.serving.errors_http import error_middleware
-from proxy.serving.keys import HTTP, METRICS, POOL, SETTINGS
+from proxy.serving.keys import ADOPTING, HTTP, METRICS, POOL, SETTINGS
 from proxy.serving.metrics import ProxyMetrics
+from proxy.serving.shutdown import SHUTDOWN, Shutdown
 
 
 def in_rotation(pool: Pool, model: str, replicas: list[Replica]) -> None:
@@ -35,6 +36,7 @@ async def serve_routes(stack: contextlib.AsyncExitStack, settings: Settings, poo
     app = web.Application(middlewares=[metrics_middleware, error_middleware],
                           client_max_size=settings.service.max_body_bytes)
     app[SETTINGS], app[POOL], app[HTTP], app[METRICS] = settings, pool, http, ProxyMetrics()
+    app[SHUTDOWN], app[ADOPTING] = Shutdown(keep_models=False), pool.adopting()
     app.add_routes(routes_public.routes)
     app.add_routes(routes_responses.routes)
     runner = web.AppRunner(app, access_log=None)

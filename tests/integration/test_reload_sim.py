@@ -24,7 +24,13 @@ CLIENTS = 4
 AT_LEAST = 2000            # requests in all, across the reload
 AFTER_RELOAD = 200         # and at least these after the old process has exited
 CAP = 20000                # bounded whatever happens
-BODY = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+
+
+def chat(model: str) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+
+
+BODY = chat("sim")
 
 
 class Clients:
@@ -32,8 +38,9 @@ class Clients:
     `Connection: close`), sending one chat request after another without pause. Every failure is
     kept: an exception (a refused or reset connection) or a status other than 200."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, bodies: tuple[bytes, ...] = (BODY,)) -> None:
         self.port = port
+        self.bodies = bodies
         self.lock = threading.Lock()
         self.done: list[tuple[float, float, int | str]] = []   # (start, end, status or exception name)
         self.stop_when = lambda: len(self.done) >= CAP
@@ -51,12 +58,15 @@ class Clients:
 
     def _run(self) -> None:
         conn: httpc.HTTPConnection | None = None
+        sent = 0
         while not self.stop_when():
             conn = conn or httpc.HTTPConnection("127.0.0.1", self.port, timeout=60)
             started = time.monotonic()
             outcome: int | str
             try:
-                conn.request("POST", "/v1/chat/completions", body=BODY, headers={"Content-Type": "application/json"})
+                body = self.bodies[sent % len(self.bodies)]
+                sent += 1
+                conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
                 resp = conn.getresponse()
                 resp.read()
                 outcome = resp.status
@@ -148,6 +158,61 @@ def test_a_reload_under_load_fails_no_request_and_refuses_no_connection(proxies,
         assert {p for p, _m in messages} == {old} and "READY=1" in messages[2][1].split("\n")
     finally:
         notify.close()
+
+
+def test_a_reload_that_changes_one_model_fails_no_request_and_rolls_it_replica_by_replica(proxies) -> None:
+    """The issue's acceptance: 4 clients, 2,000 requests or more over two models, a reload whose
+    settings change one of them. No request fails, no connection is refused, the unchanged model
+    keeps its processes, and the changed one is rolled onto its new settings without ever being
+    left with no READY replica (read from the admin view all along)."""
+    proxy = ProxyProcess({"same": sim_model(replicas=2, replica_max=2),
+                          "changed": sim_model(replicas=2, replica_max=2)})
+    proxies.append(proxy)
+    proxy.start()
+    same = {r["pid"] for r in proxy.wait_replicas_ready("same", 2)["replicas"]}
+    before = {r["pid"] for r in proxy.wait_replicas_ready("changed", 2)["replicas"]}
+    ready_seen: list[int] = []
+    watching = threading.Event()
+
+    def watch() -> None:
+        # READY replicas of the changed model, read as often as the admin view answers.
+        while not watching.is_set():
+            status, _, body = http("GET", proxy.url + "/v1/admin/models")
+            if status == 200:
+                row = next(m for m in body["data"] if m["id"] == "changed")
+                ready_seen.append(sum(r["state"] == "ready" for r in row["replicas"]))
+
+    def rolled() -> bool:
+        replicas = proxy.admin_model("changed")["replicas"]
+        return (len(replicas) == 2 and all(r["state"] == "ready" and not r["outdated"] for r in replicas)
+                and not {r["pid"] for r in replicas} & before)
+
+    config = yaml.safe_load(proxy.config_path.read_text())
+    config["engine"]["models"]["changed"]["sim"]["ttft_ms"] = 2
+    proxy.config_path.write_text(yaml.safe_dump(config))
+    watcher = threading.Thread(target=watch, daemon=True)
+    with Clients(proxy.port, (chat("same"), chat("changed"))) as clients:
+        watcher.start()
+        wait_for(lambda: clients.count() >= 100, what="100 requests before the reload")
+        assert proxy.reload() == 0
+        wait_for(rolled, what="the changed model rolled onto its new settings")
+        rolled_at = clients.count()
+        clients.stop_when = lambda: clients.count() >= CAP or clients.count() >= max(AT_LEAST, rolled_at + AFTER_RELOAD)
+        for thread in clients.threads:
+            thread.join(120)
+    watching.set()
+    watcher.join(60)
+    done = clients.done
+    failed = [o for _s, _e, o in done if o != 200]
+    print(f"\nreload changing one model under {CLIENTS} clients: {len(done)} requests, {len(failed)} failed, "
+          f"{rolled_at} sent until the roll ended; fewest READY replicas of the changed model seen "
+          f"{min(ready_seen)} over {len(ready_seen)} readings")
+    assert failed == [], f"{len(failed)} of {len(done)} failed: {sorted(set(map(str, failed)))}"
+    assert len(done) >= AT_LEAST
+    assert min(ready_seen) >= 1 and len(ready_seen) > 1
+    assert {r["pid"] for r in proxy.admin_model("same")["replicas"]} == same    # adopted as it was
+    status, _, events = http("GET", proxy.url + "/v1/admin/events?kind=restart&model=changed")
+    assert status == 200 and [e["reason"] for e in events["data"]] == ["settings changed: sim.ttft_ms"] * 2, events
 
 
 def test_a_reload_with_broken_settings_changes_nothing_and_says_why(proxies) -> None:
