@@ -38,6 +38,10 @@ class FakeSupervisor:
     async def tail_log(self, fullname: str, length: int = 4000) -> str:
         return self.log
 
+    async def main_log_tail(self, length: int) -> str:
+        """supervisord's own log: this fake writes none."""
+        return ""
+
     async def stop_process(self, fullname: str) -> None:
         self.calls.append(("stop", fullname))
 

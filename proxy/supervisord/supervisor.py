@@ -96,6 +96,7 @@ class ProcessInfo:
     pid: int
     exitstatus: int
     description: str
+    spawnerr: str = ""   # why supervisord could not start it, or "Exited too quickly ..."
 
     @property
     def fullname(self) -> str:
@@ -108,7 +109,8 @@ class ProcessInfo:
         except ValueError:
             state = ProcessState.UNKNOWN
         return cls(group=info["group"], name=info["name"], state=state, pid=int(info["pid"]),
-                   exitstatus=int(info["exitstatus"]), description=info.get("description", ""))
+                   exitstatus=int(info["exitstatus"]), description=info.get("description", ""),
+                   spawnerr=str(info.get("spawnerr") or ""))
 
 
 class SupervisorClient:
@@ -219,6 +221,11 @@ class SupervisorClient:
     async def read_log(self, fullname: str, offset: int, length: int) -> str:
         """`length` bytes of the program's log from `offset` on."""
         return str(await self.call("supervisor.readProcessStdoutLog", fullname, offset, length))
+
+    async def main_log_tail(self, length: int) -> str:
+        """The last `length` bytes of supervisord's own log (its readLog): what it did to each
+        process and why, such as `exited: NAME (terminated by SIGKILL; not expected)`."""
+        return str(await self.call("supervisor.readLog", -length, 0))
 
     async def shutdown(self) -> None:
         await self.call("supervisor.shutdown")
