@@ -855,3 +855,42 @@ class FakeApt:
         installs = [c for c in self.calls if c[1] == "install"]
         done = self.installs_on is not None and len(installs) >= self.installs_on
         return "/usr/bin/chromium" if done and name == "chromium" else None
+
+
+class BrokenCallXmlRpc:
+    """FAKE supervisord XML-RPC endpoint (aiohttp on port 0) for the driver's transport handling:
+    `supervisor.getPID` drops its connection without an answer (a call that fails on the wire);
+    `supervisor.getState` answers once `release` is set, so it can be held in flight meanwhile."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.held = asyncio.Event()     # a getState is in flight
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> "BrokenCallXmlRpc":
+        import xmlrpc.client
+
+        async def rpc(request: web.Request) -> web.StreamResponse:
+            (_params, method) = xmlrpc.client.loads(await request.read())
+            if method == "supervisor.getPID":
+                assert request.transport is not None
+                request.transport.close()
+                return web.Response()
+            self.held.set()
+            await self.release.wait()
+            return web.Response(text=xmlrpc.client.dumps(({"statename": "RUNNING"},), methodresponse=True),
+                                content_type="text/xml")
+        app = web.Application()
+        app.router.add_post("/RPC2", rpc)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
