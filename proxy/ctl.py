@@ -99,13 +99,18 @@ def models_table(data: list[dict[str, Any]]) -> str:
                      "yes" if m.get("pinned") else None,
                      (error or "").splitlines()[0][:60] if error else None])
     headers = ["MODEL", "BACKEND", "STATE", "READY", "MAX", "ACTIVE", "WAITING", "IDLE", "PINNED", "LAST ERROR"]
-    hosts = [sorted({r.get("host") or "local" for r in m.get("replicas") or []}) for m in data]
-    if any(h != ["local"] and h for h in hosts):
-        # Several hosts: where each model's replicas run (one host, the column says nothing).
+    if any((r.get("host") or "local") != "local" for m in data for r in m.get("replicas") or []):
+        # Several hosts: where each replica runs (one host, the column says nothing), and which
+        # ones are out of rotation because their host does not answer.
         headers.insert(4, "HOSTS")
-        for row, names in zip(rows, hosts):
-            row.insert(4, ",".join(names) or None)
+        for row, m in zip(rows, data):
+            row.insert(4, ", ".join(_replica_host(r) for r in m.get("replicas") or []) or None)
     return table(headers, rows)
+
+
+def _replica_host(r: dict[str, Any]) -> str:
+    shown = f"r{r.get('index')}:{r.get('host') or 'local'}"
+    return f"{shown} (host unreachable)" if r.get("state") == "host_unreachable" else shown
 
 
 def hosts_table(data: list[dict[str, Any]]) -> str:
@@ -163,7 +168,9 @@ def model_summary(m: dict[str, Any]) -> str:
     lines = [f"{m['id']}: {_state(m)}"]
     for r in m.get("replicas") or []:
         outdated = f" (out of date: {r['outdated']})" if r.get("outdated") else ""
-        lines.append(f"  replica {r['index']}: {r['state']} pid={r.get('pid') or '-'} port={r.get('port')}{outdated}")
+        host = f" host={r['host']}" if r.get("host") not in (None, "local") else ""
+        lines.append(f"  replica {r['index']}: {r['state']}{host} pid={r.get('pid') or '-'} "
+                     f"port={r.get('port')}{outdated}")
     if m.get("last_error"):
         lines.append(f"  last error: {m['last_error']}")
     closed = _closed(m)

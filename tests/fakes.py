@@ -38,6 +38,10 @@ class FakeSupervisor:
     async def tail_log(self, fullname: str, length: int = 4000) -> str:
         return self.log
 
+    async def main_log_tail(self, length: int) -> str:
+        """supervisord's own log: this fake writes none."""
+        return ""
+
     async def stop_process(self, fullname: str) -> None:
         self.calls.append(("stop", fullname))
 
@@ -902,3 +906,42 @@ class FakeReplicaKind:
 
     def describe(self, config: Any) -> dict[str, object]:
         return {}
+
+
+class BrokenCallXmlRpc:
+    """FAKE supervisord XML-RPC endpoint (aiohttp on port 0) for the driver's transport handling:
+    `supervisor.getPID` drops its connection without an answer (a call that fails on the wire);
+    `supervisor.getState` answers once `release` is set, so it can be held in flight meanwhile."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.held = asyncio.Event()     # a getState is in flight
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> "BrokenCallXmlRpc":
+        import xmlrpc.client
+
+        async def rpc(request: web.Request) -> web.StreamResponse:
+            (_params, method) = xmlrpc.client.loads(await request.read())
+            if method == "supervisor.getPID":
+                assert request.transport is not None
+                request.transport.close()
+                return web.Response()
+            self.held.set()
+            await self.release.wait()
+            return web.Response(text=xmlrpc.client.dumps(({"statename": "RUNNING"},), methodresponse=True),
+                                content_type="text/xml")
+        app = web.Application()
+        app.router.add_post("/RPC2", rpc)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()

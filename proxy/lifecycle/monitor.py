@@ -23,7 +23,10 @@ from typing import Mapping
 import aiohttp
 
 from launchers.spec import EngineMetrics, ProgramSpec
-from proxy.config import Settings
+from proxy import events
+from proxy.config import LOCAL_HOST, Settings
+from proxy.events import Events
+from proxy.lifecycle import crashes
 from proxy.lifecycle.engine_metrics import read_gauges
 from proxy.lifecycle.health import (HealthPolicy, ReadyChecks, note_exit, note_failure, note_success,
                                     state_after_check)
@@ -62,9 +65,10 @@ class Monitor:
     """One per pool; the event loop is its only writer, like the pool's."""
 
     def __init__(self, settings: Settings, supervisor: SupervisorClient, http: UpstreamHttp,
-                 models: Mapping[str, ModelRuntime], programs: Programs,
+                 models: Mapping[str, ModelRuntime], programs: Programs, events: Events,
                  managed: ManagedSupervisord | None = None) -> None:
         self.settings = settings
+        self.events = events          # crashes are recorded there (and logged)
         self.supervisor = supervisor
         self.http = http
         self.models = models
@@ -95,7 +99,8 @@ class Monitor:
         replicas = runtime.replicas if replicas is None else replicas
         deadline = time.monotonic() + max((r.spec.start_timeout_s for r in replicas if r.spec), default=0.0)
         while True:
-            starting = [r for r in replicas if r.state == ReplicaState.STARTING]
+            # A host that is down may answer again before the start timeout: its replicas wait too.
+            starting = [r for r in replicas if r.state in (ReplicaState.STARTING, ReplicaState.HOST_UNREACHABLE)]
             if not starting:
                 return
             left = deadline - time.monotonic()
@@ -173,7 +178,7 @@ class Monitor:
                     if replica.host in down:
                         self._host_down(runtime, replica)
                         continue
-                    if replica.host_lost:
+                    if replica.state == ReplicaState.HOST_UNREACHABLE:
                         await self._host_back(runtime, replica, processes.get(process_key(replica.host,
                                                                                           replica.fullname)))
                     if replica.spec is None:
@@ -192,26 +197,25 @@ class Monitor:
                     self.checks.maybe_check(runtime, replica)
 
     def _host_down(self, runtime: ModelRuntime, replica: Replica) -> None:
-        """Its host's supervisord does not answer: the replica leaves rotation (its process may
-        serve on, but nothing here can see or stop it); the host's return decides (_host_back)."""
-        if replica.host_lost:
+        """Its host's supervisord does not answer: a replica that served or was starting goes
+        HOST_UNREACHABLE, out of rotation (its process may serve on, but nothing here can see or
+        stop it); the host's return decides (_host_back). One that was STOPPED or FAILED stays so:
+        nothing was expected of it, and the host's return is judged against that state."""
+        if replica.state == ReplicaState.HOST_UNREACHABLE:
             return
-        replica.host_lost = True
-        replica.cancel_tasks()
         error = f"host {replica.host} is not answering: {self.programs.hosts[replica.host].error}"
-        if replica.state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
-            runtime.set_replica_state(replica, ReplicaState.STARTING, error)
-        else:
-            replica.last_error = error
+        if replica.state in (ReplicaState.READY, ReplicaState.UNHEALTHY, ReplicaState.STARTING):
+            replica.cancel_tasks()
+            runtime.set_replica_state(replica, ReplicaState.HOST_UNREACHABLE, error)
 
     async def _host_back(self, runtime: ModelRuntime, replica: Replica, info: ProcessInfo | None) -> None:
         """Its host answers again. A process that ran on (the same PID) is adopted: the next pass
         probes it back to READY. One that is gone (the host's supervisord was restarted) is started
         again from its program file, which the node kept."""
-        replica.host_lost = False
         if info is not None and info.pid and info.pid == replica.pid and live(info):
             log.info("model %s replica %d: host %s is back, adopting pid %d", runtime.name, replica.index,
                      replica.host, info.pid)
+            runtime.set_replica_state(replica, ReplicaState.STARTING, f"host {replica.host} came back")
             return
         if info is None:
             runtime.set_replica_state(replica, ReplicaState.FAILED, f"host {replica.host} is back without its "
@@ -222,8 +226,7 @@ class Monitor:
         if replica.alive:
             replica.restarts += 1
         replica.pid, replica.alive = 0, False
-        if replica.state != ReplicaState.STARTING:
-            runtime.set_replica_state(replica, ReplicaState.STARTING, f"host {replica.host} came back")
+        runtime.set_replica_state(replica, ReplicaState.STARTING, f"host {replica.host} came back")
         if info.state not in (ProcessState.STARTING, ProcessState.RUNNING):
             try:
                 await start_replica(self.programs.hosts[replica.host].client, replica)
@@ -305,6 +308,11 @@ class Monitor:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "program no longer known to supervisord")
             return
         pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid)
+        if replica.pid and replica.pid != replica.crashed_pid and (pid_changed or info.state in EXITED_STATES):
+            # Its process ended and nobody here asked (a stop by the pool is STOPPING, returned above;
+            # an admin's supervisorctl stop is STOPPED, no exit): said once per process.
+            replica.crashed_pid = replica.pid
+            await self._crashed(replica, info, pid_changed)
         # A replica is checked from the moment its process exists, so it can be READY while
         # supervisord still says STARTING (its startsecs): that is the same process, running.
         process_state = ProcessState.RUNNING if (
@@ -410,6 +418,20 @@ class Monitor:
         if replica.state == ReplicaState.READY:  # it may have left READY while the scrape was in flight
             replica.reported = read_gauges(text, metrics) if text else {}
             replica.inflight_at_scrape = max(ours, replica.inflight)
+
+    async def _crashed(self, replica: Replica, info: ProcessInfo, replaced: bool) -> None:
+        client = self.programs.host_of(replica).client
+        try:
+            main_log = await client.main_log_tail(crashes.MAIN_LOG_TAIL)
+        except SupervisorError:
+            main_log = ""   # no log file (syslog), or the host just stopped answering
+        program = replica.spec.program if replica.spec is not None else replica.fullname
+        crash = crashes.describe(program, info, replaced, main_log)
+        where = f" on host {replica.host}" if replica.host != LOCAL_HOST else ""
+        self.events.record(events.CRASH, crash.sentence(f"model {replica.model} replica {replica.index} "
+                                                        f"(pid {replica.pid}{where})"),
+                           model=replica.model, replica=replica.index, host=replica.host, reason=crash.how,
+                           level=logging.WARNING)
 
     async def _log_tail(self, replica: Replica, length: int = 2000) -> str:
         try:

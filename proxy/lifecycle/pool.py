@@ -67,8 +67,8 @@ class Pool:
             for n, c in settings.models.items()}
         self.hosts = build_hosts(settings, supervisor, self.environ)
         self.programs = Programs(settings, supervisor, self.environ, self.models, lambda: self.monitor.wake(),
-                                 pid_record, self.hosts, lambda *a: self.placer.hosts_for(*a))
-        self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, managed)
+                                 pid_record, self.hosts, lambda *a: self.placer.hosts_for(*a), events=self.events)
+        self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, self.events, managed)
         kinds = kinds_for({c.backend for c in settings.models.values()}, ProgramKind(self.programs),
                           EndpointKind(http, self.environ))
         for runtime in self.models.values():
@@ -184,14 +184,32 @@ class Pool:
     def describe_hosts(self) -> list[dict[str, object]]:
         """GET /v1/admin/hosts (`llm-pool ctl hosts`): each host, with its memory and replicas."""
         memory = self.placer.describe()["devices"]
+        status = self.host_status()
         rows = []
         for name, host in self.hosts.items():
             replicas = [f"{rt.name}/r{r.index}" for rt in self.models.values() for r in rt.replicas if r.host == name]
             prefix = "" if host.local else f"{name}:"
             devices = [{**d, "device": d["device"][len(prefix):]} for d in memory
                        if (d["device"].startswith(prefix) if prefix else ":" not in d["device"])]
-            rows.append({**host.describe(), "memory": devices, "replicas": len(replicas), "replica_names": replicas})
+            rows.append({**host.describe(), **status[name], "memory": devices, "replicas": len(replicas),
+                         "replica_names": replicas})
         return rows
+
+    def host_status(self) -> dict[str, dict[str, object]]:
+        """Each host: whether its supervisord answers, for how long it has not and why, and the
+        seconds since it last answered (GET /health, /metrics, the hosts view). This machine's
+        (`local`) is the monitor's view of its supervisord, which is never marked down as a node is."""
+        now = time.monotonic()
+        out: dict[str, dict[str, object]] = {}
+        for name, host in self.hosts.items():
+            if host.local:
+                local = self.monitor.supervisord_status()
+                answering, down_for, error = bool(local["answering"]), local["down_for_s"], local["error"]
+            else:
+                answering, down_for, error = host.down_since is None, host.down_for_s(now), host.error
+            out[name] = {"answering": answering, "down_for_s": down_for, "error": error,
+                         "last_contact_s": host.last_contact_s(now)}
+        return out
 
     def replica_programs(self, host: str) -> dict[str, str]:
         """The program of each replica on `host`, by its admin name (`model/rN`)."""

@@ -20,8 +20,10 @@ from typing import Any, Callable, Mapping, Sequence
 from launchers import launcher_for
 from launchers.spec import (Launcher, ProgramSpec, UnsafeProgramValue, ports_in_file, program_name, render_replica,
                             replica_index)
+from proxy import events
 from proxy.config import LOCAL_HOST, ModelConfig, Settings
 from proxy.errors import Unavailable
+from proxy.events import Events
 from proxy.lifecycle.kept import outdated_reason, what_changed
 from proxy.lifecycle.scaling import free_indices
 from proxy.supervisord.hosts import Host
@@ -66,8 +68,9 @@ class Programs:
     def __init__(self, settings: Settings, supervisor: SupervisorClient, environ: Mapping[str, str],
                  runtimes: Mapping[str, ModelRuntime], wake: Callable[[], None],
                  pid_record: PidRecord | None = None, hosts: Mapping[str, Host] | None = None,
-                 choose: HostChooser | None = None) -> None:
+                 choose: HostChooser | None = None, *, events: Events) -> None:
         self.settings = settings
+        self.events = events          # a host that stops answering, and answers again
         self.supervisor = supervisor
         self.hosts: dict[str, Host] = dict(hosts) if hosts is not None else \
             {LOCAL_HOST: Host(LOCAL_HOST, supervisor, settings.service.state_dir / "logs")}
@@ -113,7 +116,8 @@ class Programs:
             if not isinstance(error, SupervisorError) or host.local:
                 local_error = local_error or error
             elif host.mark_down(error):
-                log.warning("host %s is not answering: %s; its replicas leave rotation", host.name, error)
+                self.events.record(events.HOST_DOWN, f"host {host.name} is not answering: {error}; its replicas "
+                                   "leave rotation", host=host.name, reason=str(error), level=logging.WARNING)
         merged: dict[str, ProcessInfo] = {}
         for host in self.hosts.values():
             if host.name not in failed and host.down_since is None:
@@ -145,9 +149,11 @@ class Programs:
         if host.down_since is not None or (not host.local and host.log_dir is None):
             await host.refresh()
             if host.down_since is not None:
-                log.warning("host %s answers again after %.1fs", host.name, time.monotonic() - host.down_since)
+                self.events.record(events.HOST_UP, f"host {host.name} answers again after "
+                                   f"{time.monotonic() - host.down_since:.1f}s", host=host.name,
+                                   level=logging.WARNING)
             host.down_since, host.error = None, None
-        host.processes, host.table_at = processes, asked_at
+        host.processes, host.table_at, host.last_contact = processes, asked_at, time.monotonic()
         return processes
 
     def host_of(self, replica: Replica) -> Host:

@@ -26,18 +26,30 @@ class ReplicaState(str, enum.Enum):
     UNHEALTHY = "unhealthy"
     STOPPING = "stopping"    # being unloaded
     FAILED = "failed"        # did not become healthy, or supervisord gave up on it
+    # Its host's supervisord does not answer: whether its process still runs is unknown, and nothing
+    # here can see, stop or restart it. A state of its own, not a label over STARTING: the table
+    # stays the one truth (routing, capacity and the views all read `state`), and nothing is
+    # starting. Out of rotation like every state but READY; when the host answers again it goes to
+    # STARTING (adopted or started again) and back to READY only through its health check.
+    HOST_UNREACHABLE = "host_unreachable"
 
 
 _TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
     ReplicaState.STOPPED: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING}),
     ReplicaState.STARTING: frozenset({ReplicaState.READY, ReplicaState.FAILED, ReplicaState.STOPPING,
-                                      ReplicaState.STOPPED, ReplicaState.UNHEALTHY}),
+                                      ReplicaState.STOPPED, ReplicaState.UNHEALTHY,
+                                      ReplicaState.HOST_UNREACHABLE}),
     ReplicaState.READY: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED,
-                                   ReplicaState.FAILED, ReplicaState.UNHEALTHY}),
+                                   ReplicaState.FAILED, ReplicaState.UNHEALTHY, ReplicaState.HOST_UNREACHABLE}),
     ReplicaState.UNHEALTHY: frozenset({ReplicaState.READY, ReplicaState.STARTING, ReplicaState.STOPPING,
-                                       ReplicaState.STOPPED, ReplicaState.FAILED}),
+                                       ReplicaState.STOPPED, ReplicaState.FAILED, ReplicaState.HOST_UNREACHABLE}),
     ReplicaState.STOPPING: frozenset({ReplicaState.STOPPED}),
     ReplicaState.FAILED: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED}),
+    # Never straight to READY: a process that ran on unseen proves itself by a health check first.
+    # STOPPING: an unload while the host is down; FAILED: back without its program, or the load's
+    # start timeout passed first.
+    ReplicaState.HOST_UNREACHABLE: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED,
+                                              ReplicaState.FAILED}),
 }
 
 
@@ -82,7 +94,6 @@ class Replica:
     fullname: str = ""                # group:program, as supervisord names it; "" without a program
     reach: Reach = field(kw_only=True)  # how requests get to it (its kind made it)
     host: str = field(default="local", kw_only=True)   # the supervisord it runs under (supervisor.hosts)
-    host_lost: bool = False           # out of rotation because its host stopped answering
     state: ReplicaState = ReplicaState.STOPPED
     pid: int = 0                      # its process, kept after an exit to tell a restart by its new pid
     alive: bool = False               # whether `pid` runs, as the last look at supervisord said
@@ -108,6 +119,7 @@ class Replica:
     failed_pid: int = 0
     failures_before: int = 0
     exited_pid: int = 0
+    crashed_pid: int = 0              # the process whose crash was recorded (an event, a log line)
     ejected_total: int = 0
     eject_until: float = 0.0
     # For /metrics: requests sent to it, failed health checks (in rotation or ejected) and failed

@@ -128,7 +128,21 @@ class PoolCollector(Collector):
                     sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache, affine, spills,
                     waits, held, cached, hits, loads, unloads)
         yield from self._memory()
+        yield from self._hosts()
         yield from self._tasks()
+
+    def _hosts(self) -> Iterator[Metric]:
+        # Every host the pool knows (`local` included): an alert on `llm_pool_host_up == 0` names
+        # the host whose replicas are out of rotation.
+        up = GaugeMetricFamily("llm_pool_host_up", "1 while the host's supervisord answers, else 0", labels=["host"])
+        contact = GaugeMetricFamily("llm_pool_host_last_contact_seconds",
+                                    "Seconds since the host's supervisord last answered", labels=["host"])
+        for name, status in self.pool.host_status().items():
+            up.add_metric([name], 1 if status["answering"] else 0)
+            seconds = status["last_contact_s"]
+            if isinstance(seconds, (int, float)):
+                contact.add_metric([name], seconds)
+        yield from (up, contact)
 
     def _tasks(self) -> Iterator[Metric]:
         # A task that never ends (a relay left behind by a client that went away) is a leak that

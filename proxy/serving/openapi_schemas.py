@@ -157,9 +157,15 @@ def responses_answer() -> dict[str, Any]:
 
 
 def health() -> dict[str, Any]:
-    return {"type": "object", "required": ["status", "supervisord", "models", "errors"],
+    host = {"type": "object", "required": ["answering", "down_for_s", "error", "last_contact_s"],
+            "properties": {"answering": {"type": "boolean"}, "down_for_s": {"type": ["number", "null"]},
+                           "error": {"type": ["string", "null"]}, "last_contact_s": {"type": ["number", "null"]}}}
+    return {"type": "object", "required": ["status", "supervisord", "hosts", "models", "errors"],
             "properties": {"status": {"enum": ["ok", "degraded", "shutting_down"]},
                            "supervisord": {"type": "object"},
+                           "hosts": {"type": "object", "additionalProperties": host,
+                                     "description": "each host of supervisor.hosts: degraded while one "
+                                                    "does not answer"},
                            "models": {"type": "object",
                                       "additionalProperties": {"enum": [s.value for s in ModelState]}},
                            "errors": {"type": "object", "additionalProperties": {"type": "string"}}}}

@@ -4,6 +4,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.config import LOCAL_HOST
 from proxy.errors import BadRequest
 from proxy.lifecycle.replicas import ModelState
 from proxy.lifecycle.runtime import ModelRuntime
@@ -65,14 +66,22 @@ async def health(request: web.Request) -> web.Response:
     pool = request.app[POOL]
     # A model that could not start is named with its reason; the others serve, so the service is up.
     # Without supervisord answering, what runs serves but nothing can start or stop: degraded.
+    # Another configured host that does not answer takes its replicas out of rotation: degraded
+    # too, while it lasts (named in `hosts`, with how long).
     # Stopping is still alive (200): an orchestrator that killed it then would cut the drain short.
     supervisord = pool.monitor.supervisord_status()
-    status = "shutting_down" if request.app[SHUTDOWN].started else "ok" if supervisord["answering"] else "degraded"
+    hosts = {name: s for name, s in pool.host_status().items() if name != LOCAL_HOST}
+    whole = supervisord["answering"] and all(s["answering"] for s in hosts.values())
+    status = "shutting_down" if request.app[SHUTDOWN].started else "ok" if whole else "degraded"
     reasons = shows_reasons(request)
-    if not reasons and supervisord["error"] is not None:
-        supervisord = {**supervisord, "error": REASON_ELSEWHERE}
+    if not reasons:
+        if supervisord["error"] is not None:
+            supervisord = {**supervisord, "error": REASON_ELSEWHERE}
+        hosts = {name: {**s, "error": REASON_ELSEWHERE} if s["error"] is not None else s
+                 for name, s in hosts.items()}
     return web.json_response({"status": status,
                               "supervisord": supervisord,
+                              "hosts": hosts,
                               "models": {name: rt.state.value for name, rt in pool.models.items()},
                               "errors": {name: rt.last_error if reasons else REASON_ELSEWHERE
                                          for name, rt in pool.models.items()

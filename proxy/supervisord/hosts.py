@@ -29,6 +29,7 @@ class Host:
     table_at: float = 0.0                 # monotonic: when the poll that read `processes` began
     devices: dict[str, Any] | None = None  # a node's getDevices, when it last answered
     down_since: float | None = None       # monotonic; None while it answers
+    last_contact: float | None = None     # monotonic: when it last answered; None: never yet
     error: str | None = None
 
     @property
@@ -88,12 +89,19 @@ class Host:
             return True
         return False
 
+    def down_for_s(self, now: float) -> float | None:
+        return None if self.down_since is None else round(now - self.down_since, 1)
+
+    def last_contact_s(self, now: float) -> float | None:
+        """Seconds since it last answered; None before its first answer."""
+        return None if self.last_contact is None else round(max(0.0, now - self.last_contact), 1)
+
     def describe(self) -> dict[str, Any]:
         devices: dict[str, Any] = dict(self.devices or {})
+        now = time.monotonic()
         return {"name": self.name, "url": None if self.settings is None else shown_url(self.settings.url),
-                "local": self.local, "answering": self.down_since is None,
-                "down_for_s": None if self.down_since is None else round(time.monotonic() - self.down_since, 1),
-                "error": self.error, "devices": devices}
+                "local": self.local, "answering": self.down_since is None, "down_for_s": self.down_for_s(now),
+                "last_contact_s": self.last_contact_s(now), "error": self.error, "devices": devices}
 
 
 def node_client(host: HostSettings, environ: Mapping[str, str], timeout: float) -> SupervisorClient:

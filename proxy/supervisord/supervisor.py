@@ -96,6 +96,7 @@ class ProcessInfo:
     pid: int
     exitstatus: int
     description: str
+    spawnerr: str = ""   # why supervisord could not start it, or "Exited too quickly ..."
 
     @property
     def fullname(self) -> str:
@@ -108,7 +109,8 @@ class ProcessInfo:
         except ValueError:
             state = ProcessState.UNKNOWN
         return cls(group=info["group"], name=info["name"], state=state, pid=int(info["pid"]),
-                   exitstatus=int(info["exitstatus"]), description=info.get("description", ""))
+                   exitstatus=int(info["exitstatus"]), description=info.get("description", ""),
+                   spawnerr=str(info.get("spawnerr") or ""))
 
 
 class SupervisorClient:
@@ -126,6 +128,11 @@ class SupervisorClient:
             token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode("ascii")
             self._headers["Authorization"] = f"Basic {token}"   # what supervisord's http server checks
         self._session: aiohttp.ClientSession | None = None
+        # Calls in flight per session. A failed call retires its session (the next call builds a
+        # fresh transport) but the session closes only once its last call has ended: closing it at
+        # once broke every other call in flight on it, so one call's timeout (a slow getFootprint)
+        # failed the monitor's getProcesses beside it, and a node that answered was marked down.
+        self._users: dict[aiohttp.ClientSession, int] = {}
         parts = urlsplit(url)
         if parts.scheme == "unix":
             self._socket: str | None = parts.path
@@ -145,14 +152,16 @@ class SupervisorClient:
         return self._session
 
     async def _drop_transport(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        session, self._session = self._session, None
+        if session is not None and not self._users.get(session):
+            await session.close()
 
     async def call(self, method: str, *params: Any) -> Any:
         body = xmlrpc.client.dumps(params, methodname=method, allow_none=False)
+        session = self._client()
+        self._users[session] = self._users.get(session, 0) + 1
         try:
-            async with self._client().post(self._endpoint, data=body.encode(), headers=self._headers) as resp:
+            async with session.post(self._endpoint, data=body.encode(), headers=self._headers) as resp:
                 payload = await resp.read()
                 if resp.status == 401:
                     raise SupervisorRefused(f"supervisord at {shown_url(self.url)} refused the username and password "
@@ -160,9 +169,16 @@ class SupervisorClient:
                 if resp.status != 200:
                     raise SupervisorError(f"{method}: HTTP {resp.status} from supervisord")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            await self._drop_transport()
+            if self._session is session:
+                self._session = None
             raise SupervisorUnavailable(f"supervisord at {shown_url(self.url)} did not answer {method}: "
                                         f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            self._users[session] -= 1
+            if not self._users[session]:
+                del self._users[session]
+                if session is not self._session:
+                    await session.close()   # retired, and its last call has ended
         try:
             (result,), _ = xmlrpc.client.loads(payload)
         except xmlrpc.client.Fault as fault:
@@ -219,6 +235,11 @@ class SupervisorClient:
     async def read_log(self, fullname: str, offset: int, length: int) -> str:
         """`length` bytes of the program's log from `offset` on."""
         return str(await self.call("supervisor.readProcessStdoutLog", fullname, offset, length))
+
+    async def main_log_tail(self, length: int) -> str:
+        """The last `length` bytes of supervisord's own log (its readLog): what it did to each
+        process and why, such as `exited: NAME (terminated by SIGKILL; not expected)`."""
+        return str(await self.call("supervisor.readLog", -length, 0))
 
     async def shutdown(self) -> None:
         await self.call("supervisor.shutdown")

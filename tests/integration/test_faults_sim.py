@@ -43,6 +43,7 @@ MODELS = {
     "doomed": sim(target=1, decode_tokens_per_s=5),
     "pair": sim(replicas=2),
     "flaky": sim(replicas=2, error_rate=1.0),
+    "crash": sim(),
 }
 
 
@@ -256,6 +257,25 @@ def test_a_frozen_replica_leaves_rotation_until_it_answers_again(proxy: ProxyPro
     finally:
         os.kill(frozen["pid"], signal.SIGCONT)
     wait_for(lambda: proxy.admin_model("pair")["replicas"][0]["state"] == "ready", what="ready again")
+
+
+def test_a_replica_killed_by_sigkill_is_said_by_the_proxy_with_how_it_ended_and_what_supervisord_does(
+        proxy: ProxyProcess) -> None:
+    # Before: only supervisord's own log said so; the proxy's log and the events feed said nothing.
+    (replica,) = proxy.admin_model("crash")["replicas"]
+    os.kill(replica["pid"], signal.SIGKILL)
+
+    def crashes() -> list[dict[str, Any]]:
+        return http("GET", proxy.url + "/v1/admin/events?kind=crash&model=crash")[2]["data"]
+    (event,) = wait_for(crashes, what="the crash event")
+    assert (event["replica"], event["host"], event["reason"]) == (0, "local", "killed by SIGKILL"), event
+    assert event["message"].startswith(f"model crash replica 0 (pid {replica['pid']}) killed by SIGKILL; "
+                                       "supervisord restart"), event
+    wait_for(lambda: (r := proxy.admin_model("crash")["replicas"][0])["state"] == "ready" and
+             r["pid"] != replica["pid"], what="the restarted replica back in rotation")
+    assert len(crashes()) == 1   # one crash, one event, however many passes saw it
+    (line,) = [ln for ln in proxy.log_path.read_text().splitlines() if f"(pid {replica['pid']}) killed by" in ln]
+    assert "WARNING" in line, line
 
 
 def test_a_replica_failing_every_request_is_ejected_but_never_the_last(proxy: ProxyProcess) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import REPO, Node, ProxyProcess, free_port, http, node_pool as pool, sim_model as sim, wait_for
 
@@ -158,7 +159,7 @@ def test_two_replicas_on_two_hosts_and_a_host_that_dies_takes_only_its_own(nodes
     assert re.search(r'llm_pool_replica_ready\{host="b",model="m",replica="\d"\} 1', metrics), metrics
 
     nodes[0].kill()      # host a's supervisord: SIGKILL
-    wait_for(lambda: states_on(proxy, "a") != ["ready"],
+    wait_for(lambda: states_on(proxy, "a") == ["host_unreachable"],
              what="host a's replica to leave rotation")
     assert all(ask(proxy, "m") == 200 for _ in range(6))     # b serves them all
     (b_replica,) = on("b", proxy.admin_model("m")["replicas"])
@@ -180,7 +181,7 @@ def test_a_host_that_stops_answering_and_returns_is_adopted_without_a_restart(no
     assert nodes[0].proc is not None
     os.kill(nodes[0].proc.pid, signal.SIGSTOP)      # a partition: its supervisord does not answer
     try:
-        wait_for(lambda: states_on(proxy, "a") != ["ready"],
+        wait_for(lambda: states_on(proxy, "a") == ["host_unreachable"],
                  what="host a's replica to leave rotation")
         assert ask(proxy, "m") == 200
     finally:
@@ -290,3 +291,78 @@ def test_check_config_hosts_logs_into_each_node_and_names_the_one_that_refuses(n
                        NODE_C_PASSWORD="node-a-secret-7")
     assert done.returncode == 0 and done.stdout.splitlines()[-1].startswith("ok: 1 model(s), 1 enabled"), done
     assert done.stdout.count("login as llm-pool worked") == 3, done
+
+
+def host_up_gauges(proxy: ProxyProcess) -> dict[str, float]:
+    """llm_pool_host_up by host, read through prometheus-client's parser (the exposition stays valid)."""
+    text = http("GET", proxy.url + "/metrics")[2].decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    contact = {s.labels["host"] for s in families["llm_pool_host_last_contact_seconds"].samples}
+    assert contact == {"a", "b"}, contact
+    return {s.labels["host"]: s.value for s in families["llm_pool_host_up"].samples}
+
+
+def test_a_host_that_does_not_answer_is_named_in_health_metrics_events_and_its_replicas_state(
+        nodes: list[Node], proxies: list[ProxyProcess]) -> None:
+    # Before: a's replica showed `starting`, /health said ok and no metric or event said a host was down.
+    proxy, model = two_hosts(nodes, proxies, rpc_timeout_s=1)
+    status, _, health = http("GET", proxy.url + "/health")
+    assert status == 200 and health["status"] == "ok", health
+    assert set(health["hosts"]) == {"a", "b"} and all(h["answering"] for h in health["hosts"].values()), health
+    assert host_up_gauges(proxy) == {"a": 1.0, "b": 1.0}
+    assert nodes[0].proc is not None
+    os.kill(nodes[0].proc.pid, signal.SIGSTOP)      # host a's supervisord answers nothing
+    try:
+        wait_for(lambda: states_on(proxy, "a") == ["host_unreachable"], what="a's replica host_unreachable")
+        assert states_on(proxy, "b") == ["ready"]
+        assert all(ask(proxy, "m") == 200 for _ in range(4))         # out of rotation: b serves them all
+        (on_a,) = on("a", proxy.admin_model("m")["replicas"])
+        assert on_a["last_error"].startswith("host a is not answering"), on_a
+        status, _, health = http("GET", proxy.url + "/health")
+        assert status == 200 and health["status"] == "degraded", health
+        down = health["hosts"]["a"]
+        assert not down["answering"] and down["down_for_s"] >= 0 and down["error"], health
+        assert health["hosts"]["b"]["answering"] and health["supervisord"]["answering"] is True, health
+        assert host_up_gauges(proxy) == {"a": 0.0, "b": 1.0}
+        shown = subprocess.run([sys.executable, "-m", "proxy.cli", "ctl", "--url", proxy.url, "models"], cwd=REPO,
+                               capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown
+        (row,) = [line for line in shown.stdout.splitlines() if line.startswith("m ")]
+        assert "(host unreachable)" in row and "1/2" in row.split(), shown.stdout
+        status, _, feed = http("GET", proxy.url + "/v1/admin/events?kind=host_down")
+        assert status == 200 and [(e["kind"], e["host"]) for e in feed["data"]] == [("host_down", "a")], feed
+    finally:
+        os.kill(nodes[0].proc.pid, signal.SIGCONT)
+    model = proxy.wait_replicas_ready("m", 2)       # back through its health check, same process
+    (after,) = on("a", model["replicas"])
+    assert after["state"] == "ready" and after["pid"] == on_a["pid"]
+    health = http("GET", proxy.url + "/health")[2]
+    assert health["status"] == "ok" and health["hosts"]["a"]["answering"], health
+    assert host_up_gauges(proxy) == {"a": 1.0, "b": 1.0}
+    feed = http("GET", proxy.url + "/v1/admin/events?kind=host_up")[2]
+    assert [(e["kind"], e["host"]) for e in feed["data"]] == [("host_up", "a")], feed
+    assert "host a answers again after" in proxy.log_path.read_text()
+
+
+def test_a_host_down_from_the_start_shows_its_error_on_the_admin_listener_only(proxies: list[ProxyProcess]) -> None:
+    closed = f"http://127.0.0.1:{free_port()}"   # nothing listens there
+    admin_port = free_port()
+    proxy = ProxyProcess({"m": sim(enabled=False)}, service={"admin_host": "127.0.0.1", "admin_port": admin_port})
+    proxy.config["supervisor"].update(mode="hosts", rpc_timeout_s=1,
+                                      hosts={"c": {"url": closed, "password_env": "NODE_C_PASSWORD"}})
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxy.env = {"NODE_C_PASSWORD": "pc"}
+    proxies.append(proxy)
+    proxy.start()
+    admin = f"http://127.0.0.1:{admin_port}"
+    private = wait_for(lambda: (h := http("GET", admin + "/health")[2])["status"] == "degraded" and h,
+                       what="host c to be seen down")
+    assert not private["hosts"]["c"]["answering"] and private["hosts"]["c"]["last_contact_s"] is None, private
+    assert private["hosts"]["c"]["error"] and "admin listener" not in private["hosts"]["c"]["error"], private
+    status, _, public = http("GET", proxy.url + "/health")
+    assert status == 200 and public["status"] == "degraded", public
+    assert public["hosts"]["c"]["error"] == "the reason is shown on the admin listener (service.admin_port)", public
+    text = http("GET", proxy.url + "/metrics")[2].decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert [(s.labels, s.value) for s in families["llm_pool_host_up"].samples] == [({"host": "c"}, 0.0)]
+    assert families["llm_pool_host_last_contact_seconds"].samples == []   # it never answered

@@ -253,3 +253,16 @@ def test_a_loaded_model_whose_queue_is_closed_says_it_refuses_requests_and_why()
     assert "refusing" not in ok and "refusing" not in gone
     assert "  refusing requests: model 'duo' is loaded with other settings" in ctl.model_summary(rows[0]).splitlines()
     assert "refusing" not in ctl.model_summary(rows[2])
+
+
+def test_models_table_names_each_replicas_host_and_says_which_hosts_do_not_answer() -> None:
+    rows = [{"id": "m", "state": "loaded", "replicas": [{"index": 0, "host": "a", "state": "ready"},
+                                                         {"index": 1, "host": "b", "state": "host_unreachable"}]},
+            {"id": "solo", "state": "loaded", "replicas": [{"index": 0, "host": "local", "state": "ready"}]}]
+    header, m, solo = ctl.models_table(rows).splitlines()
+    assert header.split()[4] == "HOSTS"
+    assert "r0:a, r1:b (host unreachable)" in m and "1/2" in m.split()
+    assert "r0:local" in solo
+    assert "  replica 1: host_unreachable host=b pid=- port=None" in ctl.model_summary(rows[0]).splitlines()
+    # One host: no column.
+    assert "HOSTS" not in ctl.models_table(rows[1:])

@@ -1,12 +1,13 @@
 """Replica choice: the least loaded READY replica, by the proxy's own count and the backend's gauges."""
 from __future__ import annotations
 
+import pytest
 
 from launchers import llama_server, sim
 from helpers import ready_runtime
 from proxy.config import ModelConfig
 from proxy.lifecycle.engine_metrics import read_gauges
-from proxy.lifecycle.replicas import ReplicaState
+from proxy.lifecycle.replicas import InvalidTransition, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 
 CONFIG = ModelConfig(name="m", backend="sim", enabled=True, replicas=3, replica_max=3, target_inflight=4,
@@ -82,3 +83,16 @@ def test_engine_metric_names_are_mapped_per_engine() -> None:
     assert read_gauges(vllm_text, sim.METRICS) == {"running": 3.0, "waiting": 3.0, "kv_cache": 0.25}
     llama_text = "llamacpp:requests_processing 2\nllamacpp:requests_deferred 5\nllamacpp:n_decode_total 7\n"
     assert read_gauges(llama_text, llama_server.METRICS) == {"running": 2.0, "waiting": 5.0}
+
+
+def test_a_replica_whose_host_does_not_answer_is_out_of_rotation_and_returns_only_through_starting() -> None:
+    rt = runtime(2)
+    capacity = rt.admission.capacity
+    rt.set_replica_state(rt.replicas[0], ReplicaState.HOST_UNREACHABLE, "host a is not answering")
+    assert {rt.pick_replica().index for _ in range(4)} == {1}
+    assert rt.admission.capacity == capacity // 2
+    with pytest.raises(InvalidTransition):   # its process ran on unseen: a health check first
+        rt.set_replica_state(rt.replicas[0], ReplicaState.READY)
+    rt.set_replica_state(rt.replicas[0], ReplicaState.STARTING)
+    rt.set_replica_state(rt.replicas[0], ReplicaState.READY)
+    assert rt.admission.capacity == capacity

@@ -1,6 +1,7 @@
 """The supervisord driver against a real supervisord in managed mode."""
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import tempfile
@@ -10,6 +11,7 @@ from typing import AsyncIterator
 import pytest
 import yaml
 
+from fakes import BrokenCallXmlRpc
 from helpers import free_port, pid_alive
 from proxy.supervisord import managed
 from proxy.config import HostSettings, Settings, load_settings
@@ -103,3 +105,21 @@ async def test_an_unanswered_node_is_named_without_its_credentials() -> None:
     host = Host(name="n", client=client, log_dir=None,
                 settings=HostSettings(name="n", url=url, username="pool", password_env="X", address="127.0.0.1"))
     assert host.describe()["url"] == url.replace("pool:node-SECRET-pw@", "")
+
+
+async def test_a_call_that_fails_does_not_break_the_calls_in_flight_beside_it() -> None:
+    # Before: the failed call closed the whole session, and the held getState beside it failed
+    # with ServerDisconnectedError: one slow call marked a node that answered as down.
+    server = await BrokenCallXmlRpc().start()
+    client = SupervisorClient(server.url, timeout=30)
+    try:
+        held = asyncio.create_task(client.call("supervisor.getState"))
+        await server.held.wait()
+        with pytest.raises(SupervisorUnavailable):
+            await client.get_pid()
+        server.release.set()
+        assert (await held)["statename"] == "RUNNING"
+        assert (await client.call("supervisor.getState"))["statename"] == "RUNNING"   # a fresh transport
+    finally:
+        await client.close()
+        await server.stop()
