@@ -38,10 +38,12 @@ SPLIT_GGUF = re.compile(r"-\d{5}-of-(\d{5})\.gguf$")
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "float8": 1.0}
 # llama-server's micro-batch (-ub, its default): the compute graph is reserved for this many tokens.
 LLAMA_UBATCH = 512
-# What a llama-server process holds before any model: code, libraries, thread stacks, HTTP buffers.
-# Measured on the pinned build (llama-cpp-python 0.3.36's tree, x86-64, CPU), as its resident memory
-# less the model's weights, KV cache and buffers: CALIBRATE.
-LLAMA_SERVER_PROCESS_BYTES = 0
+# What a llama-server process holds besides the model: code, libraries, thread stacks, HTTP buffers.
+# Measured on the pinned build (llama-cpp-python 0.3.36's tree, x86-64, 2 cores): the tiny GGUF with
+# 2,048 tokens had 18.1 MiB resident after a request, 4.5 of them its weights, KV cache and compute
+# buffer, so about 14 MiB is the process; counted as 16 for the threads a machine with more cores
+# starts (one per core).
+LLAMA_SERVER_PROCESS_BYTES = 16 * MIB
 
 
 @dataclass
@@ -161,7 +163,14 @@ def _context(model: ModelConfig, arch: Architecture) -> tuple[int, str] | None:
 
 def _llama_buffers(model: ModelConfig, arch: Architecture | str, est: Estimate) -> None:
     """llama.cpp's compute buffer (its graph reserved for one micro-batch) and output buffer (the
-    logits of each slot), from the GGUF's sizes. CALIBRATE."""
+    logits of each slot), from the GGUF's sizes.
+
+    As the pinned build reserves them (its log's `CPU compute buffer size`, matched to within 0.3
+    MiB for the tiny GGUF from 2,048 to 524,288 tokens, flash attention on and off): the micro-batch's
+    logits or feed-forward, whichever is larger, a few embeddings, and the attention over the
+    cache a sequence sees (a slot's context, or the whole cache when it is unified): its mask (f16)
+    with flash attention, else the scores of every head and the mask (f32). Flash attention `auto`
+    is on for this build's CPU and CUDA backends."""
     if isinstance(arch, str):
         est.not_counted.append(f"compute buffers: {arch}")
         return
@@ -170,18 +179,17 @@ def _llama_buffers(model: ModelConfig, arch: Architecture | str, est: Estimate) 
         est.not_counted.append(f"compute buffers: {arch.source} gives no embedding, vocabulary, feed-forward "
                                "and head sizes")
         return
-    ctx = found[0]
-    ubatch = min(LLAMA_UBATCH, ctx)
+    per_request = model.options.get("llama_server_n_ctx")
+    seen = int(per_request) if per_request else found[0]    # unset: one unified cache for every slot
+    ubatch = min(LLAMA_UBATCH, found[0])
     flash = str(model.options.get("llama_server_flash_attn") or "auto").lower()
-    # Per token of the micro-batch: its logits, the feed-forward's gate and up, a few embeddings.
-    compute = 4 * ubatch * (arch.vocab + 2 * arch.feed_forward + 4 * arch.embedding)
-    if flash in ("off", "false", "0"):
-        compute += 4 * ubatch * ctx * arch.heads   # without flash attention, K.Q for the whole cache
+    compute = 4 * ubatch * max(arch.vocab, 3 * arch.feed_forward) + 8 * ubatch * arch.embedding
+    compute += 4 * ubatch * seen * (arch.heads + 1) if flash in ("off", "false", "0") else 2 * ubatch * seen
     output = 4 * arch.vocab * max(1, model.target_inflight)
     est.compute_bytes = compute + output
-    est.counted.append(f"compute buffers: {_mib(compute)} MiB for a micro-batch of {ubatch} tokens "
-                       f"(flash attention {flash}), output buffer {_mib(output)} MiB for {model.target_inflight} "
-                       f"slot(s), from {arch.source}")
+    est.counted.append(f"compute buffers: {_mib(compute)} MiB for a micro-batch of {ubatch} tokens over "
+                       f"{seen} of cache (flash attention {flash}), output buffer {_mib(output)} MiB for "
+                       f"{model.target_inflight} slot(s), from {arch.source}")
 
 
 def _mib(n: float) -> float:

@@ -20,8 +20,9 @@ The rules (README: More models than memory):
   longer than it takes to load the busy model again later saves nothing.
 - A model is evicted for a load on demand only once it has been loaded `min_residence_s`
   (busy or idle; beyond the swap bound's rules for busy ones): each eviction is a reload later, and
-  two models that take each other's room would otherwise swap on every request. An admin's load is
-  not held by it (`room_for`'s default).
+  two models that take each other's room would otherwise swap on every request. When the next idle
+  model in the order is too young, the load waits for it rather than evict one used more recently.
+  An admin's load is not held by it (`room_for`'s default).
 - A model that would not fit even with only pinned models loaded is too large: refused at once.
 - Idle unload: a loaded, unpinned model with nothing running or waiting, `idle_unload_s` after its
   last use. Pinned models are never unloaded by the pool.
@@ -154,10 +155,10 @@ def room_for(name: str, models: Iterable[ModelView], limits: Limits, now: float,
             out.append(COUNT)
         return out
 
-    evictable = [m for m in holding if m.status == "loaded" and not m.pinned and may_evict
-                 and m.resident_s >= resident_after_s]
+    evictable = [m for m in holding if m.status == "loaded" and not m.pinned and may_evict]
     idle = _eviction_order([m for m in evictable if not m.busy], now)
-    busy = sorted((m for m in evictable if m.busy and m.resident_s >= busy_after_s), key=lambda m: m.last_used)
+    busy = sorted((m for m in evictable if m.busy and m.resident_s >= max(busy_after_s, resident_after_s)),
+                  key=lambda m: m.last_used)
     evict: list[str] = []
     for candidate in idle + (busy if may_evict_busy else []):
         missing = short()
@@ -166,6 +167,10 @@ def room_for(name: str, models: Iterable[ModelView], limits: Limits, now: float,
         if not any(candidate.needs.get(d, 0) > 0 for d in missing if d != COUNT) and \
                 not (COUNT in missing and candidate.counted):
             continue   # it holds nothing that is short
+        if candidate.resident_s < resident_after_s:
+            # The next to go is too young: the load waits for it to come of age rather than evict
+            # one used more recently (the order stays least recently used first).
+            break
         evict.append(candidate.name)
         for d in devices:
             free[d] += candidate.needs.get(d, 0)

@@ -430,7 +430,7 @@ class Placer:
             "last_used": round(used, 3) if used else None,
             "idle_for_s": None if not used or busy else round(max(0.0, now - used), 1),
             "footprint": {**self.memory.describe(runtime.model),
-                          "charged_mib_per_replica": self._charged(runtime.name)},
+                          "charged_mib_per_replica": self._charged(runtime)},
             "loads": dict(runtime.loads),
             "unloads": dict(runtime.unloads),
             "evictions": runtime.unloads.get("evicted", 0),
@@ -439,9 +439,11 @@ class Placer:
             "waiting_for_room": short.as_dict() if short is not None else None,
         }
 
-    def _charged(self, name: str) -> dict[str, float] | None:
+    def _charged(self, runtime: ModelRuntime) -> dict[str, float] | None:
         """What each replica of a model that holds memory is charged, by host-qualified device."""
-        fixed = self._charges.get(name)
+        holding = runtime.name in self._loading or _STATUS.get(runtime.state) in HOLDING or \
+            (runtime.state == ModelState.FAILED and bool(runtime.replicas))
+        fixed = self._charges.get(runtime.name) if holding else None
         return {qualify(h, d): round(b / MIB, 1) for h, per in fixed.items() for d, b in per.items()} \
             if fixed else None
 

@@ -60,7 +60,7 @@ def test_the_need_is_the_estimate_until_measured_then_the_measurement(tmp_path: 
     mem = memory(tmp_path, footprint_margin=0.1)
     config = model(model_path=str(tiny_gguf), llama_server_n_ctx=4096, llama_server_n_gpu_layers=0, replicas=2)
     need = mem.need(config)
-    estimate = Estimator().estimate(config).total_bytes
+    estimate = mem.estimate(config, (CPU,)).total_bytes
     assert need.source == "estimated" and need.per_device == {CPU: 2 * estimate}
     mem.footprints.record(config, {CPU: 100 * MIB})
     need = mem.need(config)
@@ -175,20 +175,22 @@ def test_a_cpu_footprint_does_not_change_with_its_neighbours_and_counts_a_file_o
 def test_check_config_warns_of_a_model_that_can_never_fit(tmp_path: Path, tiny_gguf: Path) -> None:
     conf = tmp_path / "pool.yaml"
     big = {"backend": "llama_server", "model_path": str(tiny_gguf), "llama_server_n_gpu_layers": 0}
+    # Each is charged about 17.5 MiB (weights, the server process, the logits' buffer) plus 1.5 KiB a
+    # token (KV cache and attention mask): pinned 209.5 MiB, huge 785.5, beside 113.5, fits 23.5.
     conf.write_text(f"""
 service: {{state_dir: {tmp_path}}}
 engine:
-  lifecycle: {{memory: {{cpu_budget_mib: 100}}}}
+  lifecycle: {{memory: {{cpu_budget_mib: 300}}}}
   models:
     pinned: {{<<: *big, enabled: true, pinned: true, llama_server_n_ctx: 131072}}
     huge: {{<<: *big, llama_server_n_ctx: 524288}}
-    beside: {{<<: *big, llama_server_n_ctx: 98304}}
+    beside: {{<<: *big, llama_server_n_ctx: 65536}}
     fits: {{<<: *big, llama_server_n_ctx: 4096}}
 """.replace("*big", str(big).replace("'", "")))
     settings = load_settings(conf)
     warnings = memory_warnings(settings, nvml_loader=lambda: (_ for _ in ()).throw(ImportError("no NVML")))
     assert any(w.startswith("engine.models.huge: model_too_large") for w in warnings), warnings
-    # 48.5 MiB fits the budget, not beside the pinned model's 64.5.
+    # 113.5 MiB fits the budget, not beside the pinned model's 209.5.
     assert any(w.startswith("engine.models.beside: model_too_large") for w in warnings), warnings
     assert not any("engine.models.fits" in w for w in warnings)
     assert memory_warnings(load_settings(DEFAULT_SETTINGS)) == []    # no limits set: nothing to say

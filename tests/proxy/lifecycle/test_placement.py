@@ -168,9 +168,13 @@ def test_a_model_loaded_less_than_min_residence_is_not_evicted_for_a_load_on_dem
     out = plan([fresh, cold("b")], limits, now=100)
     assert out.loads == [] and "b" in out.waiting and out.wake_in_s == 3
     assert plan([replace(fresh, resident_s=5), cold("b")], limits, now=100).loads == [("b", ("a",))]
-    # An older idle model still makes room at once, and an admin's load is not held by it.
-    assert plan([fresh, model("c", mib=10, last_used=50), cold("b", mib=10)], Limits(
-        budgets={CPU: 50 * MIB}, min_residence_s=5), now=100).loads == [("b", ("c",))]
+    # The order stays least recently used first: an older idle model used since is not evicted
+    # instead of the young one, the load waits; one used less recently makes room at once.
+    small = Limits(budgets={CPU: 50 * MIB}, min_residence_s=5)
+    assert plan([fresh, model("c", mib=10, last_used=50), cold("b", mib=10)], small, now=100).loads == []
+    assert plan([replace(fresh, last_used=60), model("c", mib=10, last_used=50), cold("b", mib=10)], small,
+                now=100).loads == [("b", ("c",))]
+    # An admin's load is not held by it.
     assert room_for("b", [fresh, cold("b")], limits, now=100).evict == ("a",)
 
 
