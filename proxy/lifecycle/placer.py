@@ -136,9 +136,12 @@ class Placer:
         holding = []
         for view in views:
             rt = self.models[view.name]
-            if view.status in HOLDING and rt.replicas and all(r.spec is not None for r in rt.replicas):
+            if view.status in HOLDING and rt.replicas:
                 config = self._loading.get(view.name) or rt.model
-                view = replace(view, needs=self.charge(view.name, config, tuple(r.host for r in rt.replicas)))
+                # A replica not yet written anywhere counts here, as every need did before hosts.
+                hosts = tuple(r.host for r in rt.replicas) if all(r.spec is not None for r in rt.replicas) \
+                    else (LOCAL_HOST,) * config.replicas
+                view = replace(view, needs=self.charge(view.name, config, hosts))
             holding.append(view)
         out = []
         for view in holding:
@@ -168,11 +171,13 @@ class Placer:
             elif name in self._evicting and status == "loaded":
                 status = "unloading"
             config = self._loading.get(name) or (target[1] if target and target[0] == name else rt.model)
-            if status in HOLDING:
-                needs = self.charge(name, config, (LOCAL_HOST,) * config.replicas)
-            else:
+            if status not in HOLDING:
                 self._charges.pop(name, None)   # cold: its next admission fixes its next charge
                 needs = self.memory.need(config).per_device
+            elif self.settings.supervisor.hosts:
+                needs = {}   # views() charges it on the hosts its replicas are on
+            else:
+                needs = self.charge(name, config, (LOCAL_HOST,) * config.replicas)
             waiting = rt.admission.waiting
             backing_off = rt.backoff is not None and rt.backoff.until > now
             out.append(ModelView(
