@@ -56,7 +56,7 @@ DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "por
 # it existed: models load only when enabled or an admin loads them, stay until unloaded, and no load
 # is refused for memory.
 DEFAULT_LIFECYCLE: dict[str, Any] = {"load_on_demand": False, "idle_unload_s": None, "pinned": False,
-                                     "max_loaded_models": None, "swap_max_wait_s": 10.0}
+                                     "max_loaded_models": None, "swap_max_wait_s": 10.0, "min_residence_s": 5.0}
 DEFAULT_MEMORY: dict[str, Any] = {"gpu_headroom_mib": None, "cpu_budget_mib": None, "footprint_margin": 0.1,
                                   "footprint_percentile": 90}
 # The per-model keys that default to the same key under engine.lifecycle.
@@ -175,6 +175,7 @@ class LifecycleSettings:
 
     max_loaded_models: int | None = None
     swap_max_wait_s: float = DEFAULT_LIFECYCLE["swap_max_wait_s"]
+    min_residence_s: float = DEFAULT_LIFECYCLE["min_residence_s"]
     gpu_headroom_mib: float | None = None    # None: GPU memory does not limit loads
     cpu_budget_mib: float | None = None      # None: CPU memory does not limit loads
     footprint_margin: float = DEFAULT_MEMORY["footprint_margin"]
@@ -639,6 +640,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
         sources=sources,
         lifecycle=LifecycleSettings(max_loaded_models=lifecycle["max_loaded_models"],
                                     swap_max_wait_s=float(lifecycle["swap_max_wait_s"]),
+                                    min_residence_s=float(lifecycle["min_residence_s"]),
                                     gpu_headroom_mib=memory["gpu_headroom_mib"],
                                     cpu_budget_mib=memory["cpu_budget_mib"],
                                     footprint_margin=float(memory["footprint_margin"]),

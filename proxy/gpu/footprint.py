@@ -1,11 +1,19 @@
-"""What a running replica really takes: its process tree's GPU memory (NVML) or CPU memory (PSS).
+"""What a running replica really takes: its process tree's GPU memory (NVML) or CPU memory (its
+resident pages, a file mapped by several of its processes counted once).
 
-PSS, not RSS: pages shared between replicas (the engine's libraries, a GGUF file mapped by two
-llama-servers) are split between the processes that share them, so the footprints of replicas
-running side by side add up to what they hold together. Blocking (/proc, NVML): run in a thread.
+On the CPU, resident pages (Rss), not PSS. PSS splits each page shared with other processes between
+them, so a model's figure depended on what else ran: the demo model measured 10.2 to 19.3 MiB as
+other llama-servers mapping the same GGUF and libraries came and went, and a budget admitted by it
+made two models evict each other in turn (issue 29). What a tree has resident does not change with
+its neighbours. Within the tree a file's pages (libraries, weights that vLLM's workers all map,
+shared memory) are counted once, as the tree needs them once; anonymous memory (the KV cache,
+compute buffers, heaps) per process. Two replicas of one GGUF each count its weights, as the
+estimates do: on the safe side, since each replica alone would need them. Blocking (/proc, NVML):
+run in a thread.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -40,15 +48,54 @@ def gpu_totals(nvml_loader: Callable[[], Any] = load_nvml) -> GpuTotals:
         nvml.nvmlShutdown()
 
 
-def tree_pss_bytes(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """The PSS of `pid` and its descendants; None when `pid` is gone."""
-    tree = descendants(pid, parent_pids(proc))
-    total, seen = 0, False
-    for member in tree:
-        pss = _pss_bytes(proc / str(member))
-        if pss is not None:
-            total, seen = total + pss, True
-    return total if seen else None
+# A mapping's header line in /proc/<pid>/smaps: range, perms, offset, device, inode, path.
+_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ ([0-9a-f]+) (\S+) (\d+)")
+
+
+def tree_cpu_bytes(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The memory `pid` and its descendants have resident, each file's pages once (above); None
+    when `pid` is gone."""
+    anonymous, seen = 0, False
+    files: dict[tuple[str, str, str, int], int] = {}   # (device, inode, offset, size) -> bytes resident
+    for member in descendants(pid, parent_pids(proc)):
+        mappings = _mappings(proc / str(member))
+        if mappings is None:
+            continue
+        seen = True
+        for key, rss, anon in mappings:
+            anonymous += anon if key is not None else rss
+            if key is not None:
+                files[key] = max(files.get(key, 0), rss - anon)
+    return anonymous + sum(files.values()) if seen else None
+
+
+def _mappings(process: Path) -> list[tuple[tuple[str, str, str, int] | None, int, int]] | None:
+    """Each mapping of a process: its file's key (None when anonymous), its Rss and the part of it
+    that is anonymous (a private file mapping's written pages), in bytes; None when it is gone."""
+    try:
+        text = (process / "smaps").read_text()
+    except OSError:
+        return None
+    out: list[tuple[tuple[str, str, str, int] | None, int, int]] = []
+    key: tuple[str, str, str, int] | None = None
+    rss = anon = 0
+    started = False
+    for line in text.splitlines():
+        header = _MAPPING.match(line)
+        if header:
+            if started:
+                out.append((key, rss, anon))
+            start, end, offset, device, inode = header.groups()
+            key = None if inode == "0" else (device, inode, offset, int(end, 16) - int(start, 16))
+            rss = anon = 0
+            started = True
+        elif line.startswith("Rss:"):
+            rss = int(line.split()[1]) * 1024
+        elif line.startswith("Anonymous:"):
+            anon = int(line.split()[1]) * 1024
+    if started:
+        out.append((key, rss, anon))
+    return out
 
 
 def tree_gpu_bytes(pid: int, nvml_loader: Callable[[], Any] = load_nvml,
@@ -72,15 +119,3 @@ def tree_gpu_bytes(pid: int, nvml_loader: Callable[[], Any] = load_nvml,
         return None
     finally:
         nvml.nvmlShutdown()
-
-
-def _pss_bytes(process: Path) -> int | None:
-    # smaps_rollup (Linux 4.14+) sums smaps for us; reading every mapping would cost far more.
-    try:
-        text = (process / "smaps_rollup").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) * 1024
-    return None

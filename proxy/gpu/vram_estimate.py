@@ -1,11 +1,16 @@
-"""Approximate GPU memory a model needs, from its files and its configured context: loaded or not.
+"""Approximate memory a model needs (on its GPU, or on the CPU), from its files and its configured
+context: loaded or not.
 
 Weights are what the model's files weigh (a GGUF file, the safetensors of a Hugging Face or EXL3
 folder, CTranslate2's model.bin, plus a draft model or a vision projector when configured). The KV
 cache is computed where the files tell the architecture (GGUF metadata, config.json) and the config
 tells the context, or taken from vLLM's explicit `vllm_kv_cache_memory_bytes`. Each estimate lists
 what it counted and what it could not, so nobody mistakes a lower bound for the whole story.
-Engine workspace, CUDA graphs and the CUDA context itself are not counted.
+For llama-server the compute buffers are counted too (from the GGUF's sizes and the batch it
+reserves for), and on the CPU the server process itself (its code, libraries and threads), which
+for a small model is most of what it holds: the demo model was estimated at 1.5 MiB against 14
+measured before these were counted (issue 29). Engine workspace, CUDA graphs and the CUDA context
+are not counted.
 """
 from __future__ import annotations
 
@@ -31,21 +36,32 @@ KV_TYPE_BYTES = {"f32": 4.0, "float32": 4.0, "f16": 2.0, "float16": 2.0, "half":
                  "q5_1": 24 / 32, "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
 SPLIT_GGUF = re.compile(r"-\d{5}-of-(\d{5})\.gguf$")
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "float8": 1.0}
+# llama-server's micro-batch (-ub, its default): the compute graph is reserved for this many tokens.
+LLAMA_UBATCH = 512
+# What a llama-server process holds besides the model: code, libraries, thread stacks, HTTP buffers.
+# Measured on the pinned build (llama-cpp-python 0.3.36's tree, x86-64, 2 cores): the tiny GGUF with
+# 2,048 tokens had 18.1 MiB resident after a request, 4.5 of them its weights, KV cache and compute
+# buffer, so about 14 MiB is the process; counted as 16 for the threads a machine with more cores
+# starts (one per core).
+LLAMA_SERVER_PROCESS_BYTES = 16 * MIB
 
 
 @dataclass
 class Estimate:
     weights_bytes: int = 0
     kv_cache_bytes: int = 0
+    compute_bytes: int = 0        # the engine's compute and output buffers
+    process_bytes: int = 0        # the engine process itself (counted on the CPU only)
     counted: list[str] = field(default_factory=list)
     not_counted: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes
+        return self.weights_bytes + self.kv_cache_bytes + self.compute_bytes + self.process_bytes
 
     def as_dict(self, replicas: int) -> dict[str, Any]:
         return {"weights_mib": _mib(self.weights_bytes), "kv_cache_mib": _mib(self.kv_cache_bytes),
+                "compute_mib": _mib(self.compute_bytes), "process_mib": _mib(self.process_bytes),
                 "per_replica_mib": _mib(self.total_bytes), "replicas": replicas,
                 "total_mib": _mib(self.total_bytes * replicas),
                 "counted": self.counted, "not_counted": self.not_counted}
@@ -60,6 +76,10 @@ class Architecture:
     kv_width: int                 # sum over layers of kv_heads * (key_length + value_length)
     context_length: int | None    # the model's own maximum context
     dtype_bytes: float | None = None
+    embedding: int | None = None  # what llama.cpp's compute buffers are sized by
+    vocab: int | None = None
+    feed_forward: int | None = None
+    heads: int | None = None
 
 
 class Estimator:
@@ -69,7 +89,8 @@ class Estimator:
     def __init__(self) -> None:
         self._arch: dict[tuple[str, int, int], Architecture | str] = {}
 
-    def estimate(self, model: ModelConfig) -> Estimate:
+    def estimate(self, model: ModelConfig, on_cpu: bool = False) -> Estimate:
+        """`on_cpu`: the model runs on the CPU, where the engine's own process counts too."""
         est = Estimate()
         main = _main_weights(model)
         if main is None:
@@ -80,6 +101,12 @@ class Estimator:
             est.weights_bytes += _weigh(path, key, est)
             arch = self._architecture(path)
             self._kv_cache(model, arch, est)
+            if model.backend == "llama_server":
+                _llama_buffers(model, arch, est)
+        if model.backend == "llama_server" and on_cpu:
+            est.process_bytes = LLAMA_SERVER_PROCESS_BYTES
+            est.counted.append(f"the llama-server process itself: {_mib(LLAMA_SERVER_PROCESS_BYTES)} MiB "
+                               "(code, libraries, threads; measured on the pinned build)")
         for key, value in sorted(model.options.items()):
             if EXTRA_WEIGHT_FIELD.search(key) and isinstance(value, str) and _local(value):
                 est.weights_bytes += _weigh(Path(value), key, est)
@@ -106,15 +133,11 @@ class Estimator:
         if isinstance(arch, str):
             est.not_counted.append(f"KV cache: {arch}")
             return
-        ctx_field, ctx = _configured_context(model)
-        if not ctx:
-            if arch.context_length is None:
-                est.not_counted.append(f"KV cache: no context configured and none in {arch.source}")
-                return
-            ctx, ctx_field = arch.context_length, f"the model's context_length from {arch.source}"
-        if ctx_field == "llama_server_n_ctx" and model.target_inflight > 1:
-            # It is one request's context: llama-server gets --ctx-size n_ctx times its slots.
-            ctx, ctx_field = ctx * model.target_inflight, f"{ctx_field} x {model.target_inflight} slots"
+        found = _context(model, arch)
+        if found is None:
+            est.not_counted.append(f"KV cache: no context configured and none in {arch.source}")
+            return
+        ctx, ctx_field = found
         type_name, elem = _kv_type(model, arch)
         est.kv_cache_bytes = int(ctx * arch.kv_width * elem)
         est.counted.append(f"KV cache: {ctx} tokens ({ctx_field}) x {arch.layers} layers x "
@@ -123,6 +146,50 @@ class Estimator:
         if "vllm_gpu_memory_utilization" in model.options and model.options["vllm_gpu_memory_utilization"]:
             est.not_counted.append("vLLM reserves vllm_gpu_memory_utilization of the GPU for its KV cache; "
                                    "the estimate is one sequence at full context")
+
+
+def _context(model: ModelConfig, arch: Architecture) -> tuple[int, str] | None:
+    """The tokens the engine's KV cache holds, all slots together, and where that comes from."""
+    ctx_field, ctx = _configured_context(model)
+    if not ctx:
+        if arch.context_length is None:
+            return None
+        ctx, ctx_field = arch.context_length, f"the model's context_length from {arch.source}"
+    if ctx_field == "llama_server_n_ctx" and model.target_inflight > 1:
+        # It is one request's context: llama-server gets --ctx-size n_ctx times its slots.
+        ctx, ctx_field = ctx * model.target_inflight, f"{ctx_field} x {model.target_inflight} slots"
+    return ctx, ctx_field
+
+
+def _llama_buffers(model: ModelConfig, arch: Architecture | str, est: Estimate) -> None:
+    """llama.cpp's compute buffer (its graph reserved for one micro-batch) and output buffer (the
+    logits of each slot), from the GGUF's sizes.
+
+    As the pinned build reserves them (its log's `CPU compute buffer size`, matched to within 0.3
+    MiB for the tiny GGUF from 2,048 to 524,288 tokens, flash attention on and off): the micro-batch's
+    logits or feed-forward, whichever is larger, a few embeddings, and the attention over the
+    cache a sequence sees (a slot's context, or the whole cache when it is unified): its mask (f16)
+    with flash attention, else the scores of every head and the mask (f32). Flash attention `auto`
+    is on for this build's CPU and CUDA backends."""
+    if isinstance(arch, str):
+        est.not_counted.append(f"compute buffers: {arch}")
+        return
+    found = _context(model, arch)
+    if found is None or not (arch.embedding and arch.vocab and arch.feed_forward and arch.heads):
+        est.not_counted.append(f"compute buffers: {arch.source} gives no embedding, vocabulary, feed-forward "
+                               "and head sizes")
+        return
+    per_request = model.options.get("llama_server_n_ctx")
+    seen = int(per_request) if per_request else found[0]    # unset: one unified cache for every slot
+    ubatch = min(LLAMA_UBATCH, found[0])
+    flash = str(model.options.get("llama_server_flash_attn") or "auto").lower()
+    compute = 4 * ubatch * max(arch.vocab, 3 * arch.feed_forward) + 8 * ubatch * arch.embedding
+    compute += 4 * ubatch * seen * (arch.heads + 1) if flash in ("off", "false", "0") else 2 * ubatch * seen
+    output = 4 * arch.vocab * max(1, model.target_inflight)
+    est.compute_bytes = compute + output
+    est.counted.append(f"compute buffers: {_mib(compute)} MiB for a micro-batch of {ubatch} tokens over "
+                       f"{seen} of cache (flash attention {flash}), output buffer {_mib(output)} MiB for "
+                       f"{model.target_inflight} slot(s), from {arch.source}")
 
 
 def _mib(n: float) -> float:
@@ -203,6 +270,8 @@ def gguf_architecture(path: Path) -> Architecture | str:
     try:
         reader = GGUFReader(path)
         meta = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("tokenizer.")}
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else None   # not its contents: a long list
     except Exception as exc:  # a damaged or unsupported file: say so, never fail the whole answer
         return f"cannot read GGUF metadata of {path.name}: {type(exc).__name__}: {exc}"
     arch = meta.get("general.architecture")
@@ -224,8 +293,12 @@ def gguf_architecture(path: Path) -> Architecture | str:
     if not kv_width:
         return f"{path.name} gives no attention head sizes"
     ctx = meta.get(f"{arch}.context_length")
+    ff = meta.get(f"{arch}.feed_forward_length")
     return Architecture(source=f"GGUF metadata of {path.name}", layers=layers, kv_width=kv_width,
-                        context_length=int(ctx) if isinstance(ctx, int) else None)
+                        context_length=int(ctx) if isinstance(ctx, int) else None,
+                        embedding=embd if isinstance(embd, int) else None, vocab=vocab,
+                        feed_forward=max(_per_layer(ff, layers)) if ff is not None else None,
+                        heads=max(per_layer_heads) if per_layer_heads else None)
 
 
 def _per_layer(value: Any, layers: int) -> list[int]:

@@ -3,8 +3,10 @@
 A model counts against a GPU when its settings put it there (its launcher's `device`: `gpus`,
 `llama_server_n_gpu_layers` not 0, vLLM, ExLlamaV3, CT2 `device: cuda`) and a GPU is visible;
 otherwise against the CPU budget, since that is where it then runs. A remote endpoint holds no
-local memory. Its need is the measured footprint where one exists for its settings
-(footprints.py), else the estimate from its files (proxy/gpu/vram_estimate.py).
+local memory. Its need is the higher of the estimate from its files (proxy/gpu/vram_estimate.py)
+and its measured footprint where one exists for its settings (footprints.py): a measurement taken
+before the replica was used can be lower than what its settings reserve, and an estimate misses
+what an engine holds beyond what it counts. The placer fixes a model's need when its load is admitted.
 """
 from __future__ import annotations
 
@@ -113,37 +115,40 @@ class Memory:
         devices = self.placement(config, host).devices
         if not devices:
             return {}
-        measured = self.footprints.measured(config, devices)
-        need = self._need(config, devices, measured, None if measured is not None else self.estimator.estimate(config))
-        return need.per_replica
+        return self._need(config, devices).per_replica
 
     def need(self, config: ModelConfig) -> Need:
         devices = self.placement(config).devices
         if not devices:
             return Need({}, {}, "none", {})
-        measured = self.footprints.measured(config, devices)
-        return self._need(config, devices, measured, None if measured is not None else self.estimator.estimate(config))
+        return self._need(config, devices)
 
-    def _need(self, config: ModelConfig, devices: tuple[str, ...], measured: Measured | None,
-              estimate: Estimate | None) -> Need:
-        """The measured figure where there is one, else `estimate`."""
+    def estimate(self, config: ModelConfig, devices: tuple[str, ...]) -> Estimate:
+        """The estimate for `config` where it runs: on the CPU it counts the engine's own process too."""
+        return self.estimator.estimate(config, on_cpu=devices == (CPU,))
+
+    def _need(self, config: ModelConfig, devices: tuple[str, ...], measured: Measured | None = None,
+              estimate: Estimate | None = None) -> Need:
+        """Per device the higher of the estimate and the measured figure (where there is one)."""
+        measured = measured if measured is not None else self.footprints.measured(config, devices)
+        estimate = estimate if estimate is not None else self.estimate(config, devices)
+        # A model given several GPUs is assumed to spread evenly over them.
+        estimated = {d: estimate.total_bytes // len(devices) for d in devices}
+        measured_bytes = dict(measured.per_replica) if measured is not None else {}
+        per_replica = {d: max(estimated[d], measured_bytes.get(d, 0)) for d in devices}
+        # Which figure admits it: the measurement once it is at least the estimate.
+        source = "measured" if measured is not None and sum(measured_bytes.values()) >= sum(estimated.values()) \
+            else "estimated"
+        detail: dict[str, Any] = {"counted": estimate.counted, "not_counted": estimate.not_counted}
         if measured is not None:
-            per_replica = dict(measured.per_replica)
-            detail: dict[str, Any] = {"samples": measured.samples, "percentile": self.footprints.percentile,
-                                      "margin": self.footprints.margin}
-            source = "measured"
-        else:
-            assert estimate is not None
-            # A model given several GPUs is assumed to spread evenly over them.
-            per_replica = {d: estimate.total_bytes // len(devices) for d in devices}
-            detail = {"counted": estimate.counted, "not_counted": estimate.not_counted}
-            source = "estimated"
+            detail.update(samples=measured.samples, percentile=self.footprints.percentile,
+                          margin=self.footprints.margin)
         return Need({d: b * config.replicas for d, b in per_replica.items()}, per_replica, source, detail)
 
     def describe(self, config: ModelConfig) -> dict[str, Any]:
         """The model's footprint as the admin view shows it: both figures, with their sources."""
         placement = self.placement(config)
-        estimate = self.estimator.estimate(config) if placement.devices else None
+        estimate = self.estimate(config, placement.devices) if placement.devices else None
         measured = self.footprints.measured(config, placement.devices) if placement.devices else None
         need = self._need(config, placement.devices, measured, estimate) if placement.devices \
             else Need({}, {}, "none", {})

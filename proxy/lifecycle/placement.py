@@ -18,6 +18,11 @@ The rules (README: More models than memory):
   swapped in is not swapped out busy before the bound either: it serves what queued for it. The bound
   is `swap_max_wait_s`, or the busy models' reload time where that is shorter: holding a request
   longer than it takes to load the busy model again later saves nothing.
+- A model is evicted for a load on demand only once it has been loaded `min_residence_s`
+  (busy or idle; beyond the swap bound's rules for busy ones): each eviction is a reload later, and
+  two models that take each other's room would otherwise swap on every request. When the next idle
+  model in the order is too young, the load waits for it rather than evict one used more recently.
+  An admin's load is not held by it (`room_for`'s default).
 - A model that would not fit even with only pinned models loaded is too large: refused at once.
 - Idle unload: a loaded, unpinned model with nothing running or waiting, `idle_unload_s` after its
   last use. Pinned models are never unloaded by the pool.
@@ -71,6 +76,7 @@ class Limits:
     budgets: Mapping[str, int] = field(default_factory=dict)   # bytes per device; others are unlimited
     max_loaded: int | None = None
     swap_max_wait_s: float = 10.0
+    min_residence_s: float = 0.0     # how long a model stays loaded before a load on demand may evict it
 
 
 @dataclass(frozen=True)
@@ -122,10 +128,12 @@ class Plan:
 
 
 def room_for(name: str, models: Iterable[ModelView], limits: Limits, now: float,
-             may_evict_busy: bool = False, may_evict: bool = True, busy_after_s: float = 0.0) -> Room:
+             may_evict_busy: bool = False, may_evict: bool = True, busy_after_s: float = 0.0,
+             resident_after_s: float = 0.0) -> Room:
     """What loading `name` takes now: the models to evict first, or why it cannot load.
-    `may_evict` False: only what fits beside the models loaded now (a load at startup). A busy model
-    is evicted only with `may_evict_busy`, once it has been loaded `busy_after_s`."""
+    `may_evict` False: only what fits beside the models loaded now (a load at startup). Only a
+    model loaded `resident_after_s` may be evicted; a busy one only with `may_evict_busy`, once it
+    has been loaded `busy_after_s`."""
     views = {m.name: m for m in models}
     target = views[name]
     holding = [m for m in views.values() if m.status in HOLDING and m.name != name]
@@ -149,7 +157,8 @@ def room_for(name: str, models: Iterable[ModelView], limits: Limits, now: float,
 
     evictable = [m for m in holding if m.status == "loaded" and not m.pinned and may_evict]
     idle = _eviction_order([m for m in evictable if not m.busy], now)
-    busy = sorted((m for m in evictable if m.busy and m.resident_s >= busy_after_s), key=lambda m: m.last_used)
+    busy = sorted((m for m in evictable if m.busy and m.resident_s >= max(busy_after_s, resident_after_s)),
+                  key=lambda m: m.last_used)
     evict: list[str] = []
     for candidate in idle + (busy if may_evict_busy else []):
         missing = short()
@@ -158,6 +167,10 @@ def room_for(name: str, models: Iterable[ModelView], limits: Limits, now: float,
         if not any(candidate.needs.get(d, 0) > 0 for d in missing if d != COUNT) and \
                 not (COUNT in missing and candidate.counted):
             continue   # it holds nothing that is short
+        if candidate.resident_s < resident_after_s:
+            # The next to go is too young: the load waits for it to come of age rather than evict
+            # one used more recently (the order stays least recently used first).
+            break
         evict.append(candidate.name)
         for d in devices:
             free[d] += candidate.needs.get(d, 0)
@@ -198,7 +211,8 @@ def plan(models: Iterable[ModelView], limits: Limits, now: float) -> Plan:
         bound = swap_bound(state.values(), limits)
         may_evict_busy = demand.blocked_s >= bound
         # A model swapped in gets the bound too, to serve what queued for it while it loaded.
-        room = room_for(demand.name, state.values(), limits, now, may_evict_busy, busy_after_s=bound)
+        room = room_for(demand.name, state.values(), limits, now, may_evict_busy, busy_after_s=bound,
+                        resident_after_s=limits.min_residence_s)
         if room.too_large is not None:
             out.too_large[demand.name] = room.too_large
             continue
@@ -206,8 +220,10 @@ def plan(models: Iterable[ModelView], limits: Limits, now: float) -> Plan:
             out.waiting[demand.name] = room.blocked
             if not may_evict_busy:
                 wake(bound - demand.blocked_s)
-            young = [bound - m.resident_s for m in state.values()
-                     if m.status == "loaded" and m.busy and not m.pinned and m.resident_s < bound]
+            # Plan again when a model that is too young to evict now comes of age.
+            young = [max(bound if m.busy else 0.0, limits.min_residence_s) - m.resident_s for m in state.values()
+                     if m.status == "loaded" and not m.pinned
+                     and m.resident_s < max(bound if m.busy else 0.0, limits.min_residence_s)]
             if young:
                 wake(min(young))
             continue

@@ -9,7 +9,11 @@ out what placement decides (proxy/lifecycle/placement.py, where the rules are).
 - Admin and startup loads pass the same admission at once: they make room by evicting idle models,
   or are refused (409 `model_too_large`, 503 `insufficient_memory`); they never wait.
 - Idle unloads and evictions drain the model (what runs finishes) and keep its waiters queued.
-- After each load the replicas' footprints are measured and recorded (footprints.py).
+- After each load the replicas' footprints are measured and recorded (footprints.py). What a
+  model is charged while it holds memory is fixed when its load is admitted (Memory.per_replica:
+  the higher of its estimate and its measured history): a measurement feeds the next load's charge
+  and never evicts anything by itself. A charge that moved with each measurement made two models
+  evict each other in turn as their figures swung (issue 29).
 - Usage times (each model's last use) are kept in the state directory, so that a restarted proxy
   that adopts a model does not count its idle time from zero.
 
@@ -29,11 +33,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from proxy.config import LOCAL_HOST, ModelConfig, Settings
 from proxy.errors import BackendError, Conflict, PoolError, Unavailable
-from proxy.gpu.footprint import tree_gpu_bytes, tree_pss_bytes
+from proxy.gpu.footprint import tree_cpu_bytes, tree_gpu_bytes
 from proxy.gpu.report import load_nvml
 from proxy.lifecycle.load_retry import retry_delay, worth_retrying
 from proxy.lifecycle.memory import CPU, Memory, qualify
-from proxy.lifecycle.placement import HOLDING, Limits, ModelView, Shortfall, Status, plan, room_for, spread
+from proxy.lifecycle.placement import HOLDING, MIB, Limits, ModelView, Shortfall, Status, plan, room_for, spread
 from proxy.lifecycle.replicas import ModelState, ReplicaState
 from proxy.lifecycle.runtime import Backoff, ModelRuntime
 from proxy.atomic_file import write_atomic
@@ -68,6 +72,9 @@ class Placer:
         self._saved_usage: dict[str, float] = {}
         self._saved_at = 0.0
         self._planned: dict[str, tuple[str, ...]] = {}   # the hosts of a cold model's replicas, as last placed
+        # What each model that holds memory is charged per replica, by host (unqualified devices):
+        # fixed at its admission, dropped once it is cold.
+        self._charges: dict[str, dict[str, dict[str, int]]] = {}
 
     # -- hosts ------------------------------------------------------------------------------------
 
@@ -103,8 +110,23 @@ class Placer:
     # -- the picture ------------------------------------------------------------------------------
 
     def limits(self) -> Limits:
-        return Limits(budgets=self.memory.budgets(), max_loaded=self.settings.lifecycle.max_loaded_models,
-                      swap_max_wait_s=self.settings.lifecycle.swap_max_wait_s)
+        life = self.settings.lifecycle
+        return Limits(budgets=self.memory.budgets(), max_loaded=life.max_loaded_models,
+                      swap_max_wait_s=life.swap_max_wait_s, min_residence_s=life.min_residence_s)
+
+    def charge(self, name: str, config: ModelConfig, hosts: tuple[str, ...]) -> dict[str, int]:
+        """What a model that holds memory counts, with replica i on hosts[i], per host-qualified
+        device: each replica's figure as it was when the model was admitted (fixed then, or the first
+        time a host is counted for it, as for an adopted replica)."""
+        fixed = self._charges.setdefault(name, {})
+        out: dict[str, int] = {}
+        for host in hosts:
+            per_replica = fixed.get(host)
+            if per_replica is None:
+                per_replica = fixed[host] = self.memory.per_replica(config, host)
+            for device, n in per_replica.items():
+                out[qualify(host, device)] = out.get(qualify(host, device), 0) + n
+        return out
 
     def views(self, target: tuple[str, ModelConfig] | None = None) -> list[ModelView]:
         views = self._views(target)
@@ -114,9 +136,12 @@ class Placer:
         holding = []
         for view in views:
             rt = self.models[view.name]
-            if view.status in HOLDING and rt.replicas and all(r.spec is not None for r in rt.replicas):
+            if view.status in HOLDING and rt.replicas:
                 config = self._loading.get(view.name) or rt.model
-                view = replace(view, needs=self.memory.need_on(config, tuple(r.host for r in rt.replicas)))
+                # A replica not yet written anywhere counts here, as every need did before hosts.
+                hosts = tuple(r.host for r in rt.replicas) if all(r.spec is not None for r in rt.replicas) \
+                    else (LOCAL_HOST,) * config.replicas
+                view = replace(view, needs=self.charge(view.name, config, hosts))
             holding.append(view)
         out = []
         for view in holding:
@@ -129,7 +154,8 @@ class Placer:
                     hosts = self._place(config, [v for v in holding if v.status in HOLDING and v.name != view.name],
                                         config.replicas)
                     self._planned[view.name] = hosts
-                view = replace(view, needs=self.memory.need_on(config, hosts))
+                view = replace(view, needs=self.charge(view.name, config, hosts) if view.status in HOLDING
+                               else self.memory.need_on(config, hosts))
             out.append(view)
         return out
 
@@ -145,10 +171,17 @@ class Placer:
             elif name in self._evicting and status == "loaded":
                 status = "unloading"
             config = self._loading.get(name) or (target[1] if target and target[0] == name else rt.model)
+            if status not in HOLDING:
+                self._charges.pop(name, None)   # cold: its next admission fixes its next charge
+                needs = self.memory.need(config).per_device
+            elif self.settings.supervisor.hosts:
+                needs = {}   # views() charges it on the hosts its replicas are on
+            else:
+                needs = self.charge(name, config, (LOCAL_HOST,) * config.replicas)
             waiting = rt.admission.waiting
             backing_off = rt.backoff is not None and rt.backoff.until > now
             out.append(ModelView(
-                name=name, status=status, needs=self.memory.need(config).per_device, pinned=rt.config.pinned,
+                name=name, status=status, needs=needs, pinned=rt.config.pinned,
                 running=rt.admission.active, waiting=waiting,
                 waited_s=rt.admission.oldest_wait_s() if waiting else 0.0,
                 blocked_s=mono - self._blocked_since[name] if name in self._blocked_since else 0.0,
@@ -174,7 +207,12 @@ class Placer:
         return room.evict
 
     def reserve(self, name: str, config: ModelConfig) -> None:
+        """Hold room for an admitted load of `config`, charged what it is admitted by now."""
+        self._charges.pop(name, None)
         self._loading[name] = config
+        # Fixed now, on the hosts it was placed on (another host its replicas land on is fixed the
+        # first time it is counted there).
+        self.charge(name, config, self._planned.get(name) or (LOCAL_HOST,) * config.replicas)
 
     def settled(self, name: str) -> None:
         """A load admitted here ended (loaded or failed): its room is what its state says now."""
@@ -340,8 +378,8 @@ class Placer:
             if node is not None:
                 sample = await self._measure_on(node, replica.spec.program if replica.spec else "", devices)
             elif devices == (CPU,):
-                pss = await asyncio.to_thread(tree_pss_bytes, replica.pid)
-                sample = {CPU: pss} if pss else None
+                held = await asyncio.to_thread(tree_cpu_bytes, replica.pid)
+                sample = {CPU: held} if held else None
             else:
                 sample = await asyncio.to_thread(tree_gpu_bytes, replica.pid, self.nvml_loader)
             if sample:
@@ -396,7 +434,8 @@ class Placer:
             "pinned": runtime.config.pinned,
             "last_used": round(used, 3) if used else None,
             "idle_for_s": None if not used or busy else round(max(0.0, now - used), 1),
-            "footprint": self.memory.describe(runtime.model),
+            "footprint": {**self.memory.describe(runtime.model),
+                          "charged_mib_per_replica": self._charged(runtime)},
             "loads": dict(runtime.loads),
             "unloads": dict(runtime.unloads),
             "evictions": runtime.unloads.get("evicted", 0),
@@ -404,6 +443,14 @@ class Placer:
             else None,
             "waiting_for_room": short.as_dict() if short is not None else None,
         }
+
+    def _charged(self, runtime: ModelRuntime) -> dict[str, float] | None:
+        """What each replica of a model that holds memory is charged, by host-qualified device."""
+        holding = runtime.name in self._loading or _STATUS.get(runtime.state) in HOLDING or \
+            (runtime.state == ModelState.FAILED and bool(runtime.replicas))
+        fixed = self._charges.get(runtime.name) if holding else None
+        return {qualify(h, d): round(b / MIB, 1) for h, per in fixed.items() for d, b in per.items()} \
+            if fixed else None
 
     def describe(self) -> dict[str, Any]:
         """GET /v1/admin/memory: per device its budget, what loaded models hold, what loads in flight
@@ -413,25 +460,31 @@ class Placer:
         devices: dict[str, dict[str, Any]] = {}
         for view in views:
             for device, need in view.needs.items():
-                row = devices.setdefault(device, {"used_bytes": 0, "reserved_bytes": 0, "models": []})
+                row = devices.setdefault(device, {"used_bytes": 0, "reserved_bytes": 0, "unloading_bytes": 0,
+                                                  "models": []})
                 if view.status in ("loaded", "unloading"):
                     row["used_bytes"] += need
+                    row["unloading_bytes"] += need if view.status == "unloading" else 0
                     row["models"].append(view.name)
                 elif view.status == "loading":
                     row["reserved_bytes"] += need
                     row["models"].append(view.name)
         for device in budgets:
-            devices.setdefault(device, {"used_bytes": 0, "reserved_bytes": 0, "models": []})
+            devices.setdefault(device, {"used_bytes": 0, "reserved_bytes": 0, "unloading_bytes": 0, "models": []})
         rows = []
         for device, row in sorted(devices.items()):
             budget = budgets.get(device)
+            # While an eviction runs, the models being unloaded still hold what the load they make
+            # room for has reserved: both are counted, and free is 0 until they are gone.
             rows.append({"device": device, "budget_bytes": budget, **row,
-                         "free_bytes": None if budget is None else budget - row["used_bytes"] - row["reserved_bytes"]})
+                         "free_bytes": None if budget is None
+                         else max(0, budget - row["used_bytes"] - row["reserved_bytes"])})
         waiting = sorted(self.waiting, key=lambda n: -self.models[n].admission.oldest_wait_s())
         return {"devices": rows, "gpus_visible": bool(self.memory.gpus.totals), "gpu_reason": self.memory.gpus.reason,
                 "max_loaded_models": self.settings.lifecycle.max_loaded_models,
                 "loaded_models": sum(1 for v in views if v.counted and v.status != "cold"),
                 "swap_max_wait_s": self.settings.lifecycle.swap_max_wait_s,
+                "min_residence_s": self.settings.lifecycle.min_residence_s,
                 "loading": list(self.pending),
                 "waiting_for_room": [{"model": n, "waited_s": round(self.models[n].admission.oldest_wait_s(), 3),
                                       **self.waiting[n].as_dict()} for n in waiting]}
@@ -444,6 +497,7 @@ def too_large(name: str, short: Shortfall) -> Conflict:
 
 def insufficient(name: str, short: Shortfall, evicting: tuple[str, ...] = ()) -> Unavailable:
     why = (f"{', '.join(evicting)} {'is' if len(evicting) == 1 else 'are'} being unloaded to make room once "
-           "the requests running there end") if evicting else "the models that hold it are busy or loading"
+           "the requests running there end") if evicting else \
+        "the models that hold it are busy, loading, or loaded too recently to evict (min_residence_s)"
     return Unavailable(f"model {name!r} cannot be loaded now: {short.describe()}; {why}",
                        code="insufficient_memory", retry_after=5)

@@ -40,7 +40,7 @@ from supervisor.rpcinterface import SupervisorNamespaceRPCInterface
 from supervisor.xmlrpc import Faults, RPCError
 
 from proxy.atomic_file import PRIVATE_MODE, write_atomic
-from proxy.gpu.footprint import tree_gpu_bytes, tree_pss_bytes
+from proxy.gpu.footprint import tree_cpu_bytes, tree_gpu_bytes
 from proxy.gpu.report import load_nvml, read_gpus
 from proxy.supervisord.orphans import PidRecord
 from proxy.supervisord.supervisor import ProcessInfo
@@ -115,8 +115,8 @@ class NodeRPCInterface:
                 "gpus": gpus, "gpu_reason": reason}
 
     def getFootprint(self, name: str) -> dict[str, float]:
-        """What program `name`'s process tree takes now, in bytes per device ("cpu" for PSS,
-        "gpu<i>" per GPU); {} when it does not run."""
+        """What program `name`'s process tree takes now, in bytes per device ("cpu" for its resident
+        memory as proxy/gpu/footprint.py counts it, "gpu<i>" per GPU); {} when it does not run."""
         _check_name(name)
         pid = self._pid(name)
         if not pid:
@@ -125,9 +125,9 @@ class NodeRPCInterface:
         gpu = tree_gpu_bytes(pid, load_nvml)
         if gpu:
             out.update({d: float(b) for d, b in gpu.items()})
-        pss = tree_pss_bytes(pid)
-        if pss:
-            out["cpu"] = float(pss)
+        held = tree_cpu_bytes(pid)
+        if held:
+            out["cpu"] = float(held)
         return out
 
     # -- writing -------------------------------------------------------------------------------

@@ -114,3 +114,30 @@ def test_llama_servers_kv_cache_is_its_per_request_context_times_its_slots(tiny_
         return Estimator().estimate(model).kv_cache_bytes
 
     assert kv(2) == 2 * kv(1) and kv(4) == 4 * kv(1)
+
+
+def test_llama_servers_compute_buffers_are_counted_as_the_pinned_build_reserves_them(tiny_gguf: Path) -> None:
+    # Before: weights and KV cache only; the compute buffer (what the pinned build's log says as
+    # `CPU compute buffer size`, here for the tiny GGUF) was left out, and could be most of it.
+    def compute(n_ctx: int, slots: int = 1, **options: Any) -> float:
+        config = ModelConfig(name="m", backend="llama_server", enabled=False, replicas=1, replica_max=1,
+                             target_inflight=slots, modalities=("text",), gpus=(),
+                             options={"model_path": str(tiny_gguf), "llama_server_n_ctx": n_ctx, **options})
+        est = Estimator().estimate(config)
+        assert any(c.startswith("compute buffers:") for c in est.counted)
+        return est.compute_bytes / MIB
+
+    for (n_ctx, slots, flash), logged in {(2048, 1, "auto"): 3.01, (8192, 4, "auto"): 9.01,
+                                          (524288, 1, "auto"): 513.01, (16384, 1, "off"): 160.88,
+                                          (2048, 4, "off"): 20.88}.items():
+        assert abs(compute(n_ctx, slots, llama_server_flash_attn=flash) - logged) < 0.3, (n_ctx, slots, flash)
+
+
+def test_on_the_cpu_llama_servers_own_process_counts_and_on_a_gpu_it_does_not(tiny_gguf: Path) -> None:
+    config = model(model_path=str(tiny_gguf), llama_server_n_ctx=2048)
+    on_gpu, on_cpu = Estimator().estimate(config), Estimator().estimate(config, on_cpu=True)
+    assert on_gpu.process_bytes == 0 and on_cpu.process_bytes > 10 * MIB
+    assert on_cpu.total_bytes == on_gpu.total_bytes + on_cpu.process_bytes
+    assert on_cpu.as_dict(1)["process_mib"] == round(on_cpu.process_bytes / MIB, 1)
+    # Other engines are not given llama-server's buffers.
+    assert Estimator().estimate(model(backend="llama_cpp", model_path=str(tiny_gguf)), on_cpu=True).compute_bytes == 0

@@ -3,11 +3,13 @@ budgets, the footprint history kept in the state directory, and check-config's w
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from proxy.config import DEFAULT_SETTINGS, LifecycleSettings, ModelConfig, load_settings
-from proxy.gpu.footprint import GpuTotals, tree_gpu_bytes, tree_pss_bytes
+from proxy.gpu.footprint import GpuTotals, tree_cpu_bytes, tree_gpu_bytes
 from proxy.gpu.vram_estimate import MIB, Estimator
 from proxy.lifecycle.footprints import Footprints, settings_key
 from proxy.lifecycle.memory import CPU, Memory, memory_warnings
@@ -58,7 +60,7 @@ def test_the_need_is_the_estimate_until_measured_then_the_measurement(tmp_path: 
     mem = memory(tmp_path, footprint_margin=0.1)
     config = model(model_path=str(tiny_gguf), llama_server_n_ctx=4096, llama_server_n_gpu_layers=0, replicas=2)
     need = mem.need(config)
-    estimate = Estimator().estimate(config).total_bytes
+    estimate = mem.estimate(config, (CPU,)).total_bytes
     assert need.source == "estimated" and need.per_device == {CPU: 2 * estimate}
     mem.footprints.record(config, {CPU: 100 * MIB})
     need = mem.need(config)
@@ -66,6 +68,17 @@ def test_the_need_is_the_estimate_until_measured_then_the_measurement(tmp_path: 
     row = mem.describe(config)
     assert row["admitted_by"] == "measured" and row["measured_mib_per_replica"] == {CPU: 100.0}
     assert row["estimated_mib_per_replica"] == round(estimate / MIB, 1)
+
+
+def test_a_measurement_below_the_estimate_does_not_lower_the_need(tmp_path: Path, tiny_gguf: Path) -> None:
+    # Before: the measurement replaced the estimate, however low (a replica measured before use).
+    mem = memory(tmp_path, footprint_margin=0.0)
+    config = model(model_path=str(tiny_gguf), llama_server_n_ctx=4096, llama_server_n_gpu_layers=0)
+    estimate = mem.estimate(config, (CPU,)).total_bytes
+    mem.footprints.record(config, {CPU: estimate // 2})
+    need = mem.need(config)
+    assert need.source == "estimated" and need.per_replica == {CPU: estimate}
+    assert need.detail["samples"] == 1
 
 
 def test_footprints_take_a_high_percentile_per_settings_and_survive_a_restart(tmp_path: Path) -> None:
@@ -94,31 +107,90 @@ def test_a_corrupt_footprints_file_costs_the_history_not_the_service(tmp_path: P
     assert Footprints(path).measured(model(), (CPU,)) is not None
 
 
-def test_a_process_tree_is_measured_by_pss_and_by_nvml() -> None:
-    assert tree_pss_bytes(os.getpid()) > 10 * MIB          # this test process, from /proc
-    assert tree_pss_bytes(999_999_999) is None
+def test_a_process_tree_is_measured_by_its_resident_memory_and_by_nvml() -> None:
+    assert tree_cpu_bytes(os.getpid()) > 10 * MIB          # this test process, from /proc
+    assert tree_cpu_bytes(999_999_999) is None
     nvml = FakeNvml([{"used": 30 * GIB, "total": 80 * GIB, "processes": [(os.getpid(), 12 * GIB), (1, 5 * GIB)]},
                      {"used": 1 * GIB, "total": 80 * GIB, "processes": [(os.getpid(), 1 * GIB)]}])
     assert tree_gpu_bytes(os.getpid(), lambda: nvml) == {"gpu0": 12 * GIB, "gpu1": 1 * GIB}
 
 
+# Maps the file named by argv[1] and reads every page (as llama-server maps its GGUF), then, with
+# argv[2] "fork", forks a child that maps it too; says "ready" (the child, once it has read the
+# file too) and waits for its stdin to close.
+MAPPER = """
+import mmap, os, sys
+def touch():
+    f = open(sys.argv[1], "rb")
+    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    sum(m[i] for i in range(0, len(m), 4096))
+    return m
+m = touch()
+child = os.fork() if sys.argv[2] == "fork" else None
+if child == 0:
+    m2 = touch(); print("ready", flush=True); sys.stdin.read(); os._exit(0)
+if child is None:
+    print("ready", flush=True)
+sys.stdin.read()
+if child:
+    os.waitpid(child, 0)
+"""
+
+
+def _mapper(path: Path, fork: bool) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", MAPPER, str(path), "fork" if fork else "-"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def _pss(pid: int) -> int:
+    text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    return next(int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("Pss:"))
+
+
+def test_a_cpu_footprint_does_not_change_with_its_neighbours_and_counts_a_file_once(tmp_path: Path) -> None:
+    # Before: PSS, which splits a page between the processes that map it, so the same model
+    # measured 10.2 to 19.3 MiB as other replicas of the same GGUF came and went (issue 29).
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(os.urandom(32 * MIB))
+    procs = [_mapper(weights, fork=False)]
+    try:
+        alone, alone_pss = tree_cpu_bytes(procs[0].pid), _pss(procs[0].pid)
+        procs.append(_mapper(weights, fork=False))   # a neighbour maps the same file
+        beside, beside_pss = tree_cpu_bytes(procs[0].pid), _pss(procs[0].pid)
+        assert alone is not None and beside is not None and alone > 32 * MIB
+        assert beside_pss < alone_pss - 12 * MIB     # what PSS did: half the file went to the neighbour
+        assert abs(beside - alone) < 2 * MIB         # what it is now: the same figure
+        # A tree whose two processes map the file holds it once.
+        procs.append(_mapper(weights, fork=True))
+        tree = tree_cpu_bytes(procs[2].pid)
+        assert tree is not None and 32 * MIB < tree < alone + 16 * MIB
+    finally:
+        for proc in procs:
+            proc.communicate("")   # stdin closed: parent and child end
+            proc.wait(10)
+
+
 def test_check_config_warns_of_a_model_that_can_never_fit(tmp_path: Path, tiny_gguf: Path) -> None:
     conf = tmp_path / "pool.yaml"
     big = {"backend": "llama_server", "model_path": str(tiny_gguf), "llama_server_n_gpu_layers": 0}
+    # Each is charged about 17.5 MiB (weights, the server process, the logits' buffer) plus 1.5 KiB a
+    # token (KV cache and attention mask): pinned 209.5 MiB, huge 785.5, beside 113.5, fits 23.5.
     conf.write_text(f"""
 service: {{state_dir: {tmp_path}}}
 engine:
-  lifecycle: {{memory: {{cpu_budget_mib: 100}}}}
+  lifecycle: {{memory: {{cpu_budget_mib: 300}}}}
   models:
     pinned: {{<<: *big, enabled: true, pinned: true, llama_server_n_ctx: 131072}}
     huge: {{<<: *big, llama_server_n_ctx: 524288}}
-    beside: {{<<: *big, llama_server_n_ctx: 98304}}
+    beside: {{<<: *big, llama_server_n_ctx: 65536}}
     fits: {{<<: *big, llama_server_n_ctx: 4096}}
 """.replace("*big", str(big).replace("'", "")))
     settings = load_settings(conf)
     warnings = memory_warnings(settings, nvml_loader=lambda: (_ for _ in ()).throw(ImportError("no NVML")))
     assert any(w.startswith("engine.models.huge: model_too_large") for w in warnings), warnings
-    # 48.5 MiB fits the budget, not beside the pinned model's 64.5.
+    # 113.5 MiB fits the budget, not beside the pinned model's 209.5.
     assert any(w.startswith("engine.models.beside: model_too_large") for w in warnings), warnings
     assert not any("engine.models.fits" in w for w in warnings)
     assert memory_warnings(load_settings(DEFAULT_SETTINGS)) == []    # no limits set: nothing to say

@@ -158,3 +158,29 @@ def test_a_model_swapped_in_serves_its_queue_for_the_bound_before_it_is_swapped_
     out = plan([fresh, cold("b", blocked_s=30)], limits, now=100)
     assert out.loads == [] and out.wake_in_s == 8
     assert plan([replace(fresh, resident_s=10), cold("b", blocked_s=30)], limits, now=100).loads == [("b", ("a",))]
+
+
+def test_a_model_loaded_less_than_min_residence_is_not_evicted_for_a_load_on_demand() -> None:
+    # Before: two models with room for one swapped on every request, each load evicting the other
+    # the moment it was loaded (issue 29: 8 evictions in 3 s).
+    limits = Limits(budgets={CPU: 50 * MIB}, swap_max_wait_s=10, min_residence_s=5)
+    fresh = model("a", resident_s=2, last_used=0)
+    out = plan([fresh, cold("b")], limits, now=100)
+    assert out.loads == [] and "b" in out.waiting and out.wake_in_s == 3
+    assert plan([replace(fresh, resident_s=5), cold("b")], limits, now=100).loads == [("b", ("a",))]
+    # The order stays least recently used first: an older idle model used since is not evicted
+    # instead of the young one, the load waits; one used less recently makes room at once.
+    small = Limits(budgets={CPU: 50 * MIB}, min_residence_s=5)
+    assert plan([fresh, model("c", mib=10, last_used=50), cold("b", mib=10)], small, now=100).loads == []
+    assert plan([replace(fresh, last_used=60), model("c", mib=10, last_used=50), cold("b", mib=10)], small,
+                now=100).loads == [("b", ("c",))]
+    # An admin's load is not held by it.
+    assert room_for("b", [fresh, cold("b")], limits, now=100).evict == ("a",)
+
+
+def test_a_busy_model_waits_for_the_longer_of_the_swap_bound_and_min_residence() -> None:
+    limits = Limits(budgets={CPU: 50 * MIB}, swap_max_wait_s=2, min_residence_s=8)
+    busy = model("a", waiting=2, running=1, resident_s=3)
+    out = plan([busy, cold("b", blocked_s=30)], limits, now=100)
+    assert out.loads == [] and out.wake_in_s == 5
+    assert plan([replace(busy, resident_s=8), cold("b", blocked_s=30)], limits, now=100).loads == [("b", ("a",))]

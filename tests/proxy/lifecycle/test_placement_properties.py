@@ -6,6 +6,7 @@ pools: whatever the models, budgets, usage and queues,
 - a pinned model is never evicted nor unloaded for idleness;
 - a busy model is evicted only for a load that has waited the swap bound, and only once it has
   been resident that long itself (the bound on reordering);
+- a model is evicted for a load on demand only once it has been loaded min_residence_s;
 - nothing is evicted for a load that is not made."""
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def pools(draw: st.DrawFn) -> tuple[list[ModelView], Limits]:
             idle_unload_s=draw(st.none() | st.floats(1, 600)),
             wants_load=status == "cold" and waiting > 0, counted=draw(st.booleans()) or True))
     cap = draw(st.none() | st.integers(1, 4))
-    return models, Limits(budgets=budgets, max_loaded=cap, swap_max_wait_s=draw(st.floats(0, 30)))
+    return models, Limits(budgets=budgets, max_loaded=cap, swap_max_wait_s=draw(st.floats(0, 30)),
+                          min_residence_s=draw(st.sampled_from([0.0, 5.0]) | st.floats(0, 60)))
 
 
 def _fits(models: list[ModelView], limits: Limits) -> bool:
@@ -70,6 +72,7 @@ def test_a_plan_never_goes_over_budget_evicts_pinned_or_reorders_past_the_bound(
         assert by_name[name].wants_load
         for victim in victims:
             v = by_name[victim]
+            assert v.resident_s >= limits.min_residence_s, (name, victim, limits.min_residence_s)
             if v.busy:
                 assert by_name[name].blocked_s >= bound and v.resident_s >= bound, (name, victim, bound)
     for name in out.idle_unloads:
