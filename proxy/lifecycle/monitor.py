@@ -23,7 +23,9 @@ from typing import Mapping
 import aiohttp
 
 from launchers.spec import EngineMetrics, ProgramSpec
+from proxy import events as ev
 from proxy.config import Settings
+from proxy.events import Events
 from proxy.lifecycle.engine_metrics import read_gauges
 from proxy.lifecycle.health import (HealthPolicy, ReadyChecks, note_exit, note_failure, note_success,
                                     state_after_check)
@@ -63,19 +65,21 @@ class Monitor:
 
     def __init__(self, settings: Settings, supervisor: SupervisorClient, http: UpstreamHttp,
                  models: Mapping[str, ModelRuntime], programs: Programs,
-                 managed: ManagedSupervisord | None = None) -> None:
+                 managed: ManagedSupervisord | None = None, events: Events | None = None) -> None:
         self.settings = settings
+        self.events = events if events is not None else Events()
         self.supervisor = supervisor
         self.http = http
         self.models = models
         self.programs = programs
         self.managed = managed        # managed mode: the supervisord to start again should it die
         self.health = HealthPolicy.from_settings(settings.service)
-        self.checks = ReadyChecks(self.health, lambda spec, timeout_s: probe(self.http, spec, timeout_s))
+        self.checks = ReadyChecks(self.health, lambda spec, timeout_s: probe(self.http, spec, timeout_s), self.events)
         self.down: SupervisordDown | None = None
         self.revivals = 0             # times a dead supervisord was started again
         self._revive_at = 0.0
         self._woken = asyncio.Event()
+        self._crashed_pids: dict[tuple[str, int], int] = {}   # the process of each replica last told crashed
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -115,6 +119,7 @@ class Monitor:
         runtime = self.models[replica.model]
         note_exit(replica)
         if replica.state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
+            self._crashed(runtime, replica, f"refused a connection ({error})")
             runtime.set_replica_state(replica, ReplicaState.STARTING, error)
             self.wake()
 
@@ -127,8 +132,7 @@ class Monitor:
             return
         runtime = self.models.get(replica.model)
         if runtime is not None and replica in runtime.replicas:
-            if note_failure(runtime, replica, error, self.health):
-                log.warning("model %s replica %d ejected: %s", replica.model, replica.index, replica.last_error)
+            note_failure(runtime, replica, error, self.health, events=self.events)
 
     def supervisord_status(self) -> dict[str, object]:
         """For /health and the admin view: whether supervisord answers, and if not for how long and why."""
@@ -316,6 +320,9 @@ class Monitor:
             note_exit(replica)  # a process that keeps crashing is ejected like one that keeps failing
         if pid_changed:
             replica.restarts += 1
+        if runtime.state == ModelState.LOADED and state in (ReplicaState.READY, ReplicaState.UNHEALTHY) and (
+                pid_changed or info.state in EXITED_STATES + (ProcessState.STARTING,)):
+            self._crashed(runtime, replica, f"process exited ({info.description or info.state.name})")
         if info.pid:
             replica.pid = info.pid
         replica.alive = info.pid != 0
@@ -355,6 +362,18 @@ class Monitor:
             runtime.set_replica_state(replica, ReplicaState.STARTING)
             self.wake()
 
+    def _crashed(self, runtime: ModelRuntime, replica: Replica, how: str) -> None:
+        """A serving replica's process went away unasked (the crash detection of observe and of the
+        data path): one event per process, however many signs of it come."""
+        key = (runtime.name, replica.index)
+        if replica.pid and self._crashed_pids.get(key) == replica.pid:
+            return
+        self._crashed_pids[key] = replica.pid
+        where = f" on host {replica.host}" if replica.host != "local" else ""
+        self.events.record(ev.CRASH, f"model {runtime.name} replica {replica.index}{where} crashed: {how} "
+                           f"(pid {replica.pid or '?'}, {replica.restarts} restarts)", model=runtime.name,
+                           replica=replica.index, host=replica.host, reason=how, level=logging.WARNING)
+
     async def _probe(self, runtime: ModelRuntime, replica: Replica, spec: ProgramSpec, pid: int) -> None:
         """Check a starting replica until it is healthy or leaves STARTING (its process exits, the
         start times out): every STARTUP_PROBE_S, since an engine gives no other sign that it is
@@ -371,7 +390,7 @@ class Monitor:
             await asyncio.sleep(STARTUP_PROBE_S)
 
     async def _started(self, runtime: ModelRuntime, replica: Replica, spec: ProgramSpec, pid: int) -> None:
-        after = state_after_check(runtime, replica, self.health)
+        after = state_after_check(runtime, replica, self.health, events=self.events)
         if after == ReplicaState.READY and runtime.model.get("warmup"):
             # READY only once one generation went through; a failure is retried like a failed check.
             seconds, error = await warm_up(self.http, replica, spec.start_timeout_s)
