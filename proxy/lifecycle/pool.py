@@ -161,7 +161,10 @@ class Pool:
             prefix = "" if host.local else f"{name}:"
             devices = [{**d, "device": d["device"][len(prefix):]} for d in memory
                        if (d["device"].startswith(prefix) if prefix else ":" not in d["device"])]
-            rows.append({**host.describe(), "memory": devices, "replicas": len(replicas), "replica_names": replicas})
+            # When its supervisord last answered the monitor's poll (None: never yet).
+            contact = round(time.monotonic() - host.table_at, 1) if host.table_at else None
+            rows.append({**host.describe(), "last_contact_s": contact, "memory": devices, "replicas": len(replicas),
+                         "replica_names": replicas})
         return rows
 
     def replica_programs(self, host: str) -> dict[str, str]:
