@@ -3,6 +3,7 @@ simulated engine: what happened is recorded where it happens, with its reason, i
 asked; the route's filters and its refusals."""
 from __future__ import annotations
 
+import io
 import os
 import signal
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 import pytest
 
 from helpers import ProxyProcess, http, wait_for
+from proxy import ctl
+from proxy.cli import build_parser
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +64,13 @@ def test_an_admin_load_and_unload_and_a_refusal_are_events_with_who_asked_and_th
     assert [e["id"] for e in events(proxy, f"?after={feed[3]['id']}", AUTH)] == [feed[4]["id"], feed[5]["id"]]
     assert brief(events(proxy, "?model=m&kind=load,unload", AUTH)) == [("load",), ("unload",)]
     assert [e["id"] for e in events(proxy, "?limit=2", AUTH)] == [feed[4]["id"], feed[5]["id"]]
+    # `llm-pool ctl events` reads the same feed: a line per event, filtered as asked.
+    out = io.StringIO()
+    args = build_parser().parse_args(["ctl", "--url", proxy.url, "events", "--kind", "admin", "--model", "m"])
+    assert ctl.run(args, out, {"LLM_POOL_ADMIN_TOKEN": TOKEN}) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].split() == ["ID", "TIME", "KIND", "MODEL", "MESSAGE"] and len(lines) == 4
+    assert f"scale m by {actor} refused: 400 invalid_scale_request" in lines[2]
     # Without the token the feed is closed like every admin route, and that refusal is no event.
     assert http("GET", proxy.url + "/v1/admin/events")[0] == 401
     assert http("POST", proxy.url + "/v1/admin/models/m/load", body={})[0] == 401

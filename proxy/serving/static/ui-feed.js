@@ -19,9 +19,10 @@
       feed.lastId = 0;
       return readEvents();
     }
-    feed.events.push(...got.data);
+    // An action's own refresh may run beside the timer's: an event is taken once.
+    feed.events.push(...got.data.filter((e) => e.id > feed.lastId));
     if (feed.events.length > KEEP) feed.events.splice(0, feed.events.length - KEEP);
-    feed.lastId = got.last_id;
+    feed.lastId = Math.max(feed.lastId, got.last_id);
     renderEvents();
     return got;
   }
