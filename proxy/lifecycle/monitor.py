@@ -322,7 +322,9 @@ class Monitor:
             replica.restarts += 1
         if runtime.state == ModelState.LOADED and state in (ReplicaState.READY, ReplicaState.UNHEALTHY) and (
                 pid_changed or info.state in EXITED_STATES + (ProcessState.STARTING,)):
-            self._crashed(runtime, replica, f"process exited ({info.description or info.state.name})")
+            status = f", exit status {info.exitstatus}" if info.exitstatus and not pid_changed else ""
+            self._crashed(runtime, replica, f"supervisord restarted it as pid {info.pid}" if pid_changed else
+                          f"its process exited (supervisord: {info.state.name}{status})")
         if info.pid:
             replica.pid = info.pid
         replica.alive = info.pid != 0
@@ -370,8 +372,8 @@ class Monitor:
             return
         self._crashed_pids[key] = replica.pid
         where = f" on host {replica.host}" if replica.host != "local" else ""
-        self.events.record(ev.CRASH, f"model {runtime.name} replica {replica.index}{where} crashed: {how} "
-                           f"(pid {replica.pid or '?'}, {replica.restarts} restarts)", model=runtime.name,
+        self.events.record(ev.CRASH, f"model {runtime.name} replica {replica.index}{where} crashed (pid "
+                           f"{replica.pid or '?'}): {how}", model=runtime.name,
                            replica=replica.index, host=replica.host, reason=how, level=logging.WARNING)
 
     async def _probe(self, runtime: ModelRuntime, replica: Replica, spec: ProgramSpec, pid: int) -> None:

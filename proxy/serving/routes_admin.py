@@ -95,8 +95,9 @@ async def _act(request: web.Request, action: str, act: Callable[[str, str], Awai
                            reason=action, cause="internal_error", actor=actor, level=logging.ERROR)
         raise
     ready = len(runtime.ready())
-    pool.events.record(ADMIN, f"{action} {name} by {actor}: {runtime.state.value}, {ready} of "
-                       f"{len(runtime.replicas)} replicas ready", model=name, reason=action, actor=actor)
+    replicas = f", {ready} of {len(runtime.replicas)} replicas ready" if runtime.replicas else ""
+    pool.events.record(ADMIN, f"{action} {name} by {actor}: {runtime.state.value}{replicas}", model=name,
+                       reason=action, actor=actor)
     return web.json_response(pool.describe(runtime))
 
 

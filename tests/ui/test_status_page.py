@@ -120,7 +120,8 @@ def test_a_load_from_the_form_with_an_override_then_its_log_followed_then_an_unl
     expect(result).to_contain_text("demo is loaded: 1 of 1 replicas ready", timeout=LOAD_S)
     expect(demo.locator('[data-field="overrides"]')).to_have_text("llama_server_n_ctx=2048")
     expect(demo.locator("table.replicas tbody tr")).to_have_count(1)
-    expect(demo.locator("table.replicas tbody tr td").nth(1)).to_have_text("ready")
+    expect(demo.locator("table.replicas tbody tr td").nth(1)).to_have_text("local")   # its host
+    expect(demo.locator("table.replicas tbody tr td").nth(2)).to_have_text("ready")
     replica = admin_model(pool, "demo")["replicas"][0]
     argv = (Path("/proc") / str(replica["pid"]) / "cmdline").read_bytes().split(b"\0")
     assert argv[argv.index(b"--ctx-size") + 1] == b"4096"   # 2048 per request, 2 slots: the override ran

@@ -107,7 +107,7 @@ def test_an_eviction_says_what_it_made_room_for_and_an_admin_unload_who_asked(pa
     assert ask(pool, "cold-b") == 200   # the ninth: the least recently used is evicted for it
     events = page.locator("#events tbody")
     expect(events).to_contain_text("is evicted to make room for cold-b")
-    expect(events).to_contain_text(re.compile(r"model chat-\d unloaded \(evicted for cold-b\)"))
+    expect(events).to_contain_text(re.compile(r"model \S+ unloaded \(evicted for cold-b\)"))
     expect(events).to_contain_text("model cold-b loaded (on_demand)")
     card = details(page, "cold-b")
     page.once("dialog", lambda dialog: dialog.accept())
@@ -120,18 +120,25 @@ def test_an_eviction_says_what_it_made_room_for_and_an_admin_unload_who_asked(pa
     expect(card.get_by_role("button", name="Unload")).to_be_disabled()
 
 
+def loaded(pool: ProxyProcess, prefix: str) -> tuple[str, dict[str, Any]]:
+    """A model named `prefix`-N that is loaded (evictions pick theirs by use), with its first replica."""
+    for name in MODELS:
+        if name.startswith(prefix):
+            model = pool.admin_model(name)
+            if model["state"] == "loaded" and model["replicas"]:
+                return name, model["replicas"][0]
+    raise AssertionError(f"no {prefix}* model is loaded")
+
+
 def test_a_sigkilled_replica_is_a_crash_in_the_feed(page: Any, pool: ProxyProcess) -> None:
-    pid = pool.admin_model("chat-4")["replicas"][0]["pid"] if pool.admin_model("chat-4")["replicas"] else None
-    if pid is None:   # evicted by the test before: load it again
-        assert ask(pool, "chat-4") == 200
-        pid = pool.wait_replicas_ready("chat-4", 1)["replicas"][0]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    expect(page.locator("#events tbody")).to_contain_text("model chat-4 replica 0 crashed", timeout=20_000)
-    page.get_by_label("Model", exact=True).select_option("chat-4")
+    name, replica = loaded(pool, "chat-")
+    os.kill(replica["pid"], signal.SIGKILL)
+    expect(page.locator("#events tbody")).to_contain_text(f"model {name} replica 0 crashed", timeout=20_000)
+    page.get_by_label("Model", exact=True).select_option(name)
     expect(event_rows(page).first.locator("td").nth(1)).to_have_text("crash")
-    assert all(t.startswith("chat-4") for t in page.locator("#events tbody tr td:nth-child(3)").all_inner_texts())
+    assert all(t.startswith(name) for t in page.locator("#events tbody tr td:nth-child(3)").all_inner_texts())
     page.get_by_label("Model", exact=True).select_option("")
-    pool.wait_replicas_ready("chat-4", 1)
+    pool.wait_replicas_ready(name, 1)
 
 
 def test_controls_are_enabled_only_when_they_can_work(page: Any, pool: ProxyProcess) -> None:
@@ -148,8 +155,11 @@ def test_controls_are_enabled_only_when_they_can_work(page: Any, pool: ProxyProc
     # A loaded model with one replica at most cannot scale; its log buttons work.
     if pool.admin_model("cold-a")["state"] != "loaded":
         assert ask(pool, "cold-a") == 200
+    expect(cold.locator("h3 .state")).to_have_text("loaded")
     expect(cold.get_by_role("button", name="Scale")).to_be_disabled()
-    assert cold.get_by_role("button", name="Scale").get_attribute("title") == "replica_max of cold-a is 1"
+    expect(cold.get_by_role("button", name="Scale")).to_have_attribute("title", "replica_max of cold-a is 1")
+    expect(cold.get_by_role("button", name="Unload")).to_be_enabled()
+    expect(cold.get_by_role("button", name="Load…")).to_be_disabled()
     expect(cold.get_by_role("button", name="Log of cold-a replica 0")).to_be_enabled()
     # The backend's reading says how old it is and how many of the proxy's requests it saw.
     expect(duo.locator("table.replicas tbody tr td").nth(6)).to_have_text(
@@ -167,12 +177,11 @@ def test_text_from_a_request_is_shown_as_text_never_as_markup(page: Any, pool: P
 def test_screenshots_with_a_host_down(page: Any, pool: ProxyProcess, artifacts: Path) -> None:
     page.screenshot(path=str(artifacts / "status-page.png"))
     node: Node = pool.node   # type: ignore[attr-defined]
-    node.remember()
-    os.kill(node.proc.pid, signal.SIGKILL)   # the node's supervisord: its replicas run on, unseen
-    node.proc.wait()
+    name, _ = loaded(pool, "node-")
+    node.kill_with_replicas()   # the whole host goes: its supervisord and its replicas
     b = page.locator('#hosts tbody tr[data-key="b"] td')
     expect(b.nth(1)).to_contain_text("not answering", timeout=30_000)
-    details(page, "node-0")
+    wait_for(lambda: pool.admin_model(name)["replicas"][0]["state"] != "ready", what=f"{name} out of rotation")
+    details(page, name)
     page.screenshot(path=str(artifacts / "status-page-host-down.png"), full_page=True)
     print(f"screenshots: {artifacts}")
-    wait_for(lambda: pool.admin_model("node-0")["replicas"][0]["state"] != "ready", what="node-0 out of rotation")

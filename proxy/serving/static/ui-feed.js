@@ -77,16 +77,17 @@
 
   function renderHosts(hosts) {
     syncRows(document.querySelector("#hosts tbody"), hosts, (h) => h.name, (row) => {
-      const c = cells(row, ["name", "state", "contact", "devices", "replicas"], ["replicas"]);
+      const c = cells(row, ["name", "state", "contact", "devices", "replicas"]);
       c.badge = c.state.appendChild(el("span", {}));
       c.error = c.state.appendChild(el("span", {class: "error-text"}));
+      c.count = c.replicas.appendChild(el("span", {}));
       c.list = c.replicas.appendChild(el("span", {class: "note"}));
-      c.count = c.replicas.insertBefore(el("span", {}), c.list);
       return c;
     }, (c, h) => {
       setText(c.name, h.name + (h.url ? ` (${h.url})` : h.local ? " (this machine)" : ""));
       stateBadge(c.badge, hostState(h));
       setText(c.error, h.answering ? "" : ` for ${h.down_for_s} s: ${h.error || "no answer"}`);
+      c.error.className = h.answering ? "" : "error-text block";
       setText(c.contact, h.answering && h.last_contact_s === undefined ? "now" : fmtAgo(h.last_contact_s));
       setText(c.devices, devicesText(h));
       setText(c.count, h.replicas);
