@@ -297,9 +297,54 @@ def _write_log(chunk: dict[str, Any], args: argparse.Namespace, out: TextIO) -> 
     out.flush()
 
 
+EVENT_HEADER = f"{'ID':>6}  {'TIME':<14}  {'KIND':<11}  {'MODEL':<16}  MESSAGE"
+
+
+def event_line(e: dict[str, Any], when: Callable[[float], str] | None = None) -> str:
+    """One event as a line of `ctl events`; a control character the message may carry (an engine's
+    error text is in some) is shown as `?`, so nothing it holds can drive the terminal."""
+    stamp = (when or (lambda t: time.strftime("%m-%d %H:%M:%S", time.localtime(t))))(float(e.get("time") or 0))
+    message = "".join(c if c.isprintable() else "?" for c in str(e.get("message", "")))
+    model = e.get("model") or "-"
+    if e.get("replica") is not None:
+        model = f"{model}/r{e['replica']}"
+    return f"{e.get('id', 0):>6}  {stamp:<14}  {str(e.get('kind')):<11}  {model:<16}  {message}"
+
+
+def cmd_events(client: AdminClient, args: argparse.Namespace, out: TextIO,
+               sleep: Callable[[float], None] = time.sleep) -> None:
+    """The newest `--limit` events (of `--model`, of `--kind`), oldest first; with --follow keep
+    polling for newer ones (`after` the last id seen) until interrupted (Ctrl-C ends it with exit 0)."""
+    query = {k: v for k, v in (("model", args.model), ("kind", args.kind)) if v}
+
+    def path(**more: object) -> str:
+        return "/v1/admin/events?" + urllib.parse.urlencode({**query, **more})
+
+    page = client.call("GET", path(limit=args.limit))
+    if args.json and not args.follow:
+        json.dump(page, out, indent=2)
+        out.write("\n")
+        return
+    if not args.json:
+        out.write(EVENT_HEADER + "\n")
+    after = page.get("last_id", 0)
+    try:
+        while True:
+            for event in page.get("data") or []:
+                out.write((json.dumps(event) if args.json else event_line(event)) + "\n")
+            out.flush()
+            if not args.follow:
+                return
+            sleep(FOLLOW_INTERVAL_S)
+            page = client.call("GET", path(after=after, limit=1000))
+            after = max(after, page.get("last_id", after))
+    except KeyboardInterrupt:
+        pass
+
+
 COMMANDS: dict[str, Callable[..., None]] = {"models": cmd_models, "load": cmd_load, "unload": cmd_unload,
                                             "scale": cmd_scale, "logs": cmd_logs, "gpu": cmd_gpu,
-                                            "hosts": cmd_hosts}
+                                            "hosts": cmd_hosts, "events": cmd_events}
 
 
 # -- wiring -----------------------------------------------------------------------------------------
@@ -333,7 +378,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     # Users type `ctl models --json` as often as `ctl --json models`: every command takes the
     # common options too, with no default of its own, so one given before the command is kept.
     hosts = cmds.add_parser("hosts", help="every host: reachability, devices, free memory, replicas")
-    for command in (models, load, unload, scale, logs, gpu, hosts):
+    events = cmds.add_parser("events", help="what happened: loads, unloads and why, evictions, crashes, "
+                                            "ejections, hosts, admin actions and who")
+    events.add_argument("--model", help="only this model's events")
+    events.add_argument("--kind", help="only these kinds, comma-separated (load,unload,evict,crash,...)")
+    events.add_argument("--limit", type=int, default=50, help="how many of the newest to show first (1-1000, "
+                        "default 50)")
+    events.add_argument("--follow", "-f", action="store_true", help="keep printing new events as they come")
+    for command in (models, load, unload, scale, logs, gpu, hosts, events):
         _add_common(command, defaults=False)
     ctl.set_defaults(func=run)
     return ctl

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from launchers.spec import ProgramSpec
+from proxy import events as ev
 from proxy.config import ServiceSettings
+from proxy.events import Events
 from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
 
@@ -56,10 +58,10 @@ def note_success(replica: Replica) -> None:
 
 
 def note_failure(runtime: ModelRuntime, replica: Replica, reason: str, policy: HealthPolicy,
-                 now: float | None = None) -> bool:
+                 now: float | None = None, events: Events | None = None) -> bool:
     """Count one failure; eject the replica when it is READY and has failed `eject_after` times in a
-    row. True when it was ejected. A failure of a process already known to be gone is its crash,
-    counted once by `note_exit`."""
+    row. True when it was ejected (an event in `events`). A failure of a process already known to be
+    gone is its crash, counted once by `note_exit`."""
     if replica.pid and replica.exited_pid == replica.pid:
         return False
     if replica.failed_pid != replica.pid:
@@ -68,7 +70,7 @@ def note_failure(runtime: ModelRuntime, replica: Replica, reason: str, policy: H
     replica.failures += 1
     if replica.state != ReplicaState.READY or replica.failures < policy.eject_after:
         return False
-    return _eject(runtime, replica, reason, policy, now)
+    return _eject(runtime, replica, reason, policy, now, events)
 
 
 def note_exit(replica: Replica) -> None:
@@ -85,7 +87,7 @@ def note_exit(replica: Replica) -> None:
 
 
 def state_after_check(runtime: ModelRuntime, replica: Replica, policy: HealthPolicy,
-                      now: float | None = None) -> ReplicaState:
+                      now: float | None = None, events: Events | None = None) -> ReplicaState:
     """Where a replica whose health check just passed goes: READY, unless it is still serving an
     ejection or has failed too often in a row (a process that keeps crashing), in which case it is
     ejected now, provided another replica is READY. With none READY (panic), an ejection ends now."""
@@ -97,12 +99,13 @@ def state_after_check(runtime: ModelRuntime, replica: Replica, policy: HealthPol
         log.warning("model %s replica %d: back in rotation before its ejection ended: no other replica is ready",
                     replica.model, replica.index)
     if replica.failures >= policy.eject_after and runtime.ready() and \
-            _eject(runtime, replica, f"{replica.failures} failures in a row", policy, now):
+            _eject(runtime, replica, f"{replica.failures} failures in a row", policy, now, events):
         return ReplicaState.UNHEALTHY
     return ReplicaState.READY
 
 
-def _eject(runtime: ModelRuntime, replica: Replica, reason: str, policy: HealthPolicy, now: float | None) -> bool:
+def _eject(runtime: ModelRuntime, replica: Replica, reason: str, policy: HealthPolicy, now: float | None,
+           events: Events | None = None) -> bool:
     others = [r for r in runtime.ready() if r is not replica]
     if not others:
         return False  # never the last one serving
@@ -114,8 +117,11 @@ def _eject(runtime: ModelRuntime, replica: Replica, reason: str, policy: HealthP
     replica.eject_until = now + backoff
     replica.failures = 0
     replica.failed_pid = 0
-    runtime.set_replica_state(replica, ReplicaState.UNHEALTHY,
-                              f"ejected for {backoff:g}s after {failures} failures in a row (last: {reason})")
+    why = f"ejected for {backoff:g}s after {failures} failures in a row (last: {reason})"
+    runtime.set_replica_state(replica, ReplicaState.UNHEALTHY, why)
+    if events is not None:
+        events.record(ev.EJECT, f"model {runtime.name} replica {replica.index} {why}", model=runtime.name,
+                      replica=replica.index, host=replica.host, reason=reason, level=logging.WARNING)
     return True
 
 
@@ -125,9 +131,10 @@ class ReadyChecks:
     each UNHEALTHY one, once its ejection is over, until a check passes and it is READY again.
     The pool's monitor calls `maybe_check` and `maybe_recheck` on every pass."""
 
-    def __init__(self, policy: HealthPolicy, probe: Probe) -> None:
+    def __init__(self, policy: HealthPolicy, probe: Probe, events: Events | None = None) -> None:
         self.policy = policy
         self.probe = probe
+        self.events = events
 
     def maybe_check(self, runtime: ModelRuntime, replica: Replica) -> None:
         if replica.state == ReplicaState.READY and runtime.state == ModelState.LOADED and self._due(replica):
@@ -156,8 +163,13 @@ class ReadyChecks:
         replica.probe_failures += 1
         reason = "health check failed while ready: " + \
             (error or f"no healthy answer within {self.policy.timeout_s:g}s (service.health_timeout_s)")
-        log.warning("model %s replica %d: %s", replica.model, replica.index, reason)
         runtime.set_replica_state(replica, ReplicaState.UNHEALTHY, reason)
+        message = f"model {replica.model} replica {replica.index} out of rotation: {reason}"
+        if self.events is None:
+            log.warning("%s", message)
+        else:
+            self.events.record(ev.EJECT, message, model=replica.model, replica=replica.index, host=replica.host,
+                               reason="health check failed", level=logging.WARNING)
 
     async def recheck(self, runtime: ModelRuntime, replica: Replica, pid: int) -> None:
         ok, _error = await self.probe(replica.spec, self.policy.timeout_s)
@@ -165,7 +177,7 @@ class ReadyChecks:
             replica.probe_failures += 1
         if not ok or replica.state != ReplicaState.UNHEALTHY or replica.pid != pid:
             return
-        if state_after_check(runtime, replica, self.policy) == ReplicaState.READY:
+        if state_after_check(runtime, replica, self.policy, events=self.events) == ReplicaState.READY:
             runtime.set_replica_state(replica, ReplicaState.READY)
             replica.last_error = None
             log.info("model %s replica %d is back in rotation", replica.model, replica.index)

@@ -23,7 +23,7 @@ from typing import Mapping
 import aiohttp
 
 from launchers.spec import EngineMetrics, ProgramSpec
-from proxy import events
+from proxy import events as ev
 from proxy.config import LOCAL_HOST, Settings
 from proxy.events import Events
 from proxy.lifecycle import crashes
@@ -75,7 +75,7 @@ class Monitor:
         self.programs = programs
         self.managed = managed        # managed mode: the supervisord to start again should it die
         self.health = HealthPolicy.from_settings(settings.service)
-        self.checks = ReadyChecks(self.health, lambda spec, timeout_s: probe(self.http, spec, timeout_s))
+        self.checks = ReadyChecks(self.health, lambda spec, timeout_s: probe(self.http, spec, timeout_s), self.events)
         self.down: SupervisordDown | None = None
         self.revivals = 0             # times a dead supervisord was started again
         self._revive_at = 0.0
@@ -132,8 +132,7 @@ class Monitor:
             return
         runtime = self.models.get(replica.model)
         if runtime is not None and replica in runtime.replicas:
-            if note_failure(runtime, replica, error, self.health):
-                log.warning("model %s replica %d ejected: %s", replica.model, replica.index, replica.last_error)
+            note_failure(runtime, replica, error, self.health, events=self.events)
 
     def supervisord_status(self) -> dict[str, object]:
         """For /health and the admin view: whether supervisord answers, and if not for how long and why."""
@@ -379,7 +378,7 @@ class Monitor:
             await asyncio.sleep(STARTUP_PROBE_S)
 
     async def _started(self, runtime: ModelRuntime, replica: Replica, spec: ProgramSpec, pid: int) -> None:
-        after = state_after_check(runtime, replica, self.health)
+        after = state_after_check(runtime, replica, self.health, events=self.events)
         if after == ReplicaState.READY and runtime.model.get("warmup"):
             # READY only once one generation went through; a failure is retried like a failed check.
             seconds, error = await warm_up(self.http, replica, spec.start_timeout_s)
@@ -428,7 +427,7 @@ class Monitor:
         program = replica.spec.program if replica.spec is not None else replica.fullname
         crash = crashes.describe(program, info, replaced, main_log)
         where = f" on host {replica.host}" if replica.host != LOCAL_HOST else ""
-        self.events.record(events.CRASH, crash.sentence(f"model {replica.model} replica {replica.index} "
+        self.events.record(ev.CRASH, crash.sentence(f"model {replica.model} replica {replica.index} "
                                                         f"(pid {replica.pid}{where})"),
                            model=replica.model, replica=replica.index, host=replica.host, reason=crash.how,
                            level=logging.WARNING)

@@ -32,7 +32,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from proxy.config import LOCAL_HOST, ModelConfig, Settings
+from proxy import events as ev
 from proxy.errors import BackendError, Conflict, PoolError, Unavailable
+from proxy.events import Events
 from proxy.gpu.footprint import tree_cpu_bytes, tree_gpu_bytes
 from proxy.gpu.report import load_nvml
 from proxy.lifecycle.load_retry import retry_delay, worth_retrying
@@ -57,8 +59,9 @@ _STATUS: dict[ModelState, Status] = {ModelState.UNLOADED: "cold", ModelState.LOA
 
 class Placer:
     def __init__(self, settings: Settings, models: Mapping[str, ModelRuntime], memory: Memory,
-                 nvml_loader: Callable[[], Any] = load_nvml) -> None:
+                 nvml_loader: Callable[[], Any] = load_nvml, events: Events | None = None) -> None:
         self.settings = settings
+        self.events = events if events is not None else Events()
         self.models = models
         self.memory = memory
         self.nvml_loader = nvml_loader
@@ -288,7 +291,7 @@ class Placer:
             self._evicting.add(name)
             log.info("model %s: idle for %gs (idle_unload_s), unloading it", name,
                      self.models[name].config.idle_unload_s)
-            pool.spawn(self._unload(pool, name, "idle"))
+            pool.spawn(self._unload(pool, name, "idle", f"{self.models[name].config.idle_unload_s:g}s"))
         for name, evict in decided.loads:
             if evict:
                 # While what it evicts drains, its waiters wait for room: a wait that runs out says so.
@@ -337,8 +340,11 @@ class Placer:
     async def make_room(self, pool: "Pool", runtime: ModelRuntime, evict: tuple[str, ...]) -> None:
         """Unload `evict` (drained, their waiters kept) so that `runtime`'s load fits."""
         self._evicting.update(evict)
+        for name in evict:
+            self.events.record(ev.EVICT, f"model {name} is evicted to make room for {runtime.name}", model=name,
+                               reason="evicted", cause=runtime.name)
         try:
-            results = await asyncio.gather(*(self._unload(pool, name, "evicted") for name in evict),
+            results = await asyncio.gather(*(self._unload(pool, name, "evicted", runtime.name) for name in evict),
                                            return_exceptions=True)
         finally:
             runtime.admission.stall = None   # from here on it loads: a wait that runs out is queue_timeout
@@ -346,9 +352,9 @@ class Placer:
         if failed:
             raise Unavailable("could not make room: " + "; ".join(failed), code="insufficient_memory", retry_after=5)
 
-    async def _unload(self, pool: "Pool", name: str, reason: str) -> None:
+    async def _unload(self, pool: "Pool", name: str, reason: str, cause: str) -> None:
         try:
-            await pool.unload_by_pool(name, reason)
+            await pool.unload_by_pool(name, reason, cause)
         except Conflict:
             # No longer loaded (another unload got there first): once that one has ended, its
             # memory is free. An unload holds the model's lock until its processes are gone.

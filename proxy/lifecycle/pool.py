@@ -21,6 +21,7 @@ from launchers.spec import replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from proxy.config import ModelConfig, Settings
 from proxy.errors import BackendError, Conflict, NotFound, PoolError, Unavailable
+from proxy import events as ev
 from proxy.events import Events
 from proxy.fairness import FairnessPolicy
 from proxy.gpu.footprint import gpu_totals
@@ -80,7 +81,7 @@ class Pool:
         self.nvml_loader = nvml_loader
         self.memory = Memory(life, footprints, Estimator(), gpu_totals(lambda: _no_nvml_yet()))
         self.memory.hosts = {n: h for n, h in self.hosts.items() if not h.local}
-        self.placer = Placer(settings, self.models, self.memory, nvml_loader)
+        self.placer = Placer(settings, self.models, self.memory, nvml_loader, events=self.events)
         self._background: set[asyncio.Task[Any]] = set()
         # Models whose first load at startup has not finished (loaded or failed): /ready waits for them.
         self.startup_pending: set[str] = set()
@@ -224,28 +225,32 @@ class Pool:
 
     # -- load ------------------------------------------------------------------------------------
 
-    async def load(self, name: str, overrides: Mapping[str, Any] | None = None) -> ModelRuntime:
+    async def load(self, name: str, overrides: Mapping[str, Any] | None = None,
+                   actor: str | None = None) -> ModelRuntime:
         """Load a configured model (or adopt its running replicas); returns once it is ready or failed.
-        An admin's load: it ends the retries of a failed startup load, and is not retried itself."""
+        An admin's load: it ends the retries of a failed startup load, and is not retried itself.
+        `actor`: who asked (for the events feed)."""
         runtime = self.get(name)
         self._stop_retry(name)
         runtime.admission.last_used = time.time()   # an admin load counts as a use
-        return await self._load(name, overrides, reason="admin")
+        return await self._load(name, overrides, reason="admin", actor=actor)
 
     async def load_placed(self, name: str, evict: tuple[str, ...]) -> ModelRuntime:
         """A load on demand that placement admitted: evict `evict`, then load with the configured settings."""
         return await self._load(name, None, reason="on_demand", evict=evict)
 
     async def _load(self, name: str, overrides: Mapping[str, Any] | None = None, reason: str = "startup",
-                    evict: tuple[str, ...] | None = None, adopting: bool = False) -> ModelRuntime:
-        """Load (`reason`: startup, admin, on_demand). `evict`: what placement already decided to
-        evict for it; None passes the admission here (placer.admit), which may refuse it."""
+                    evict: tuple[str, ...] | None = None, adopting: bool = False,
+                    actor: str | None = None) -> ModelRuntime:
+        """Load (`reason`: startup, admin, on_demand; adopted when `adopting`). `evict`: what
+        placement already decided to evict for it; None passes the admission here (placer.admit),
+        which may refuse it."""
         runtime = self.get(name)
         config = runtime.config.with_overrides(overrides or {})
         cancelled = False
         try:
             async with runtime.lock:
-                loaded = await self._load_locked(runtime, config, reason, evict)
+                loaded = await self._load_locked(runtime, config, "adopted" if adopting else reason, evict, actor)
             # Its idle time counts from its load; an adopted model's from its last use before the restart.
             if not (adopting and runtime.last_used):
                 runtime.admission.last_used = max(runtime.admission.last_used, time.time())
@@ -278,8 +283,10 @@ class Pool:
         self._save_kept()
 
     async def _load_locked(self, runtime: ModelRuntime, config: ModelConfig, reason: str,
-                           evict: tuple[str, ...] | None) -> ModelRuntime:
+                           evict: tuple[str, ...] | None, actor: str | None) -> ModelRuntime:
         name = runtime.name
+        # Adopted replicas were loaded at startup by an earlier proxy: counted as startup loads.
+        counted = "startup" if reason == "adopted" else reason
         if runtime.state == ModelState.LOADED:
             if runtime.active == config or reason == "on_demand":
                 return runtime   # on demand: its requests want it serving, as an admin's load left it
@@ -297,7 +304,7 @@ class Pool:
         if config.replicas < 1:
             raise Conflict(f"model {name!r}: replicas must be at least 1 to load", code="model_not_loadable")
         if evict is None:
-            evict = self.placer.admit(runtime, config, may_evict=reason != "startup")
+            evict = self.placer.admit(runtime, config, may_evict=counted != "startup")
         else:
             self.placer.reserve(name, config)
         if evict:
@@ -317,11 +324,12 @@ class Pool:
             with contextlib.suppress(Exception):
                 await self._teardown(runtime, drain=False, keep_waiters=True)
             runtime.move(ModelState.FAILED)
+            self._load_failed(runtime, reason, actor, str(exc))
             if isinstance(exc, SupervisorError):
                 error = Unavailable(f"supervisord: {exc}", code="supervisor_unavailable", retry_after=5)
-                self._fail_waiters(runtime, reason, error)
+                self._fail_waiters(runtime, counted, error)
                 raise error from exc
-            self._fail_waiters(runtime, reason, exc)
+            self._fail_waiters(runtime, counted, exc)
             raise
         errors = "; ".join(f"replica {r.index}: {r.last_error}" for r in runtime.replicas
                            if r.state != ReplicaState.READY)
@@ -329,25 +337,33 @@ class Pool:
         if not runtime.ready():
             await self._teardown(runtime, drain=False, keep_waiters=True)
             runtime.move(ModelState.FAILED)
+            self._load_failed(runtime, reason, actor, errors)
             failed = BackendError(f"model {name!r} failed to load: {errors}", code="model_load_failed")
-            self._fail_waiters(runtime, reason, failed)
+            self._fail_waiters(runtime, counted, failed)
             raise failed
         runtime.move(ModelState.LOADED)
         runtime.loaded_at = time.monotonic()
         runtime.load_s = runtime.loaded_at - started
-        runtime.loads[reason] = runtime.loads.get(reason, 0) + 1
-        log.info("model %s loaded (%s): %d of %d replicas ready", name, reason, len(runtime.ready()),
-                 len(runtime.replicas))
+        runtime.loads[counted] = runtime.loads.get(counted, 0) + 1
+        by = f" by {actor}" if actor else ""
+        self.events.record(ev.LOAD, f"model {name} loaded ({reason}{by}) in {runtime.load_s:.2f}s: "
+                           f"{len(runtime.ready())} of {len(runtime.replicas)} replicas ready",
+                           model=name, reason=reason, actor=actor)
         self._spawn(self.placer.measure(runtime))
         return runtime
 
-    @classmethod
-    def _cannot_start(cls, runtime: ModelRuntime, reason: str, error: Conflict) -> Conflict:
+    def _cannot_start(self, runtime: ModelRuntime, reason: str, error: Conflict) -> Conflict:
         """A model that cannot even be started is FAILED with the reason, for the admin view and
         /health; every other model is unaffected."""
         runtime.move(ModelState.FAILED, error.message)
-        cls._fail_waiters(runtime, reason, error)
+        self._load_failed(runtime, reason, None, error.message)
+        self._fail_waiters(runtime, reason, error)
         return error
+
+    def _load_failed(self, runtime: ModelRuntime, reason: str, actor: str | None, why: str) -> None:
+        by = f" by {actor}" if actor else ""
+        self.events.record(ev.LOAD_FAILED, f"model {runtime.name} failed to load ({reason}{by}): {why}",
+                           model=runtime.name, reason=reason, actor=actor, level=logging.ERROR)
 
     @staticmethod
     def _fail_waiters(runtime: ModelRuntime, reason: str, exc: Exception) -> None:
@@ -361,7 +377,7 @@ class Pool:
 
     # -- unload ----------------------------------------------------------------------------------
 
-    async def unload(self, name: str, drain: bool = True) -> ModelRuntime:
+    async def unload(self, name: str, drain: bool = True, actor: str | None = None) -> ModelRuntime:
         """Stop admitting, let in-flight requests finish (up to service.drain_timeout_s), stop the
         replicas, remove the group and its file.
 
@@ -369,19 +385,22 @@ class Pool:
         gone, a process that would not stop), from which another unload starts over."""
         self.get(name)
         self._stop_retry(name)   # an admin's unload: the model stays unloaded
-        return await self._unload(name, drain, reason="admin")
+        return await self._unload(name, drain, reason="admin", actor=actor)
 
-    async def _unload(self, name: str, drain: bool, reason: str) -> ModelRuntime:
+    async def unload_by_pool(self, name: str, reason: str, cause: str | None = None) -> ModelRuntime:
+        """An unload placement decided (`reason`: idle, evicted; `cause`: the model it made room
+        for, or how long it was idle): drained, its waiters kept queued."""
+        return await self._unload(name, drain=True, reason=reason, cause=cause)
+
+    async def _unload(self, name: str, drain: bool, reason: str, cause: str | None = None,
+                      actor: str | None = None) -> ModelRuntime:
         try:
-            return await self._unload_model(name, drain, reason)
+            return await self._unload_model(name, drain, reason, cause, actor)
         finally:
             self._save_kept()   # an unloaded model keeps nothing: the next serve loads it as configured
 
-    async def unload_by_pool(self, name: str, reason: str) -> ModelRuntime:
-        """An unload placement decided (`reason`: idle, evicted): drained, its waiters kept queued."""
-        return await self._unload(name, drain=True, reason=reason)
-
-    async def _unload_model(self, name: str, drain: bool, reason: str) -> ModelRuntime:
+    async def _unload_model(self, name: str, drain: bool, reason: str, cause: str | None,
+                            actor: str | None) -> ModelRuntime:
         runtime = self.get(name)
         if runtime.state in (ModelState.UNLOADED, ModelState.UNLOADING):
             raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
@@ -415,15 +434,26 @@ class Pool:
             runtime.unload_reason = None
             runtime.active = None
             runtime.last_error = None
-            log.info("model %s unloaded (%s)", name, reason)
+            why = {"evicted": f"evicted for {cause}", "idle": f"idle for {cause}"}.get(reason, reason) \
+                if cause else reason
+            by = f" by {actor}" if actor else ""
+            self.events.record(ev.UNLOAD, f"model {name} unloaded ({why}{by}) in {runtime.unload_s:.2f}s",
+                               model=name, reason=reason, cause=cause, actor=actor)
             return runtime
 
-    async def scale(self, name: str, replicas: int) -> ModelRuntime:
+    async def scale(self, name: str, replicas: int, actor: str | None = None) -> ModelRuntime:
         """Start or stop replicas of a loaded model, leaving the others running (proxy/lifecycle/scaling.py)."""
+        runtime = self.get(name)
+        before = len(runtime.replicas)
         try:
-            return await scale(self.get(name), replicas, self.monitor, self.settings.service.drain_timeout_s)
+            await scale(runtime, replicas, self.monitor, self.settings.service.drain_timeout_s)
         finally:
             self._save_kept()
+        if len(runtime.replicas) != before:
+            by = f" by {actor}" if actor else ""
+            self.events.record(ev.SCALE, f"model {name} scaled from {before} to {len(runtime.replicas)} replicas{by} "
+                               f"({len(runtime.ready())} ready)", model=name, actor=actor)
+        return runtime
 
     async def _teardown(self, runtime: ModelRuntime, drain: bool, keep_waiters: bool = False,
                         measure: bool = False) -> None:

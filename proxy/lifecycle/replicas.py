@@ -196,6 +196,10 @@ class Replica:
                 # The name `supervisorctl status` shows (each replica is a group of one).
                 "port": self.spec.port if self.spec else None, "program": self.spec.program if self.spec else None,
                 "restarts": self.restarts, "inflight": self.inflight, "reported": dict(self.reported),
+                # A reading is one instant, up to a scrape interval old: beside the proxy's count
+                # now it says nothing unless its age and the proxy's count then are shown with it.
+                "reported_age_s": round(time.monotonic() - self.scraped_at, 1) if self.reported else None,
+                "inflight_at_scrape": self.inflight_at_scrape if self.reported else None,
                 "last_error": self.last_error, "outdated": self.outdated, "consecutive_failures": self.failures,
                 "ejections": self.ejected_total,
                 "ejected_for_s": round(max(0.0, self.eject_until - time.monotonic()), 1),

@@ -67,9 +67,7 @@ async def scale(runtime: ModelRuntime, replicas: int, monitor: Waiter, drain_tim
         except SupervisorError as exc:
             raise Unavailable(f"model {runtime.name!r} could not be scaled: supervisord: {exc}; scale again to retry",
                               code="scale_failed", retry_after=5) from exc
-        runtime.active = runtime.with_replicas(replicas)
-        log.info("model %s scaled from %d to %d replicas (%d ready)", runtime.name, current, replicas,
-                 len(runtime.ready()))
+        runtime.active = runtime.with_replicas(replicas)   # the pool records the change (events feed)
         return runtime
 
 

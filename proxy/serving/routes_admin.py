@@ -3,20 +3,22 @@ logs, the proxy's request counters."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import logging
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from launchers import launcher_for
 from proxy.serving.admin_view import admin_row
 from proxy.config import LOCAL_HOST, model_properties, override_problems, replicas_problem
-from proxy.errors import BadRequest, Conflict, Unavailable
-from proxy.events import KINDS as EVENT_KINDS
+from proxy.errors import BadRequest, Conflict, PoolError, Unavailable
+from proxy.events import ADMIN, KINDS as EVENT_KINDS
 from proxy.serving.admin_guard import admit
 from proxy.serving.body import read_json
 from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.runtime import ModelRuntime
 from proxy.gpu.report import ModelSnapshot, gpu_report
-from proxy.serving.keys import METRICS, POOL, VRAM
+from proxy.serving.keys import METRICS, POOL, SETTINGS, VRAM
 from proxy.serving.traffic import traffic
 from proxy.supervisord.supervisor import SupervisorError
 
@@ -61,39 +63,81 @@ async def _load_request(request: web.Request, name: str) -> dict[str, Any]:
     return overrides
 
 
+def actor_of(request: web.Request) -> str:
+    """Who made an admin request, for the events feed: the peer's address (a reverse proxy's when
+    there is one: a forwarded header is the client's word, not a fact) and whether it had to show
+    the admin token."""
+    token = "with the token" if request.app[SETTINGS].service.admin_token_env else "no token needed"
+    return f"{request.remote or 'unknown peer'} ({token})"
+
+
+async def _act(request: web.Request, action: str, act: Callable[[str, str], Awaitable[ModelRuntime]]) -> web.Response:
+    """Carry out an admin action on the model the path names and record it in the events feed with
+    who asked: what it did, or its refusal with the code the caller got. Called after `admit`: a
+    request that is not an admin's (no token, another site) leaves no event, so none can flood the
+    feed."""
+    pool = request.app[POOL]
+    name = request.match_info["name"]
+    actor = actor_of(request)
+    known = name in pool.models
+    # A name that is no model is the caller's text: quoted and cut, so it cannot forge a log line.
+    shown = name if known else repr(name)[:80]
+    try:
+        runtime = await act(name, actor)
+    except PoolError as exc:
+        pool.events.record(ADMIN, f"{action} {shown} by {actor} refused: {exc.status} {exc.code}: {exc.message}",
+                           model=name if known else None, reason=action, cause=exc.code,
+                           actor=actor, level=logging.WARNING)
+        raise
+    except Exception as exc:
+        pool.events.record(ADMIN, f"{action} {shown} by {actor} failed: {type(exc).__name__}: {exc}",
+                           model=name if known else None,
+                           reason=action, cause="internal_error", actor=actor, level=logging.ERROR)
+        raise
+    ready = len(runtime.ready())
+    replicas = f", {ready} of {len(runtime.replicas)} replicas ready" if runtime.replicas else ""
+    pool.events.record(ADMIN, f"{action} {name} by {actor}: {runtime.state.value}{replicas}", model=name,
+                       reason=action, actor=actor)
+    return web.json_response(pool.describe(runtime))
+
+
 @routes.post("/v1/admin/models/{name}/load")
 async def admin_load(request: web.Request) -> web.Response:
     admit(request)
-    name = request.match_info["name"]
     pool = request.app[POOL]
-    pool.get(name)
-    overrides = await _load_request(request, name)
-    runtime = await pool.detached(pool.load(name, overrides))
-    return web.json_response(request.app[POOL].describe(runtime))
+
+    async def load(name: str, actor: str) -> ModelRuntime:
+        pool.get(name)
+        overrides = await _load_request(request, name)
+        return await pool.detached(pool.load(name, overrides, actor=actor))
+    return await _act(request, "load", load)
 
 
 @routes.post("/v1/admin/models/{name}/unload")
 async def admin_unload(request: web.Request) -> web.Response:
     admit(request)
     pool = request.app[POOL]
-    pool.get(request.match_info["name"])   # 404 before the body is read
-    if request.can_read_body and await read_json(request):
-        raise BadRequest("an unload takes no fields: send no body or {}", code="invalid_unload_request")
-    runtime = await pool.detached(pool.unload(request.match_info["name"]))
-    return web.json_response(request.app[POOL].describe(runtime))
+
+    async def unload(name: str, actor: str) -> ModelRuntime:
+        pool.get(name)   # 404 before the body is read
+        if request.can_read_body and await read_json(request):
+            raise BadRequest("an unload takes no fields: send no body or {}", code="invalid_unload_request")
+        return await pool.detached(pool.unload(name, actor=actor))
+    return await _act(request, "unload", unload)
 
 
 @routes.post("/v1/admin/models/{name}/scale")
 async def admin_scale(request: web.Request) -> web.Response:
     admit(request)
     pool = request.app[POOL]
-    name = request.match_info["name"]
-    pool.get(name)   # 404 before the body is read
-    body = await read_json(request) if request.can_read_body else {}
-    if set(body) != {"replicas"}:
-        raise BadRequest("a scale request is {\"replicas\": N}", code="invalid_scale_request", param="replicas")
-    runtime = await pool.detached(pool.scale(name, body["replicas"]))
-    return web.json_response(request.app[POOL].describe(runtime))
+
+    async def scale(name: str, actor: str) -> ModelRuntime:
+        pool.get(name)   # 404 before the body is read
+        body = await read_json(request) if request.can_read_body else {}
+        if set(body) != {"replicas"}:
+            raise BadRequest("a scale request is {\"replicas\": N}", code="invalid_scale_request", param="replicas")
+        return await pool.detached(pool.scale(name, body["replicas"], actor=actor))
+    return await _act(request, "scale", scale)
 
 
 @routes.get("/v1/admin/gpu-memory")

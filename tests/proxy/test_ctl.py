@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import io
 from typing import Any, Callable
 
@@ -266,3 +267,55 @@ def test_models_table_names_each_replicas_host_and_says_which_hosts_do_not_answe
     assert "  replica 1: host_unreachable host=b pid=- port=None" in ctl.model_summary(rows[0]).splitlines()
     # One host: no column.
     assert "HOSTS" not in ctl.models_table(rows[1:])
+
+
+EVENTS = [{"id": 7, "time": 0.0, "kind": "evict", "message": "model c is evicted to make room for s", "model": "c",
+           "replica": None, "host": None, "reason": "evicted", "cause": "s", "actor": None},
+          {"id": 8, "time": 0.0, "kind": "crash", "message": "model s replica 1 crashed:\x1b[2J gone", "model": "s",
+           "replica": 1, "host": "local", "reason": "x", "cause": None, "actor": None}]
+
+
+def test_an_event_line_shows_its_model_and_replica_and_no_control_character() -> None:
+    assert ctl.event_line(EVENTS[1], when=lambda t: "12-02 04:00:00") == (
+        "     8  12-02 04:00:00  crash        s/r1              model s replica 1 crashed:?[2J gone")
+
+
+async def test_events_follow_polls_after_the_last_id_with_the_filters(upstream: Upstream) -> None:
+    pages = iter([{"object": "list", "data": EVENTS[:1], "last_id": 7},
+                  {"object": "list", "data": [], "last_id": 7},
+                  {"object": "list", "data": EVENTS[1:], "last_id": 8}])
+    upstream.answers["/v1/admin/events"] = lambda r: web.json_response(next(pages))
+    polls: list[float] = []
+
+    def sleep(s: float) -> None:
+        polls.append(s)
+        if len(polls) == 3:
+            raise KeyboardInterrupt
+
+    args = build_parser().parse_args(["ctl", "--url", upstream.url, "events", "--model", "c s", "--kind",
+                                      "evict,crash", "--limit", "5", "-f"])
+    out = io.StringIO()
+
+    def call() -> None:
+        ctl.cmd_events(ctl.AdminClient(upstream.url, None, 10), args, out, sleep=sleep)
+
+    await asyncio.to_thread(call)
+    assert [q for _, q, _, _ in upstream.seen] == [
+        "/v1/admin/events?model=c+s&kind=evict%2Ccrash&limit=5",
+        "/v1/admin/events?model=c+s&kind=evict%2Ccrash&after=7&limit=1000",
+        "/v1/admin/events?model=c+s&kind=evict%2Ccrash&after=7&limit=1000"]
+    lines = out.getvalue().splitlines()
+    assert lines[0].split() == ["ID", "TIME", "KIND", "MODEL", "MESSAGE"]
+    assert [line.split()[0] for line in lines[1:]] == ["7", "8"]
+    assert "make room for s" in lines[1] and "s/r1" in lines[2]
+
+
+async def test_events_json_prints_the_answer_and_a_refusal_exits_1(upstream: Upstream) -> None:
+    answer = {"object": "list", "data": EVENTS, "last_id": 8}
+    upstream.answers["/v1/admin/events"] = lambda r: web.json_response(answer)
+    code, out = await run_ctl(upstream, "events", "--json")
+    assert code == 0 and json.loads(out) == answer
+    upstream.answers["/v1/admin/events"] = lambda r: web.json_response(
+        {"error": {"code": "model_not_found", "message": "model 'x' is not configured"}}, status=404)
+    code, _ = await run_ctl(upstream, "events", "--model", "x")
+    assert code == ctl.EXIT_REFUSED

@@ -69,6 +69,10 @@ def sign_in(page: Any, token: str) -> None:
 
 
 def card(page: Any, model: str) -> Any:
+    """The model's details, opened from its overview row (the overview shows every model in a line)."""
+    toggle = page.get_by_role("button", name=f"Details of {model}", exact=True)
+    if toggle.get_attribute("aria-expanded") != "true":
+        toggle.click()
     return page.locator(f'section.model[data-model="{model}"]')
 
 
@@ -116,15 +120,19 @@ def test_a_load_from_the_form_with_an_override_then_its_log_followed_then_an_unl
     expect(result).to_contain_text("demo is loaded: 1 of 1 replicas ready", timeout=LOAD_S)
     expect(demo.locator('[data-field="overrides"]')).to_have_text("llama_server_n_ctx=2048")
     expect(demo.locator("table.replicas tbody tr")).to_have_count(1)
-    expect(demo.locator("table.replicas tbody tr td").nth(1)).to_have_text("ready")
+    expect(demo.locator("table.replicas tbody tr td").nth(1)).to_have_text("local")   # its host
+    expect(demo.locator("table.replicas tbody tr td").nth(2)).to_have_text("ready")
     replica = admin_model(pool, "demo")["replicas"][0]
     argv = (Path("/proc") / str(replica["pid"]) / "cmdline").read_bytes().split(b"\0")
     assert argv[argv.index(b"--ctx-size") + 1] == b"4096"   # 2048 per request, 2 slots: the override ran
 
-    # The server's refusal is shown in place: loaded with other settings.
-    n_ctx.fill("1024")
-    form.get_by_role("button", name="Load demo").click()
-    expect(result).to_contain_text("409 model_already_loaded")
+    # Loaded, it cannot be loaded with other settings (409 model_already_loaded): the form says so
+    # and sends nothing, and the card's Load… is off too.
+    expect(form.get_by_role("button", name="Load demo")).to_be_disabled()
+    expect(form.locator('[data-role="load-refused"]')).to_have_text(
+        "demo is loaded: unload it first to load it with other settings")
+    expect(demo.get_by_role("button", name="Load…")).to_be_disabled()
+    expect(demo.get_by_role("button", name="Unload")).to_be_enabled()
 
     # The replica's log: its start, then what is written to it after, as it comes.
     demo.get_by_role("button", name="Log of demo replica 0").click()
@@ -142,7 +150,16 @@ def test_a_load_from_the_form_with_an_override_then_its_log_followed_then_an_unl
     demo.get_by_role("button", name="Unload").click()
     expect(demo.locator('output[data-role="action-result"]')).to_contain_text("demo is unloaded", timeout=LOAD_S)
     expect(overview_cell(page, "demo", 1)).to_have_text("unloaded")
+    expect(demo.get_by_role("button", name="Unload")).to_be_disabled()   # unloaded: an unload would be 409
+    expect(form.get_by_role("button", name="Load demo")).to_be_enabled()
     assert admin_model(pool, "demo")["replicas"] == []
+    # Its memory row: a model on the CPU has no GPU figures (the GPU report's estimate is what its
+    # file would take on a GPU, nothing it needs here).
+    page.get_by_text("Memory per model").click()
+    demo_memory = page.locator('#model-memory tbody tr[data-key="demo"] td')
+    expect(demo_memory.nth(1)).to_have_text("cpu")
+    expect(demo_memory.nth(6)).to_have_text("")
+    expect(demo_memory.nth(5)).to_have_text("")
 
 
 def _chat(url: str, key: str) -> int:

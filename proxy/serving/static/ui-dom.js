@@ -76,5 +76,35 @@
   }
 
 
-  window.LlmPool = {el, setText, newId, syncRows, cells, fmtValue};
+  // -- formatting -------------------------------------------------------------------------------
+
+  function fmtMiB(mib) {
+    if (mib === null || mib === undefined) return "–";
+    if (typeof mib === "object") {   // per device: {"cpu": 29.9, "gpu0": 4100}
+      return Object.entries(mib).map(([device, v]) => `${fmtMiB(v)} on ${device}`).join(", ") || "–";
+    }
+    const n = Number(mib);
+    if (!Number.isFinite(n)) return String(mib);
+    return n >= 10240 ? `${(n / 1024).toFixed(1)} GiB` : `${n.toFixed(n < 10 ? 1 : 0)} MiB`;
+  }
+  const fmtBytes = (b) => (b === null || b === undefined ? "–" : fmtMiB(b / 1048576));
+  const fmtSeconds = (s) => (s === null || s === undefined || Number.isNaN(s) ? "–" :
+    s < 1 ? `${Math.round(s * 1000)} ms` : `${s.toFixed(2)} s`);
+  const fmtRate = (r) => (r === null || r === undefined ? "–" : r.toFixed(r < 10 ? 2 : 1));
+  const fmtAgo = (s) => (s === null || s === undefined ? "–" : s < 60 ? `${Math.round(s)} s ago` :
+    s < 3600 ? `${Math.round(s / 60)} min ago` : `${(s / 3600).toFixed(1)} h ago`);
+  const fmtClock = (epoch) => new Date(epoch * 1000).toLocaleTimeString([], {hour12: false});
+
+  // A state as a badge: its words written out (never colour alone); its class is made of the
+  // words, so a state the page does not know yet ("host unreachable") still gets one.
+  function stateBadge(node, value, shown) {
+    setText(node, shown === undefined ? value : shown);
+    node.className = `state s-${String(value).toLowerCase().replace(/[^a-z0-9]+/g, "-")}`;
+  }
+
+  // Whether a device name of the admin API ("gpu0", "node-b:gpu1", "cpu") is a GPU.
+  const isGpu = (device) => /(^|:)gpu\d*$/.test(String(device));
+
+  window.LlmPool = {el, setText, newId, syncRows, cells, fmtValue, fmtMiB, fmtBytes, fmtSeconds, fmtRate, fmtAgo,
+                    fmtClock, stateBadge, isGpu};
 })();

@@ -127,7 +127,16 @@
     const submit = el("button", {type: "submit", class: "primary"}, `Load ${m.id}`);
     const cancel = el("button", {type: "button"}, "Cancel");
     const output = el("output", {class: "result", role: "status", "aria-live": "polite"});
-    form.append(el("div", {class: "actions"}, submit, cancel, output));
+    const why = el("p", {class: "note", "data-role": "load-refused"});
+    form.append(el("div", {class: "actions"}, submit, cancel, output), why);
+    // Whether a load can work now (the card says, as the model's state changes): null, or why not.
+    let allowed = null, sending = false;
+    form.allow = (reason) => {
+      allowed = reason;
+      submit.disabled = sending || reason !== null;
+      submit.title = reason || "";
+      setText(why, reason || "");
+    };
     cancel.addEventListener("click", () => actions.cancel());
     form.addEventListener("submit", async (ev) => {
       ev.preventDefault();
@@ -154,6 +163,8 @@
       }
       const body = {overrides};
       if (replicas !== undefined) body.replicas = replicas;
+      if (allowed !== null) return;
+      sending = true;
       submit.disabled = true;
       output.className = "result";
       setText(output, `loading ${m.id}… (answers once it is ready)`);
@@ -165,7 +176,8 @@
         output.className = "result error";
         setText(output, String(err));
       } finally {
-        submit.disabled = false;
+        sending = false;
+        form.allow(allowed);
       }
     });
     return form;

@@ -7,6 +7,7 @@ import pytest
 
 from helpers import ready_runtime
 from proxy.config import ModelConfig
+from proxy.events import Events
 from proxy.lifecycle.health import HealthPolicy, ReadyChecks, note_failure, note_success, state_after_check
 from proxy.lifecycle.replicas import InvalidTransition, ReplicaState
 from proxy.lifecycle.runtime import ModelRuntime
@@ -138,3 +139,15 @@ async def test_in_panic_a_failing_ejected_replica_stays_out() -> None:
 
 async def _passing_probe(*_: object) -> tuple[bool, str | None]:
     return True, None
+
+
+def test_an_ejection_is_an_event_with_its_replica_and_last_failure_and_the_last_ready_one_none() -> None:
+    feed = Events(clock=lambda: 0.0)
+    rt = runtime()
+    for _ in range(3):
+        note_failure(rt, rt.replicas[0], "HTTP 502", POLICY, now=0, events=feed)
+    for _ in range(5):
+        note_failure(rt, rt.replicas[1], "HTTP 502", POLICY, now=0, events=feed)   # the last READY: kept
+    (event,) = feed.since()
+    assert (event.kind, event.model, event.replica, event.reason) == ("eject", "m", 0, "HTTP 502")
+    assert event.message == "model m replica 0 ejected for 10s after 3 failures in a row (last: HTTP 502)"

@@ -1,8 +1,11 @@
 """Model and replica states move only along the transitions in replicas.py."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from helpers import ready_runtime
 from proxy.config import ModelConfig
 from proxy.lifecycle.replicas import InvalidTransition, ModelState, model_transition
 from proxy.lifecycle.runtime import ModelRuntime
@@ -38,3 +41,14 @@ def test_transitions_the_lifecycle_forbids_raise(old: ModelState, new: ModelStat
     with pytest.raises(InvalidTransition):
         model_transition("m", old, new)
     assert model_transition("m", old, old) == old   # staying put is always allowed
+
+
+def test_a_backend_reading_in_the_admin_row_says_its_age_and_the_proxys_count_when_it_was_taken() -> None:
+    runtime = ready_runtime(CONFIG, 1)
+    replica = runtime.replicas[0]
+    assert (replica.describe()["reported_age_s"], replica.describe()["inflight_at_scrape"]) == (None, None)
+    replica.reported, replica.inflight_at_scrape, replica.inflight = {"running": 0.0, "waiting": 0.0}, 0, 2
+    replica.scraped_at = time.monotonic() - 0.4
+    row = replica.describe()
+    assert row["reported"] == {"running": 0.0, "waiting": 0.0} and row["inflight"] == 2
+    assert row["inflight_at_scrape"] == 0 and row["reported_age_s"] >= 0.4
