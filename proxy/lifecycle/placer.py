@@ -287,12 +287,17 @@ class Placer:
     def _plan_once(self, pool: "Pool") -> float | None:
         views, limits, now = self.views(), self.limits(), time.time()
         decided = plan(views, limits, now)
-        for name in decided.idle_unloads:
+        # A reload's predecessor may still be finishing requests on any model, unseen here: until it
+        # has exited nothing is unloaded (idle, or evicted for a load); loads that need no room go on.
+        settled = pool.predecessor_gone.is_set()
+        for name in decided.idle_unloads if settled else ():
             self._evicting.add(name)
             log.info("model %s: idle for %gs (idle_unload_s), unloading it", name,
                      self.models[name].config.idle_unload_s)
             pool.spawn(self._unload(pool, name, "idle", f"{self.models[name].config.idle_unload_s:g}s"))
         for name, evict in decided.loads:
+            if evict and not settled:
+                continue
             if evict:
                 # While what it evicts drains, its waiters wait for room: a wait that runs out says so.
                 short = room_for(name, views, limits, now, may_evict=False).blocked
@@ -312,6 +317,8 @@ class Placer:
             runtime.admission.stall = insufficient(name, short) if short is not None else None
         for name, short in decided.too_large.items():
             self.models[name].admission.close(too_large(name, short))
+        if not settled:   # plan again soon: the predecessor's exit wakes nothing here
+            return 1.0 if decided.wake_in_s is None else min(decided.wake_in_s, 1.0)
         return decided.wake_in_s
 
     async def _load_on_demand(self, pool: "Pool", name: str, evict: tuple[str, ...]) -> None:

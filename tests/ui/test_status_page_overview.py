@@ -133,7 +133,8 @@ def loaded(pool: ProxyProcess, prefix: str) -> tuple[str, dict[str, Any]]:
 def test_a_sigkilled_replica_is_a_crash_in_the_feed(page: Any, pool: ProxyProcess) -> None:
     name, replica = loaded(pool, "chat-")
     os.kill(replica["pid"], signal.SIGKILL)
-    expect(page.locator("#events tbody")).to_contain_text(f"model {name} replica 0 crashed", timeout=20_000)
+    expect(page.locator("#events tbody")).to_contain_text(
+        f"model {name} replica 0 (pid {replica['pid']}) killed by SIGKILL", timeout=20_000)
     page.get_by_label("Model", exact=True).select_option(name)
     expect(event_rows(page).first.locator("td").nth(1)).to_have_text("crash")
     assert all(t.startswith(name) for t in page.locator("#events tbody tr td:nth-child(3)").all_inner_texts())

@@ -149,7 +149,11 @@
     }, (c, r) => {
       setText(c.index, r.index);
       setText(c.host, r.host || "local");
-      stateBadge(c.badge, r.state, r.state + (r.ejected_for_s > 0 ? ` (ejected ${r.ejected_for_s} s)` : ""));
+      stateBadge(c.badge, r.state, r.state + (r.ejected_for_s > 0 ? ` (ejected ${r.ejected_for_s} s)` : "") +
+        (r.outdated ? " (out of date)" : ""));
+      // Adopted with other settings than it is configured with now: its roll replaces it (README,
+      // "What a reload keeps"); the title names the settings.
+      c.badge.title = r.outdated ? String(r.outdated) : "";
       setText(c.pid, r.pid === null ? "–" : r.pid);
       setText(c.port, r.port === null ? "–" : r.port);
       setText(c.inflight, r.inflight);

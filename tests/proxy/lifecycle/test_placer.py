@@ -1,7 +1,10 @@
 """The placer's admission of a request for a model that is not loaded (Placer.demand)."""
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +16,7 @@ from proxy.gpu.vram_estimate import Estimator
 from proxy.lifecycle.footprints import Footprints
 from proxy.lifecycle.memory import Memory
 from proxy.lifecycle.placer import Placer
+from proxy.lifecycle.replicas import ModelState
 from proxy.lifecycle.runtime import Backoff, ModelRuntime
 
 
@@ -67,3 +71,32 @@ def test_a_model_backing_off_for_a_setting_is_refused_without_retry_after(tmp_pa
     assert caught.value.code == "model_not_loadable" and caught.value.headers() == {}
     assert "model_path: /m.gguf does not exist" in caught.value.message
     assert "llm-pool check-config" in caught.value.message and "tried in" not in caught.value.message
+
+
+class FakePool:
+    """FAKE: the two things Placer._plan_once asks of the pool; what it would spawn is recorded."""
+
+    def __init__(self) -> None:
+        self.predecessor_gone = asyncio.Event()
+        self.spawned: list[str] = []
+
+    def spawn(self, coro: Any) -> None:
+        self.spawned.append(coro.__qualname__)
+        coro.close()
+
+
+async def test_a_reloads_successor_unloads_nothing_before_its_predecessor_has_exited(tmp_path: Path) -> None:
+    (tmp_path / "pool.yaml").write_text(f"service: {{state_dir: {tmp_path}}}\n"
+                                        "engine: {models: {m: {backend: sim, idle_unload_s: 1}}}\n")
+    settings = load_settings(tmp_path / "pool.yaml")
+    runtime = ModelRuntime(config=settings.models["m"], admission=Admission())
+    runtime.state = ModelState.LOADED
+    runtime.admission.last_used = time.time() - 60     # idle well past idle_unload_s
+    memory = Memory(settings.lifecycle, Footprints(tmp_path / "footprints.json"), Estimator(), GpuTotals({}))
+    placer_, pool = Placer(settings, {"m": runtime}, memory), FakePool()
+    # The predecessor may still be streaming from m: no idle unload, and planning comes back soon.
+    assert placer_._plan_once(pool) == 1.0   # type: ignore[arg-type]
+    assert pool.spawned == []
+    pool.predecessor_gone.set()
+    placer_._plan_once(pool)   # type: ignore[arg-type]
+    assert pool.spawned == ["Placer._unload"]
