@@ -78,6 +78,9 @@ class Placer:
         # What each model that holds memory is charged per replica, by host (unqualified devices):
         # fixed at its admission, dropped once it is cold.
         self._charges: dict[str, dict[str, dict[str, int]]] = {}
+        # Charges fixed from an estimate alone, before any measurement of the model's settings
+        # there: the first measurement raises them (below, in measure), once.
+        self._estimated_only: set[tuple[str, str]] = set()
 
     # -- hosts ------------------------------------------------------------------------------------
 
@@ -127,6 +130,8 @@ class Placer:
             per_replica = fixed.get(host)
             if per_replica is None:
                 per_replica = fixed[host] = self.memory.per_replica(config, host)
+                if self.memory.footprints.measured(config, self.memory.placement(config, host).devices) is None:
+                    self._estimated_only.add((name, host))
             for device, n in per_replica.items():
                 out[qualify(host, device)] = out.get(qualify(host, device), 0) + n
         return out
@@ -175,7 +180,7 @@ class Placer:
                 status = "unloading"
             config = self._loading.get(name) or (target[1] if target and target[0] == name else rt.model)
             if status not in HOLDING:
-                self._charges.pop(name, None)   # cold: its next admission fixes its next charge
+                self._drop_charge(name)   # cold: its next admission fixes its next charge
                 needs = self.memory.need(config).per_device
             elif self.settings.supervisor.hosts:
                 needs = {}   # views() charges it on the hosts its replicas are on
@@ -211,11 +216,29 @@ class Placer:
 
     def reserve(self, name: str, config: ModelConfig) -> None:
         """Hold room for an admitted load of `config`, charged what it is admitted by now."""
-        self._charges.pop(name, None)
+        self._drop_charge(name)
         self._loading[name] = config
         # Fixed now, on the hosts it was placed on (another host its replicas land on is fixed the
         # first time it is counted there).
         self.charge(name, config, self._planned.get(name) or (LOCAL_HOST,) * config.replicas)
+
+    def _drop_charge(self, name: str) -> None:
+        self._charges.pop(name, None)
+        self._estimated_only = {k for k in self._estimated_only if k[0] != name}
+
+    def first_measured(self, name: str, config: ModelConfig, host: str) -> None:
+        """A measurement of `name` on `host` was recorded: a charge fixed from the estimate alone
+        takes it where it is higher, once. An estimate can miss most of what runs (a model id with
+        no local files, a shim's own process), and charged that until its next load the model would
+        leave room it does not have; later measurements only feed the next load's charge, and none
+        evicts anything by itself."""
+        if (name, host) not in self._estimated_only:
+            return
+        self._estimated_only.discard((name, host))
+        fixed = self._charges.get(name, {})
+        if host in fixed:
+            now = self.memory.per_replica(config, host)
+            fixed[host] = {d: max(b, now.get(d, 0)) for d, b in fixed[host].items()}
 
     def settled(self, name: str) -> None:
         """A load admitted here ended (loaded or failed): its room is what its state says now."""
@@ -397,6 +420,7 @@ class Placer:
                 sample = await asyncio.to_thread(tree_gpu_bytes, replica.pid, self.nvml_loader)
             if sample:
                 self.memory.footprints.record(config, sample)
+                self.first_measured(runtime.name, config, replica.host)
 
     @staticmethod
     async def _measure_on(node: Host, program: str, devices: tuple[str, ...]) -> dict[str, int] | None:

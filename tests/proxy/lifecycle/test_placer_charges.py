@@ -70,3 +70,18 @@ async def test_free_memory_is_never_negative_while_an_eviction_runs(tmp_path: Pa
     assert row["used_bytes"] == 44 * MIB and row["reserved_bytes"] == 80 * MIB
     assert row["free_bytes"] == 0
     assert row["unloading_bytes"] == 44 * MIB
+
+
+async def test_a_charge_fixed_from_the_estimate_alone_takes_the_first_measurement_once(tmp_path: Path) -> None:
+    # A sim has no model files: its estimate is 0. Charged that for its whole residence, it left
+    # the room it held to the next load; its first measurement raises the charge, and no later one.
+    placer, models = pool(tmp_path, "a")
+    loaded(placer, models["a"])
+    assert {v.name: v for v in placer.views()}["a"].needs == {CPU: 0}
+    placer.memory.footprints.record(models["a"].config, {CPU: 30 * MIB})
+    placer.first_measured("a", models["a"].config, "local")
+    assert {v.name: v for v in placer.views()}["a"].needs == {CPU: 30 * MIB}
+    placer.memory.footprints.record(models["a"].config, {CPU: 90 * MIB})   # a later swing
+    placer.first_measured("a", models["a"].config, "local")
+    assert {v.name: v for v in placer.views()}["a"].needs == {CPU: 30 * MIB}
+    assert placer.describe()["devices"][0]["free_bytes"] == 70 * MIB
