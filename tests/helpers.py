@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,18 +30,30 @@ REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 60.0
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# The tests' ports come from below the kernel's ephemeral range (32768-60999 on Linux) and above
+# the shipped supervisor.port_range: a port found free inside the ephemeral range can be taken by
+# any outgoing connection, or an engine's own bind to port 0, before the server meant for it binds
+# it ("address already in use", seen in CI with vLLM).
+TEST_PORTS = (20000, _ephemeral_low())
+_PICK = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port that is free now, outside the ephemeral range."""
+    return free_port_range(1)[0]
 
 
 def free_port_range(size: int = 20) -> list[int]:
-    """A run of `size` ports that are free now, for one test's model servers."""
+    """A run of `size` ports that are free now, for one test's model servers: [first, last]."""
     while True:
-        start = free_port()
-        if start + size > 65000:
-            continue
+        start = _PICK.randrange(TEST_PORTS[0], TEST_PORTS[1] - size)
         ports = list(range(start, start + size))
         if all(_bindable(p) for p in ports):
             return [ports[0], ports[-1]]
