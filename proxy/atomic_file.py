@@ -9,12 +9,29 @@ so two writers (two proxies' help caches, say) cannot rename each other's half f
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 # The mode of a file that may hold a secret (a program file's environment= has API keys and tokens):
 # whatever folder it is in, only its owner reads it.
 PRIVATE_MODE = 0o600
+
+
+def read_back(path: Path) -> Any:
+    """What such a file holds, parsed as JSON: None when there is none, and None with a warning
+    when it cannot be read or parsed (the proxy then goes on as if it had none)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring %s: %s", path, exc)
+        return None
 
 
 def write_atomic(path: Path, text: str, mode: int | None = None) -> None:

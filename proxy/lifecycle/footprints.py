@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from proxy.config import ModelConfig
-from proxy.atomic_file import write_atomic
+from proxy.atomic_file import read_back, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +75,8 @@ class Footprints:
                         max(float(s["at"]) for s in samples))
 
     def _read(self) -> dict[str, dict[str, dict[str, Any]]]:
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            # Losing the history costs estimates until the models are measured again, not service.
-            log.warning("ignoring %s: %s", self.path, exc)
-            return {}
+        # A file that cannot be read costs estimates until the models are measured again, not service.
+        data = read_back(self.path)
         models = data.get("models") if isinstance(data, dict) else None
         return models if isinstance(models, dict) else {}
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from launchers import launcher_for
-from proxy.atomic_file import PRIVATE_MODE, write_atomic
+from proxy.atomic_file import PRIVATE_MODE, read_back, write_atomic
 from proxy.config import ModelConfig, changed, override_problems, replicas_problem
 from proxy.lifecycle.replicas import ModelState
 from proxy.lifecycle.runtime import ModelRuntime
@@ -108,12 +108,8 @@ class KeptModels:
     def read(self) -> dict[str, KeptModel]:
         """The entries the last proxy left; none when there is no file. A file that cannot be read
         is logged and ignored: the models then load with their configured settings."""
-        try:
-            doc = json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            log.warning("ignoring %s: %s", self.path, exc)
+        doc = read_back(self.path)
+        if doc is None:
             return {}
         models = doc.get("models") if isinstance(doc, dict) and doc.get("version") == VERSION else None
         if not isinstance(models, dict):
