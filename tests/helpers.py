@@ -6,6 +6,7 @@ killing any survivor so that no test leaves a process behind.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -20,7 +21,7 @@ import urllib.error
 import urllib.request
 import xmlrpc.client
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -460,3 +461,17 @@ def sim_model(**fields: Any) -> dict[str, Any]:
     """A fast simulated model (backend sim) with these settings."""
     return {"backend": "sim", "enabled": True, "target_inflight": 4, "sim": {"ttft_ms": 1, "decode_tokens_per_s": 2000},
             **fields}
+
+
+@contextlib.contextmanager
+def status_page(browser: Any, url: str, width: int, height: int) -> Iterator[Any]:
+    """A tab on the status page at `url` in a window of that size; the test fails after it if the
+    page's script threw."""
+    context = browser.new_context(viewport={"width": width, "height": height})
+    tab = context.new_page()
+    errors: list[str] = []
+    tab.on("pageerror", lambda exc: errors.append(str(exc)))
+    tab.goto(url + "/ui")
+    yield tab
+    context.close()
+    assert not errors, f"the page's script failed: {errors}"

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from helpers import ProxyProcess, http
+from helpers import ProxyProcess, http, status_page
 
 pytestmark = pytest.mark.integration
 expect = pytest.importorskip("playwright.sync_api", reason="the `playwright` package is not installed").expect
@@ -44,14 +44,8 @@ def pool(tiny_gguf: Path, llama_server_bin: Path) -> Iterator[ProxyProcess]:
 
 @pytest.fixture
 def page(browser: Any, pool: ProxyProcess) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1366, "height": 900})
-    tab = context.new_page()
-    errors: list[str] = []
-    tab.on("pageerror", lambda exc: errors.append(str(exc)))
-    tab.goto(pool.url + "/ui")
-    yield tab
-    context.close()
-    assert not errors, f"the page's script failed: {errors}"
+    with status_page(browser, pool.url, 1366, 900) as tab:
+        yield tab
 
 
 def admin_model(pool: ProxyProcess, name: str) -> dict[str, Any]:

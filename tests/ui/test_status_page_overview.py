@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from helpers import Node, ProxyProcess, http, wait_for
+from helpers import Node, ProxyProcess, http, status_page, wait_for
 
 pytestmark = pytest.mark.integration
 expect = pytest.importorskip("playwright.sync_api", reason="the `playwright` package is not installed").expect
@@ -56,15 +56,9 @@ def pool() -> Iterator[ProxyProcess]:
 
 @pytest.fixture
 def page(browser: Any, pool: ProxyProcess) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1920, "height": 1080})
-    tab = context.new_page()
-    errors: list[str] = []
-    tab.on("pageerror", lambda exc: errors.append(str(exc)))
-    tab.goto(pool.url + "/ui")
-    expect(tab.locator("#overview tbody tr")).to_have_count(len(MODELS))
-    yield tab
-    context.close()
-    assert not errors, f"the page's script failed: {errors}"
+    with status_page(browser, pool.url, 1920, 1080) as tab:
+        expect(tab.locator("#overview tbody tr")).to_have_count(len(MODELS))
+        yield tab
 
 
 def ask(pool: ProxyProcess, model: str) -> int:
