@@ -15,10 +15,10 @@ from typing import Callable, Iterable, Mapping
 from launchers import launcher_for
 from proxy import ctl
 from proxy.config import DEFAULT_NODE_USERNAME, ConfigError, Settings, is_loopback, load_settings
-from proxy.lifecycle.kinds import kinds_for
-from proxy.lifecycle.memory import memory_warnings
-from proxy.lifecycle.programs import ProgramKind
-from proxy.lifecycle.remote import EndpointKind
+from proxy.lifecycle.kinds.kind import kinds_for
+from proxy.lifecycle.placement.memory import memory_warnings
+from proxy.lifecycle.kinds.programs import ProgramKind
+from proxy.lifecycle.kinds.remote import EndpointKind
 from proxy.masking import shown_url
 from proxy.supervisord.host_login import try_logins
 from proxy.supervisord.managed import StateDirBusy, claim_state_dir, inherited_lock

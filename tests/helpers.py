@@ -307,9 +307,9 @@ def ready_runtime(config: Any, count: int) -> Any:
     """A model runtime with `count` READY sim replicas and no processes behind them (ports 18000 +
     index, never contacted), for the decisions that only read replica states."""
     from launchers import sim
-    from proxy.lifecycle.reach import ProgramReach
-    from proxy.lifecycle.replicas import Replica, ReplicaState
-    from proxy.lifecycle.runtime import ModelRuntime
+    from proxy.upstream.reach import ProgramReach
+    from proxy.lifecycle.state.replicas import Replica, ReplicaState
+    from proxy.lifecycle.state.runtime import ModelRuntime
 
     runtime = ModelRuntime(config=config)
     for i in range(count):

@@ -10,8 +10,8 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
-from proxy.lifecycle.upstream_http import UpstreamHttp
+from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
+from proxy.upstream.client import UpstreamHttp
 from proxy.serving import routes_public, routes_responses
 from proxy.serving.app import metrics_middleware
 from proxy.serving.errors_http import error_middleware

@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from launchers import launcher_for
 from proxy.atomic_file import PRIVATE_MODE, read_back, write_atomic
 from proxy.config import ModelConfig, changed, override_problems, replicas_problem
-from proxy.lifecycle.replicas import ModelState
-from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.state.replicas import ModelState
+from proxy.lifecycle.state.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 

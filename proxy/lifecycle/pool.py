@@ -1,7 +1,7 @@
 """The pool: the lifecycle decisions. Load, adopt, scale and unload models.
 
 The decisions are the same for every model; how a replica starts and stops differs per kind
-(proxy/lifecycle/kinds.py): a supervisord program (programs.py) or a remote endpoint (remote.py).
+(proxy/lifecycle/kinds/kind.py): a supervisord program (programs.py) or a remote endpoint (remote.py).
 Load starts the replicas and waits until each passes its health check; a restarted proxy adopts
 running ones. Keeping replica states true meanwhile is the monitor's job (monitor.py). Which models
 may be loaded together, and when one loads on demand, unloads when idle or is evicted to make room,
@@ -27,20 +27,20 @@ from proxy.fairness import FairnessPolicy
 from proxy.gpu.footprint import gpu_totals
 from proxy.gpu.report import load_nvml
 from proxy.gpu.vram_estimate import Estimator
-from proxy.lifecycle.footprints import Footprints
+from proxy.lifecycle.placement.footprints import Footprints
 from proxy.lifecycle.kept import FILE_NAME as KEPT_FILE, KeptModels
-from proxy.lifecycle.kinds import kinds_for, traits_for
-from proxy.lifecycle.load_retry import retry_delay, worth_retrying
-from proxy.lifecycle.memory import Memory
-from proxy.lifecycle.monitor import Monitor
-from proxy.lifecycle.placer import Placer
-from proxy.lifecycle.programs import ProgramKind, Programs, live
-from proxy.lifecycle.remote import EndpointKind
-from proxy.lifecycle.replicas import ModelState, ReplicaState
+from proxy.lifecycle.kinds.kind import kinds_for, traits_for
+from proxy.lifecycle.placement.load_retry import retry_delay, worth_retrying
+from proxy.lifecycle.placement.memory import Memory
+from proxy.lifecycle.watch.monitor import Monitor
+from proxy.lifecycle.placement.placer import Placer
+from proxy.lifecycle.kinds.programs import ProgramKind, Programs, live
+from proxy.lifecycle.kinds.remote import EndpointKind
+from proxy.lifecycle.state.replicas import ModelState, ReplicaState
 from proxy.lifecycle.rolling import roll
-from proxy.lifecycle.runtime import LoadRetry, ModelRuntime
+from proxy.lifecycle.state.runtime import LoadRetry, ModelRuntime
 from proxy.lifecycle.scaling import scale
-from proxy.lifecycle.upstream_http import UpstreamHttp
+from proxy.upstream.client import UpstreamHttp
 from proxy.supervisord.hosts import build_hosts
 from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.orphans import PidRecord

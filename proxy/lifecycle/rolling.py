@@ -20,8 +20,8 @@ import logging
 
 from proxy import events as kinds
 from proxy.events import Events
-from proxy.lifecycle.replicas import ModelState
-from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.state.replicas import ModelState
+from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.lifecycle.scaling import Waiter, add_ready, drain_and_remove, free_indices
 from proxy.supervisord.supervisor import SupervisorError
 

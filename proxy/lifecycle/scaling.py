@@ -18,8 +18,8 @@ from typing import Protocol, Sequence
 
 from proxy.config import ModelConfig, replicas_problem
 from proxy.errors import BackendError, BadRequest, Conflict, Unavailable
-from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
-from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
+from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.supervisord.supervisor import SupervisorError
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import hashlib
 from typing import Any, Mapping
 
 from proxy.errors import BadRequest
-from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.state.runtime import ModelRuntime
 
 SESSION_HEADER = "X-Session-Id"
 # Embeddings hold no KV cache between requests: affinity would only cost balance.

@@ -12,8 +12,8 @@ from aiohttp import web
 from proxy.errors import BadRequest, Conflict, TooLarge, Unavailable
 from proxy.fairness import normalize_key
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.replicas import ModelState
-from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.state.replicas import ModelState
+from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.keys import ADOPTING, FAIRNESS_KEY, MODEL, SETTINGS
 from proxy.serving.shutdown import SHUTDOWN, handed_over_error
 from proxy.serving.strict_json import decode
@@ -65,7 +65,7 @@ def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
 def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) -> ModelRuntime:
     """The model's runtime if this request may be sent to it, or queue for it, now; otherwise the
     right error. A model that loads on demand takes requests while it is not loaded: they wait in
-    its queue and placement loads it (proxy/lifecycle/placer.py)."""
+    its queue and placement loads it (proxy/lifecycle/placement/placer.py)."""
     runtime = pool.get(name)
     request[MODEL] = name
     if runtime.kind is not None:

@@ -13,11 +13,11 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable, sse_error_event
-from proxy.lifecycle.affinity import Wait
-from proxy.lifecycle.monitor import Monitor, process_gone
-from proxy.lifecycle.replicas import ModelState, Replica
-from proxy.lifecycle.runtime import ModelRuntime
-from proxy.lifecycle.upstream_http import SENDING, Answer, MalformedAnswer, NotingConnector, Send, UpstreamHttp
+from proxy.lifecycle.state.affinity import Wait
+from proxy.lifecycle.watch.monitor import Monitor, process_gone
+from proxy.lifecycle.state.replicas import ModelState, Replica
+from proxy.lifecycle.state.runtime import ModelRuntime
+from proxy.upstream.client import SENDING, Answer, MalformedAnswer, NotingConnector, Send, UpstreamHttp
 from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STARTED,
                                 STREAM_ERROR)
 from proxy.serving.metrics import usage_in

@@ -6,9 +6,9 @@ from aiohttp import web
 from proxy.config import Settings
 from proxy.serving.metrics import ProxyMetrics
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.replicas import Replica
+from proxy.lifecycle.state.replicas import Replica
 from proxy.gpu.vram_estimate import Estimator
-from proxy.lifecycle.upstream_http import UpstreamHttp
+from proxy.upstream.client import UpstreamHttp
 
 SETTINGS = web.AppKey("settings", Settings)
 POOL = web.AppKey("pool", Pool)

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.replicas import Replica, ReplicaState
+from proxy.lifecycle.state.replicas import Replica, ReplicaState
 from proxy.serving.response_metrics import usage_numbers
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -15,7 +15,7 @@ from launchers import LAUNCHERS
 from proxy.config import model_properties, override_rule
 from proxy.errors import CODES
 from proxy.events import KINDS as EVENT_KINDS
-from proxy.lifecycle.replicas import ModelState, ReplicaState
+from proxy.lifecycle.state.replicas import ModelState, ReplicaState
 from proxy.serving.body import ITEMS, REQUIRED
 from proxy.serving.relay import KNOWN_BACKEND_CODES
 from proxy.serving.responses import REQUEST_SCHEMA

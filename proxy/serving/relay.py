@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator
 
 from proxy.config import ModelConfig, ServiceSettings
 from proxy.errors import BackendError, BackendTimeout, PoolError, RefusedByBackend
-from proxy.lifecycle.upstream_http import Answer
+from proxy.upstream.client import Answer
 
 EXCERPT_CHARS = 200
 # Error codes a backend may send that the request metrics keep as they are: the shims' own and the

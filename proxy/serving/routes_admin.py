@@ -16,7 +16,7 @@ from proxy.events import ADMIN, KINDS as EVENT_KINDS
 from proxy.serving.admin_guard import admit
 from proxy.serving.body import read_json
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.gpu.report import ModelSnapshot, gpu_report
 from proxy.serving.keys import METRICS, POOL, SETTINGS, VRAM
 from proxy.serving.traffic import traffic

@@ -6,8 +6,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.config import LOCAL_HOST
 from proxy.errors import BadRequest
-from proxy.lifecycle.replicas import ModelState
-from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.state.replicas import ModelState
+from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import check_required, fairness_key, read_body, requested_model, servable
 from proxy.serving.forward import forward

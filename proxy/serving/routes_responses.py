@@ -19,8 +19,8 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import BackendError, PoolError, sse_error_event
-from proxy.lifecycle.replicas import ModelState
-from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.state.replicas import ModelState
+from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving import response_metrics
 from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_json, servable

@@ -1,7 +1,7 @@
 """The one decode of a request body: UTF-8 JSON, an object, within what the proxy parses without
 stalling its event loop; anything else is a 400 `invalid_json` that says why.
 
-A replica gets the client's bytes as they came (proxy/lifecycle/reach.py), so they must read there
+A replica gets the client's bytes as they came (proxy/upstream/reach.py), so they must read there
 as they read here. `json.loads` on bytes guessed UTF-16 or UTF-32 and took a BOM: an image URL
 refused in UTF-8 reached a replica in UTF-16, and the sim answered such bodies 500 and was ejected;
 and it takes NaN and Infinity, which are Python's, not JSON's. Size is service.max_body_bytes;

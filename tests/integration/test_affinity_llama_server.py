@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from helpers import ProxyProcess, http
-from proxy.lifecycle.affinity import order
+from proxy.lifecycle.state.affinity import order
 from proxy.serving.affinity_key import digest, prompt_prefix
 
 pytestmark = pytest.mark.integration

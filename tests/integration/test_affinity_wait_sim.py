@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from helpers import ProxyProcess, wait_for
-from proxy.lifecycle.affinity import order
+from proxy.lifecycle.state.affinity import order
 from proxy.serving.affinity_key import digest
 
 pytestmark = pytest.mark.integration

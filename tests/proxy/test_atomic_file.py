@@ -95,7 +95,7 @@ def test_footprints_killed_mid_write_leave_the_old_history(tmp_path: Path) -> No
     history.write_text(old)
     _killed_while(tmp_path, f"""
         from proxy.config import load_settings
-        from proxy.lifecycle.footprints import Footprints
+        from proxy.lifecycle.placement.footprints import Footprints
         model = load_settings({str(config)!r}).models["m"]
         prints = Footprints(Path({str(history)!r}))
         limit()

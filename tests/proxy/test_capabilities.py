@@ -11,7 +11,7 @@ import pytest
 from launchers import LAUNCHERS
 from proxy.capabilities import THINKING_MODES, capabilities
 from proxy.config import SCHEMA_PATH, ModelConfig
-from proxy.lifecycle.kinds import ENDPOINT_BACKENDS, traits_for
+from proxy.lifecycle.kinds.kind import ENDPOINT_BACKENDS, traits_for
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = json.loads(SCHEMA_PATH.read_text())["$defs"]["model"]["properties"]["backend"]["enum"]

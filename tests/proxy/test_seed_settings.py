@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.capabilities import capabilities
-from proxy.lifecycle.kinds import traits_for
+from proxy.lifecycle.kinds.kind import traits_for
 from proxy.cli import main
 from proxy.config import ConfigError, load_settings
 from proxy.serving.responses import parse

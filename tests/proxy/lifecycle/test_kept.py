@@ -90,7 +90,7 @@ def test_free_indices_are_the_lowest_not_in_use() -> None:
 
 def test_saving_keeps_loaded_models_the_last_proxys_pending_ones_and_mid_roll_the_old_settings(tmp_path: Path) -> None:
     from helpers import ready_runtime
-    from proxy.lifecycle.replicas import ModelState
+    from proxy.lifecycle.state.replicas import ModelState
 
     old, new = model(), model(sim={"ttft_ms": 2})
     rolling = ready_runtime(new, 2)

@@ -14,8 +14,8 @@ from launchers import sim
 from proxy.config import load_settings
 from proxy.errors import Conflict, Unavailable
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.reach import ProgramReach
-from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+from proxy.upstream.reach import ProgramReach
+from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 
 
 def pool_of(tmp_path: Path, models: str, lifecycle: str = "{}") -> Pool:

@@ -13,7 +13,7 @@ from in_process import serve_routes
 from proxy.config import load_settings
 from proxy.errors import Conflict
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.replicas import ModelState
+from proxy.lifecycle.state.replicas import ModelState
 from proxy.serving.forward import upstream_session
 
 

@@ -10,9 +10,9 @@ from fakes import FakeManagedSupervisord, FakeSupervisor
 from launchers import sim
 from proxy.config import load_settings
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.reach import ProgramReach
-from proxy.lifecycle.replicas import InvalidTransition, ModelState, Replica, ReplicaState
-from proxy.lifecycle.monitor import DOWN_LOG_INTERVAL_S
+from proxy.upstream.reach import ProgramReach
+from proxy.lifecycle.state.replicas import InvalidTransition, ModelState, Replica, ReplicaState
+from proxy.lifecycle.watch.monitor import DOWN_LOG_INTERVAL_S
 from proxy.supervisord.supervisor import ProcessState, SupervisorUnavailable
 
 RUNNING, STARTING, BACKOFF = ProcessState.RUNNING, ProcessState.STARTING, ProcessState.BACKOFF
@@ -109,7 +109,7 @@ async def test_a_ready_replica_that_fails_its_health_check_leaves_rotation_until
     async def probe(*_: Any) -> tuple[bool, str | None]:
         return healthy["now"], None
 
-    monkeypatch.setattr("proxy.lifecycle.monitor.probe", probe)
+    monkeypatch.setattr("proxy.lifecycle.watch.monitor.probe", probe)
     await pool.monitor.checks.check(runtime, replica, replica.pid)
     assert replica.state == ReplicaState.UNHEALTHY and runtime.admission.capacity == 0
     assert "health check failed while ready" in replica.last_error

@@ -13,7 +13,7 @@ from fakes import FakeReplicaKind
 from helpers import ready_runtime
 from proxy.config import ModelConfig
 from proxy.events import RESTART, Events
-from proxy.lifecycle.replicas import ModelState, ReplicaState
+from proxy.lifecycle.state.replicas import ModelState, ReplicaState
 from proxy.lifecycle.rolling import roll
 
 

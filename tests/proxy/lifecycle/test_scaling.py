@@ -15,8 +15,8 @@ from launchers.spec import program_name
 from proxy.config import load_settings
 from proxy.errors import BadRequest, Conflict, Unavailable
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.reach import ProgramReach
-from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+from proxy.upstream.reach import ProgramReach
+from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.supervisord.supervisor import ProcessState, SupervisorUnavailable
 
 P = [program_name("m", i) for i in range(3)]

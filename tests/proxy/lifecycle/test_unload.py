@@ -14,8 +14,8 @@ from launchers.spec import program_name
 from proxy.config import load_settings
 from proxy.errors import Unavailable
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.reach import ProgramReach
-from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+from proxy.upstream.reach import ProgramReach
+from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.supervisord.supervisor import BadName, ProcessState, StillRunning, SupervisorUnavailable
 
 RUNNING, STARTING, BACKOFF = ProcessState.RUNNING, ProcessState.STARTING, ProcessState.BACKOFF

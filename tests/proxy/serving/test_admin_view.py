@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from launchers import llama_server, sim
-from proxy.lifecycle.kinds import traits_for
+from proxy.lifecycle.kinds.kind import traits_for
 from proxy.serving.admin_view import REDACTED, definition, load_constraints
 from proxy.config import SCHEMA_PATH, ModelConfig, load_settings, model_properties
 

@@ -9,7 +9,7 @@ import pytest
 
 from proxy.config import DEFAULT_ROUTING, ModelConfig
 from proxy.errors import BadRequest
-from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.affinity_key import affinity_key, digest
 
 CONFIG = ModelConfig(name="m", backend="llama_server", enabled=True, replicas=2, replica_max=2, target_inflight=2,

@@ -16,8 +16,8 @@ from launchers import sim
 from proxy.config import load_settings
 from proxy.errors import BackendError
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.reach import ProgramReach
-from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+from proxy.upstream.reach import ProgramReach
+from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.serving.forward import upstream
 from proxy.serving.relay import Timeouts
 

@@ -16,8 +16,8 @@ from launchers.spec import ProgramSpec
 from proxy.config import load_settings
 from proxy.serving.metrics import OTHER_KEY, ProxyMetrics, usage_in
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.reach import ProgramReach
-from proxy.lifecycle.replicas import ModelState, Replica, ReplicaState
+from proxy.upstream.reach import ProgramReach
+from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 
 USAGE = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17, "prompt_tokens_details": {"cached_tokens": 8}}
 

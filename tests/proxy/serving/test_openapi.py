@@ -16,7 +16,7 @@ from openapi_spec_validator import validate
 from launchers import LAUNCHERS
 from proxy.config import SCHEMA_PATH, Settings, load_settings, override_rule
 from proxy.errors import CODES
-from proxy.lifecycle.reach import PROXY_ONLY_FIELDS
+from proxy.upstream.reach import PROXY_ONLY_FIELDS
 from proxy.serving import openapi
 from proxy.serving.app import create_app
 from proxy.serving.body import REQUIRED

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from proxy.capabilities import capabilities
-from proxy.lifecycle.kinds import traits_for
+from proxy.lifecycle.kinds.kind import traits_for
 from proxy.config import ModelConfig
 from proxy.errors import BadRequest
 from proxy.serving.response_metrics import METRIC_KEYS, Timer, build

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from proxy.config import ModelConfig
-from proxy.lifecycle.kinds import traits_for
-from proxy.lifecycle.runtime import ModelRuntime
+from proxy.lifecycle.kinds.kind import traits_for
+from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.routes_public import embeddings_unsupported
 
 

@@ -24,8 +24,8 @@ from launchers import llama_server
 from proxy.config import load_settings
 from proxy.errors import BadRequest
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.reach import ProgramReach
-from proxy.lifecycle.replicas import Replica, ReplicaState
+from proxy.upstream.reach import ProgramReach
+from proxy.lifecycle.state.replicas import Replica, ReplicaState
 from proxy.serving.body import read_json
 from proxy.serving.forward import upstream_session
 from proxy.serving.responses import MAX_CONTENT_ITEMS, MAX_CONTENT_ITEMS_TOTAL, parse

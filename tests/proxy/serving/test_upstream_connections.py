@@ -23,9 +23,9 @@ from in_process import in_rotation, serve_routes
 from launchers import llama_server
 from proxy.config import load_settings
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.reach import ProgramReach
-from proxy.lifecycle.replicas import Replica, ReplicaState
-from proxy.lifecycle.upstream_http import UpstreamHttp
+from proxy.upstream.reach import ProgramReach
+from proxy.lifecycle.state.replicas import Replica, ReplicaState
+from proxy.upstream.client import UpstreamHttp
 from proxy.serving.forward import upstream_session
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
