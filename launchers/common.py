@@ -9,7 +9,8 @@ from typing import Any, Callable, Mapping
 
 from launchers.gguf_header import MAGIC as GGUF_MAGIC
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
-from proxy.config import REPO_ROOT, ModelConfig
+from proxy.config.files import REPO_ROOT
+from proxy.config.model import ModelConfig
 
 
 def library_env(model: ModelConfig, library_field: str | None,

@@ -8,7 +8,7 @@ from launchers.common import SHIM_HOST, none_known, shim_argv, shim_problems, sh
 from launchers.gguf_header import is_gguf
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.capabilities import Traits
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from shims.ct2 import TOKENIZER_FILE, model_kind
 
 PORT_FIELD = "ct2_port"

@@ -12,7 +12,7 @@ from typing import Mapping
 from launchers.common import SHIM_HOST, gguf_problem, none_known, shim_argv, shim_problems, shim_spec
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.capabilities import Traits
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from shims.prompts import MULTI_TURN_FORMATS
 
 PORT_FIELD = "llama_cpp_port"

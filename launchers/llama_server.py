@@ -1,7 +1,7 @@
 """llama.cpp's llama-server: every `llama_server_*` field mapped to the flag of the pinned build.
 
 Flag names were checked against `llama-server --help` of the llama.cpp tree vendored in
-llama-cpp-python 0.3.36 (LLAMA_CPP_PYTHON_VERSION in proxy/config.py, built by
+llama-cpp-python 0.3.36 (LLAMA_CPP_PYTHON_VERSION in proxy/setup/paths.py, built by
 proxy/setup/llama_build.py); tests/launchers checks every flag and every enumerated value against
 the built binary. At config time, the values of enumerated fields are
 checked against the binary that will run them (launchers/llama_help.py), and so are the options of
@@ -23,7 +23,8 @@ from launchers.gguf_header import declared_pooling
 from launchers.llama_help import HelpUnavailable, Option, choices, help_text, options
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.capabilities import Traits
-from proxy.config import ModelConfig, cache_root, cached_llama_server
+from proxy.config.model import ModelConfig
+from proxy.setup.paths import cache_root, cached_llama_server
 
 # (config field, flag): scalar fields that map one to one, in the order they are emitted.
 # llama_server_n_ctx is not here: it is per request, and becomes --ctx-size times the slots.

@@ -7,7 +7,7 @@ from typing import Mapping
 from launchers.common import SHIM_HOST, none_known, shim_spec
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.capabilities import Traits
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from shims.sim import SimParams
 
 PORT_FIELD = "sim_port"

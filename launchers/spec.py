@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Mapping, Protocol
 
 if TYPE_CHECKING:  # for the Launcher protocol's types only: this module stays a leaf at run time
     from proxy.capabilities import Traits
-    from proxy.config import ModelConfig
+    from proxy.config.model import ModelConfig
 
 HEADER = "; written by llm-pool: do not edit, it is rewritten on every load"
 _META = re.compile(r"^; replica program=(?P<program>\S+) port=(?P<port>\d+)$", re.M)

@@ -20,7 +20,7 @@ from launchers.common import library_env, managed_flag_problem, model_file_probl
 from launchers.gguf_header import is_gguf
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.capabilities import Traits
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 
 # (config field, flag): scalar fields that map one to one, in the order they are emitted.
 FLAGS = (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 
 THINKING_MODES = ("default", "enabled", "disabled")
 

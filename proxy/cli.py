@@ -14,7 +14,8 @@ from typing import Callable, Iterable, Mapping
 
 from launchers import launcher_for
 from proxy import ctl
-from proxy.config import DEFAULT_NODE_USERNAME, ConfigError, Settings, is_loopback, load_settings
+from proxy.config.loading import ConfigError, load_settings
+from proxy.config.settings import DEFAULT_NODE_USERNAME, Settings, is_loopback
 from proxy.lifecycle.kinds.kind import kinds_for
 from proxy.lifecycle.placement.memory import memory_warnings
 from proxy.lifecycle.kinds.programs import ProgramKind

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 
 import yaml
 
-from proxy.config import ConfigError, load_settings
+from proxy.config.loading import ConfigError, load_settings
 from proxy.masking import shown_url
 
 EXIT_OK = 0

@@ -8,7 +8,7 @@ import contextlib
 
 from aiohttp import web
 
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.upstream.client import UpstreamHttp

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.gpu.proc_tree import descendants, parent_pids
 from proxy.gpu.vram_estimate import MIB, Estimator
 

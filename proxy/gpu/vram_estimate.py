@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 
 MIB = 1024 * 1024
 # The model's main weights come from the first of these that names an existing file or folder.

@@ -23,7 +23,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from launchers import launcher_for
 from proxy.atomic_file import PRIVATE_MODE, read_back, write_atomic
-from proxy.config import ModelConfig, changed, override_problems, replicas_problem
+from proxy.config.checks import override_problems, replicas_problem
+from proxy.config.merge import changed
+from proxy.config.model import ModelConfig
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 

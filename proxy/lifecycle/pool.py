@@ -19,7 +19,8 @@ from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 from launchers.spec import replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
-from proxy.config import ModelConfig, Settings
+from proxy.config.model import ModelConfig
+from proxy.config.settings import Settings
 from proxy.errors import BackendError, Conflict, NotFound, PoolError, Unavailable
 from proxy import events as ev
 from proxy.events import Events

@@ -16,7 +16,8 @@ import logging
 import time
 from typing import Protocol, Sequence
 
-from proxy.config import ModelConfig, replicas_problem
+from proxy.config.checks import replicas_problem
+from proxy.config.model import ModelConfig
 from proxy.errors import BackendError, BadRequest, Conflict, Unavailable
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.state.runtime import ModelRuntime

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from proxy.config import ServiceSettings
+from proxy.config.settings import ServiceSettings
 from proxy.errors import Forbidden, Unauthorized, UnsupportedMediaType
 from proxy.serving.keys import SETTINGS
 

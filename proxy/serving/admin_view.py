@@ -4,7 +4,7 @@ JSON schema, and its configured fields with secrets redacted.
 A UI builds its load form from this alone: every temporary override the backend's launcher accepts
 (`LOAD_OVERRIDES`), with the type and range the schema gives it, and the replica bounds. Nothing here
 restates a rule: a field's constraint is whatever `conf/schema.json` says, so the form and the
-validation of `POST .../load` (proxy.config.override_problems) can never disagree.
+validation of `POST .../load` (proxy.config.checks.override_problems) can never disagree.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import re
 from typing import Any, Mapping
 
 from launchers import launcher_for
-from proxy.config import ModelConfig, override_rule
+from proxy.config.checks import override_rule
+from proxy.config.model import ModelConfig
 from proxy.masking import shown_url
 
 # Field names whose values are secrets: *_api_key, *token* as a word (so `max_tokens` is not one),

@@ -21,7 +21,7 @@ from proxy.serving import routes_admin
 from proxy.serving import routes_public
 from proxy.serving import routes_responses
 from proxy.serving import ui
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from proxy.errors import NotFound
 from proxy.events import RELOAD
 from proxy.serving.errors_http import ERROR_CODE, error_middleware

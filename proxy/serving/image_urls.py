@@ -15,7 +15,7 @@ import socket
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.errors import BadRequest
 
 DEFAULT_SCHEMES = ("data",)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from proxy.serving.metrics import ProxyMetrics
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import Replica

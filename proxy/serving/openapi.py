@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from proxy.errors import CODES
 from proxy.events import KINDS as EVENT_KINDS
 from proxy.serving import openapi_schemas as schemas

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from launchers import LAUNCHERS
-from proxy.config import model_properties, override_rule
+from proxy.config.checks import model_properties, override_rule
 from proxy.errors import CODES
 from proxy.events import KINDS as EVENT_KINDS
 from proxy.lifecycle.state.replicas import ModelState, ReplicaState

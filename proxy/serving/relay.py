@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, AsyncIterator
 
-from proxy.config import ModelConfig, ServiceSettings
+from proxy.config.model import ModelConfig
+from proxy.config.settings import ServiceSettings
 from proxy.errors import BackendError, BackendTimeout, PoolError, RefusedByBackend
 from proxy.upstream.client import Answer
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import jsonschema
 
 from proxy.capabilities import Capabilities, Traits
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.errors import BadRequest
 from shims.prompts import TURN_STOPS
 

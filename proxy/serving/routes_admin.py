@@ -10,7 +10,8 @@ from aiohttp import web
 
 from launchers import launcher_for
 from proxy.serving.admin_view import admin_row
-from proxy.config import LOCAL_HOST, model_properties, override_problems, replicas_problem
+from proxy.config.checks import model_properties, override_problems, replicas_problem
+from proxy.config.settings import LOCAL_HOST
 from proxy.errors import BadRequest, Conflict, PoolError, Unavailable
 from proxy.events import ADMIN, KINDS as EVENT_KINDS
 from proxy.serving.admin_guard import admit

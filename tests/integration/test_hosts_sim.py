@@ -213,7 +213,7 @@ def test_program_files_of_models_no_longer_configured_are_removed_on_every_host(
         nodes: list[Node], proxies: list[ProxyProcess]) -> None:
     from launchers import sim as sim_launcher
     from launchers.spec import program_name, render_replica
-    from proxy.config import load_settings
+    from proxy.config.loading import load_settings
 
     nodes += [Node("a", "pa").start(), Node("b", "pb").start()]
     # A model an earlier configuration placed on host b, running there.

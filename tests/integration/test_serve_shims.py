@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from helpers import ProxyProcess, http, pid_alive, supervisord_shows_running, wait_for
-from proxy.config import REPO_ROOT
+from proxy.config.files import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,9 @@ import pytest
 from launchers import llama_server
 from launchers.llama_help import choices, help_text, options
 from launchers.spec import group_name, ports_in_file, program_name, render_replica, replica_index
-from proxy.config import REPO_ROOT, ModelConfig, model_properties
+from proxy.config.checks import model_properties
+from proxy.config.files import REPO_ROOT
+from proxy.config.model import ModelConfig
 
 GOLDEN = Path(__file__).parent / "golden"
 ENVIRON = {"LD_LIBRARY_PATH": "/usr/local/lib"}

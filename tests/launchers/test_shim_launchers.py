@@ -8,7 +8,10 @@ import pytest
 
 from launchers import ct2, exllamav3, launcher_for, llama_cpp
 from launchers.spec import render_replica
-from proxy.config import REPO_ROOT, ConfigError, ModelConfig, load_settings, model_properties
+from proxy.config.checks import model_properties
+from proxy.config.files import REPO_ROOT
+from proxy.config.loading import ConfigError, load_settings
+from proxy.config.model import ModelConfig
 
 GOLDEN = Path(__file__).parent / "golden"
 EXAMPLES = REPO_ROOT / "conf" / "examples" / "in-process.yaml"

@@ -10,7 +10,8 @@ import pytest
 
 from launchers import launcher_for, vllm_serve
 from launchers.spec import render_replica
-from proxy.config import ModelConfig, model_properties
+from proxy.config.checks import model_properties
+from proxy.config.model import ModelConfig
 from seed_vllm_examples import SEED_EXAMPLES
 
 HERE = Path(__file__).parent

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from proxy.cli import EXIT_CONFIG, main
-from proxy.config import REPO_ROOT, ConfigError, load_settings
+from proxy.config.files import REPO_ROOT
+from proxy.config.loading import ConfigError, load_settings
 
 VAR = "LLM_POOL_TEST_ADMIN_TOKEN_UNIT"
 

@@ -66,7 +66,7 @@ def test_supervisord_conf_killed_mid_write_leaves_the_old_file(tmp_path: Path) -
     conf = tmp_path / "state" / "supervisord.conf"
     conf.write_text(OLD)
     _killed_while(tmp_path, f"""
-        from proxy.config import load_settings
+        from proxy.config.loading import load_settings
         from proxy.supervisord.managed import prepare_state_dir
         settings = load_settings({str(config)!r})
         limit()
@@ -94,7 +94,7 @@ def test_footprints_killed_mid_write_leave_the_old_history(tmp_path: Path) -> No
     old = json.dumps({"version": 1, "models": {}})
     history.write_text(old)
     _killed_while(tmp_path, f"""
-        from proxy.config import load_settings
+        from proxy.config.loading import load_settings
         from proxy.lifecycle.placement.footprints import Footprints
         model = load_settings({str(config)!r}).models["m"]
         prints = Footprints(Path({str(history)!r}))

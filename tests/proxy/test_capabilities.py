@@ -10,7 +10,8 @@ import pytest
 
 from launchers import LAUNCHERS
 from proxy.capabilities import THINKING_MODES, capabilities
-from proxy.config import SCHEMA_PATH, ModelConfig
+from proxy.config.files import SCHEMA_PATH
+from proxy.config.model import ModelConfig
 from proxy.lifecycle.kinds.kind import ENDPOINT_BACKENDS, traits_for
 
 ROOT = Path(__file__).resolve().parents[2]

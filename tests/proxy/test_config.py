@@ -7,7 +7,9 @@ import pytest
 import yaml
 
 from proxy.cli import main
-from proxy.config import REPO_ROOT, ConfigError, deep_merge, load_settings
+from proxy.config.files import REPO_ROOT
+from proxy.config.loading import ConfigError, load_settings
+from proxy.config.merge import deep_merge
 
 LLAMA_MODEL = {"backend": "llama_server", "model_path": "models/tiny.gguf", "enabled": False}
 
@@ -203,7 +205,7 @@ def test_a_prompt_format_the_shims_do_not_know_is_an_error_with_the_closest_name
 
 
 def test_prompt_formats_come_from_the_shims_renderers() -> None:
-    from proxy.config import PROMPT_FORMATS
+    from proxy.config.checks import PROMPT_FORMATS
     from shims import prompts
 
     assert PROMPT_FORMATS is prompts.FORMATS
@@ -263,7 +265,7 @@ def test_check_config_fails_an_extra_arg_that_repeats_a_flag_llm_pool_sets(
 
 
 def test_a_load_override_of_a_nested_field_keeps_the_models_other_settings() -> None:
-    from proxy.config import ModelConfig
+    from proxy.config.model import ModelConfig
 
     sim = {"ttft_ms": 100, "decode_tokens_per_s": 50.0, "max_seqs": 4}
     config = ModelConfig(name="m", backend="sim", enabled=True, replicas=1, replica_max=2, target_inflight=1,

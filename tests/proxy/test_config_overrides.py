@@ -1,5 +1,5 @@
 """Load overrides are data: they change a number or pick from a set the engine documents, never
-what runs (an executable, a path, a library). proxy.config.override_problems, against the schema."""
+what runs (an executable, a path, a library). proxy.config.checks.override_problems, against the schema."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,8 @@ from typing import Any, Iterator
 import pytest
 
 from launchers import LAUNCHERS, ct2, llama_server, sim, vllm_serve
-from proxy.config import PATH_FIELDS, PATH_LIST_FIELDS, ModelConfig, model_properties, override_problems, override_rule
+from proxy.config.checks import model_properties, override_problems, override_rule
+from proxy.config.model import PATH_FIELDS, PATH_LIST_FIELDS, ModelConfig
 
 # The issue's two payloads: an interpreter of the caller's choosing, and a line break that gives
 # supervisord a second `command=`.
@@ -105,6 +106,6 @@ def test_every_field_that_names_a_file_is_config_only() -> None:
 def test_the_schema_stays_valid_json_schema() -> None:
     import jsonschema
 
-    from proxy.config import SCHEMA_PATH
+    from proxy.config.files import SCHEMA_PATH
 
     jsonschema.Draft202012Validator.check_schema(json.loads(SCHEMA_PATH.read_text()))

@@ -12,7 +12,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.config import ConfigError, Settings, deep_merge, load_settings
+from proxy.config.loading import ConfigError, load_settings
+from proxy.config.merge import deep_merge
+from proxy.config.settings import Settings
 
 # Real keys, so that generated documents reach deep into the schema instead of stopping at the top.
 KEYS = st.sampled_from(["service", "supervisor", "engine", "models", "m", "backend", "port", "host", "replicas",

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from proxy.cli import main
-from proxy.config import ConfigError, load_settings
+from proxy.config.loading import ConfigError, load_settings
 
 MODEL = {"backend": "llama_server", "model_path": "models/tiny.gguf", "enabled": False}
 

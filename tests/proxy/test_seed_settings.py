@@ -11,7 +11,7 @@ import pytest
 from proxy.capabilities import capabilities
 from proxy.lifecycle.kinds.kind import traits_for
 from proxy.cli import main
-from proxy.config import ConfigError, load_settings
+from proxy.config.loading import ConfigError, load_settings
 from proxy.serving.responses import parse
 
 SEED = Path(__file__).resolve().parent.parent / "fixtures" / "seed_000"

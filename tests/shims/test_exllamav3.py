@@ -16,7 +16,7 @@ import pytest
 
 from fakes import FakeExllamaV3
 from launchers import exllamav3 as launcher
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from shims.exllamav3 import ExLlamaV3Engine, ExLlamaV3Options, cache_bits, main
 
 

@@ -14,7 +14,7 @@ from launchers import launcher_for
 from proxy.capabilities import Traits
 from proxy.lifecycle.kinds import remote
 if TYPE_CHECKING:
-    from proxy.config import ModelConfig
+    from proxy.config.model import ModelConfig
     from proxy.lifecycle.state.replicas import Replica
     from proxy.lifecycle.state.runtime import ModelRuntime
 

@@ -21,7 +21,8 @@ from launchers import launcher_for
 from launchers.spec import (Launcher, ProgramSpec, UnsafeProgramValue, ports_in_file, program_name, render_replica,
                             replica_index)
 from proxy import events
-from proxy.config import LOCAL_HOST, ModelConfig, Settings
+from proxy.config.model import ModelConfig
+from proxy.config.settings import LOCAL_HOST, Settings
 from proxy.errors import Unavailable
 from proxy.events import Events
 from proxy.lifecycle.kept import outdated_reason, what_changed

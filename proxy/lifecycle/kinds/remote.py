@@ -31,7 +31,7 @@ from proxy.lifecycle.state.replicas import Replica, ReplicaState
 from proxy.upstream.client import Answer, MalformedAnswer, UpstreamHttp
 
 if TYPE_CHECKING:
-    from proxy.config import ModelConfig
+    from proxy.config.model import ModelConfig
     from proxy.lifecycle.state.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.atomic_file import read_back, write_atomic
 
 log = logging.getLogger(__name__)

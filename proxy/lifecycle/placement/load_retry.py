@@ -2,7 +2,7 @@
 back-off between tries. Pure decisions; the pool (pool.py) carries them out."""
 from __future__ import annotations
 
-from proxy.config import ServiceSettings
+from proxy.config.settings import ServiceSettings
 from proxy.errors import PoolError
 from proxy.supervisord.supervisor import SupervisorError
 

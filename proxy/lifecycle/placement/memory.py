@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from launchers import launcher_for
-from proxy.config import LOCAL_HOST, LifecycleSettings, ModelConfig, Settings
+from proxy.config.model import ModelConfig
+from proxy.config.settings import LOCAL_HOST, LifecycleSettings, Settings
 from proxy.gpu.footprint import GpuTotals, gpu_device, gpu_totals
 from proxy.gpu.report import load_nvml
 from proxy.gpu.vram_estimate import MIB, Estimate, Estimator

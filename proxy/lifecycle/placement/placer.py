@@ -31,7 +31,8 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from proxy.config import LOCAL_HOST, ModelConfig, Settings
+from proxy.config.model import ModelConfig
+from proxy.config.settings import LOCAL_HOST, Settings
 from proxy import events as ev
 from proxy.errors import BackendError, Conflict, PoolError, Unavailable
 from proxy.events import Events

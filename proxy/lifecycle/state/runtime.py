@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from proxy.admission import Admission
 from proxy.capabilities import Capabilities, Traits, capabilities
-from proxy.config import ModelConfig, changed
+from proxy.config.merge import changed
+from proxy.config.model import ModelConfig
 from proxy.errors import PoolError
 from proxy.fairness import FairnessPolicy
 from proxy.lifecycle.state import affinity

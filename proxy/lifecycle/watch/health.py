@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 
 from launchers.spec import ProgramSpec
 from proxy import events as ev
-from proxy.config import ServiceSettings
+from proxy.config.settings import ServiceSettings
 from proxy.events import Events
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.state.runtime import ModelRuntime

@@ -24,7 +24,7 @@ import aiohttp
 
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy import events as ev
-from proxy.config import LOCAL_HOST, Settings
+from proxy.config.settings import LOCAL_HOST, Settings
 from proxy.events import Events
 from proxy.lifecycle.watch import crashes
 from proxy.upstream.engine_metrics import read_gauges

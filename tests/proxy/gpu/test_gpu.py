@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import pytest
 
 from fakes import FakeNvml
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.setup.demo_model import write_tiny_gguf
 from proxy.gpu.report import ModelSnapshot, gpu_report
 from proxy.supervisord.managed import pid_alive

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.setup.demo_model import N_EMBD, N_HEAD, N_LAYER, write_tiny_gguf
 from proxy.gpu.vram_estimate import MIB, Estimator
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from launchers import llama_server, sim
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.lifecycle.kept import KeptModels, entry, honoured, what_changed
 from proxy.lifecycle.scaling import free_indices
 

@@ -11,7 +11,7 @@ import pytest
 
 from fakes import FakeSupervisor
 from launchers import sim
-from proxy.config import load_settings
+from proxy.config.loading import load_settings
 from proxy.errors import Conflict, Unavailable
 from proxy.lifecycle.pool import Pool
 from proxy.upstream.reach import ProgramReach

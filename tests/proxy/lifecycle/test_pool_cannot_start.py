@@ -10,7 +10,7 @@ import pytest
 
 from fakes import FakeSupervisor
 from in_process import serve_routes
-from proxy.config import load_settings
+from proxy.config.loading import load_settings
 from proxy.errors import Conflict
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import ModelState

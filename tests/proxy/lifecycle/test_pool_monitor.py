@@ -8,7 +8,7 @@ import pytest
 
 from fakes import FakeManagedSupervisord, FakeSupervisor
 from launchers import sim
-from proxy.config import load_settings
+from proxy.config.loading import load_settings
 from proxy.lifecycle.pool import Pool
 from proxy.upstream.reach import ProgramReach
 from proxy.lifecycle.state.replicas import InvalidTransition, ModelState, Replica, ReplicaState

@@ -11,7 +11,7 @@ import pytest
 
 from fakes import FakeReplicaKind
 from helpers import ready_runtime
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.events import RESTART, Events
 from proxy.lifecycle.state.replicas import ModelState, ReplicaState
 from proxy.lifecycle.rolling import roll

@@ -11,7 +11,7 @@ import pytest
 from fakes import ScriptedSupervisor
 from launchers import sim
 from launchers.spec import program_name
-from proxy.config import load_settings
+from proxy.config.loading import load_settings
 from proxy.errors import Unavailable
 from proxy.lifecycle.pool import Pool
 from proxy.upstream.reach import ProgramReach

@@ -13,7 +13,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy.config import load_settings
+from proxy.config.loading import load_settings
 from proxy.serving.admin_guard import admit
 from proxy.serving.errors_http import error_middleware
 from proxy.serving.keys import SETTINGS

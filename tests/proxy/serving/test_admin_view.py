@@ -10,7 +10,10 @@ import yaml
 from launchers import llama_server, sim
 from proxy.lifecycle.kinds.kind import traits_for
 from proxy.serving.admin_view import REDACTED, definition, load_constraints
-from proxy.config import SCHEMA_PATH, ModelConfig, load_settings, model_properties
+from proxy.config.checks import model_properties
+from proxy.config.files import SCHEMA_PATH
+from proxy.config.loading import load_settings
+from proxy.config.model import ModelConfig
 
 
 def configured(tmp_path: Path, **models: dict[str, Any]) -> dict[str, ModelConfig]:
@@ -39,7 +42,7 @@ def test_constraints_follow_the_schema_file_not_a_copy(tmp_path: Path, monkeypat
     schema["$defs"]["model"]["properties"]["llama_server_spec_draft_n_max"]["maximum"] = 9
     edited = tmp_path / "schema.json"
     edited.write_text(json.dumps(schema))
-    monkeypatch.setattr("proxy.config.SCHEMA_PATH", edited)
+    monkeypatch.setattr("proxy.config.files.SCHEMA_PATH", edited)
     model = ModelConfig(name="m", backend="llama_server", enabled=False, replicas=1, replica_max=1,
                         target_inflight=1, modalities=("text",), gpus=(), options={})
     assert load_constraints(model, model_properties(), True)["overrides"]["llama_server_spec_draft_n_max"]["maximum"] == 9

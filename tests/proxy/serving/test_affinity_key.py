@@ -7,7 +7,7 @@ from typing import Any, Iterator, Mapping
 
 import pytest
 
-from proxy.config import DEFAULT_ROUTING, ModelConfig
+from proxy.config.model import DEFAULT_ROUTING, ModelConfig
 from proxy.errors import BadRequest
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.affinity_key import affinity_key, digest

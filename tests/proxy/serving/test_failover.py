@@ -13,7 +13,7 @@ from aiohttp import web
 
 from fakes import FakeSupervisor
 from launchers import sim
-from proxy.config import load_settings
+from proxy.config.loading import load_settings
 from proxy.errors import BackendError
 from proxy.lifecycle.pool import Pool
 from proxy.upstream.reach import ProgramReach

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.errors import BadRequest
 from proxy.serving.image_urls import check_image_urls
 

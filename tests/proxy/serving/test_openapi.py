@@ -14,7 +14,10 @@ from aiohttp.test_utils import TestServer
 from openapi_spec_validator import validate
 
 from launchers import LAUNCHERS
-from proxy.config import SCHEMA_PATH, Settings, load_settings, override_rule
+from proxy.config.checks import override_rule
+from proxy.config.files import SCHEMA_PATH
+from proxy.config.loading import load_settings
+from proxy.config.settings import Settings
 from proxy.errors import CODES
 from proxy.upstream.reach import PROXY_ONLY_FIELDS
 from proxy.serving import openapi

@@ -8,7 +8,7 @@ import pytest
 
 from proxy.capabilities import capabilities
 from proxy.lifecycle.kinds.kind import traits_for
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.errors import BadRequest
 from proxy.serving.response_metrics import METRIC_KEYS, Timer, build
 from proxy.serving.responses import MIXED_SOURCE_NOTE, backend_request, parse, validate_for_model

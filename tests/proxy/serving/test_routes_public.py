@@ -1,7 +1,7 @@
 """What the public routes answer on their own, before anything reaches a backend."""
 from __future__ import annotations
 
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.lifecycle.kinds.kind import traits_for
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.routes_public import embeddings_unsupported

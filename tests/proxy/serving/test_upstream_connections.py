@@ -21,7 +21,7 @@ from aiohttp import web
 from fakes import FakeLlamaServerHTTP, FakeSupervisor
 from in_process import in_rotation, serve_routes
 from launchers import llama_server
-from proxy.config import load_settings
+from proxy.config.loading import load_settings
 from proxy.lifecycle.pool import Pool
 from proxy.upstream.reach import ProgramReach
 from proxy.lifecycle.state.replicas import Replica, ReplicaState

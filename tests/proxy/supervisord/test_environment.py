@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.config import ConfigError, load_settings
+from proxy.config.loading import ConfigError, load_settings
 from proxy.supervisord.environment import model_server_environ
 
 

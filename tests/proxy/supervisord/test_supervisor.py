@@ -14,7 +14,8 @@ import yaml
 from fakes import BrokenCallXmlRpc
 from helpers import free_port, pid_alive
 from proxy.supervisord import managed
-from proxy.config import HostSettings, Settings, load_settings
+from proxy.config.loading import load_settings
+from proxy.config.settings import HostSettings, Settings
 from proxy.supervisord.hosts import Host
 from proxy.supervisord.supervisor import BadName, NotRunning, ProcessState, SupervisorClient, SupervisorUnavailable
 

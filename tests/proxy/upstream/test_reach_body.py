@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from launchers import sim
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.upstream.reach import ProgramReach
 
 

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from launchers import llama_server
-from proxy.config import DEFAULT_ROUTING, ModelConfig
+from proxy.config.model import DEFAULT_ROUTING, ModelConfig
 from proxy.upstream.reach import ProgramReach
 
 

@@ -15,7 +15,8 @@ import pytest
 from fakes import FakeSupervisor
 from proxy.capabilities import capabilities
 from proxy.lifecycle.kinds.kind import traits_for
-from proxy.config import ConfigError, ModelConfig, load_settings
+from proxy.config.loading import ConfigError, load_settings
+from proxy.config.model import ModelConfig
 from proxy.errors import BackendError, Forbidden, TooManyRequests
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.kinds.remote import EndpointKind, RemoteReach, Secret, allowed, retry_after_s

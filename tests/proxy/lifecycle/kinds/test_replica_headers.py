@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from launchers import vllm_serve
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.upstream.reach import ProgramReach
 from proxy.lifecycle.watch.monitor import probe
 

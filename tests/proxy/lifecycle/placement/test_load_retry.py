@@ -14,7 +14,7 @@ import pytest
 
 from fakes import FakeProvider, FakeSupervisor
 from helpers import free_port
-from proxy.config import load_settings
+from proxy.config.loading import load_settings
 from proxy.lifecycle.placement.load_retry import retry_delay
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import ModelState

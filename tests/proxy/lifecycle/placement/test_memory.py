@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from proxy.config import DEFAULT_SETTINGS, LifecycleSettings, ModelConfig, load_settings
+from proxy.config.files import DEFAULT_SETTINGS
+from proxy.config.loading import load_settings
+from proxy.config.model import ModelConfig
+from proxy.config.settings import LifecycleSettings
 from proxy.gpu.footprint import GpuTotals, tree_cpu_bytes, tree_gpu_bytes
 from proxy.gpu.vram_estimate import MIB, Estimator
 from proxy.lifecycle.placement.footprints import Footprints, settings_key

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.admission import Admission
-from proxy.config import load_settings
+from proxy.config.loading import load_settings
 from proxy.errors import BackendError, Conflict, Unavailable
 from proxy.gpu.footprint import GpuTotals
 from proxy.gpu.vram_estimate import Estimator

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from proxy.admission import Admission
-from proxy.config import load_settings
+from proxy.config.loading import load_settings
 from proxy.gpu.footprint import GpuTotals
 from proxy.gpu.vram_estimate import MIB, Estimator
 from proxy.lifecycle.placement.footprints import Footprints

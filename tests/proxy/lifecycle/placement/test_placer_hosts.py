@@ -10,7 +10,7 @@ from helpers import Node, free_port
 from launchers import sim
 from launchers.spec import render_replica
 from proxy.admission import Admission
-from proxy.config import load_settings
+from proxy.config.loading import load_settings
 from proxy.gpu.footprint import GpuTotals
 from proxy.gpu.vram_estimate import Estimator
 from proxy.lifecycle.placement.footprints import Footprints

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import ready_runtime
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.lifecycle.state import affinity
 from proxy.lifecycle.state.affinity import Candidate, KeyTable, choose, order
 from proxy.lifecycle.state.replicas import ReplicaState

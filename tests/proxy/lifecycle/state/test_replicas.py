@@ -6,7 +6,7 @@ import time
 import pytest
 
 from helpers import ready_runtime
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.lifecycle.state.replicas import InvalidTransition, ModelState, model_transition
 from proxy.lifecycle.state.runtime import ModelRuntime
 

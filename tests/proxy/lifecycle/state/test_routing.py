@@ -5,7 +5,7 @@ import pytest
 
 from launchers import llama_server, sim
 from helpers import ready_runtime
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.upstream.engine_metrics import read_gauges
 from proxy.lifecycle.state.replicas import InvalidTransition, ReplicaState
 from proxy.lifecycle.state.runtime import ModelRuntime

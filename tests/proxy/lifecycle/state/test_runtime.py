@@ -1,7 +1,7 @@
 """What the admin view says of one model at run time."""
 from __future__ import annotations
 
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.lifecycle.state.runtime import ModelRuntime
 
 SIM = {"ttft_ms": 100, "decode_tokens_per_s": 50.0, "max_seqs": 4}

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from helpers import ready_runtime
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.events import Events
 from proxy.lifecycle.watch.health import HealthPolicy, ReadyChecks, note_failure, note_success, state_after_check
 from proxy.lifecycle.state.replicas import InvalidTransition, ReplicaState

@@ -1,0 +1,186 @@
+"""The rules a settings document must meet: conf/schema.json's (unknown keys are warnings with the
+closest known name), those across fields the schema cannot state (`semantic_problems`), and those of
+what a load may ask for (overrides, replica counts)."""
+from __future__ import annotations
+
+import difflib
+import json
+from typing import Any, Mapping
+
+import jsonschema
+
+from proxy.config import files
+from proxy.config.model import ModelConfig
+from proxy.config.origins import Origins, json_path
+from proxy.config.settings import LOCAL_HOST, Settings
+from shims.prompts import FORMATS as PROMPT_FORMATS
+
+# A unix socket path longer than this does not fit in sockaddr_un on Linux.
+MAX_SOCKET_PATH = 107
+
+
+def _with_effective_backends(doc: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The document with each model's effective backend (its own, else engine.backend) written in,
+    so that the schema's backend-specific rules judge a model by the backend it will really run."""
+    engine = doc.get("engine")
+    if not isinstance(engine, dict) or not isinstance(engine.get("models"), dict) or not engine.get("backend"):
+        return doc
+    models = {name: ({"backend": engine["backend"], **raw} if isinstance(raw, dict) and raw.get("backend") is None
+                     else raw) for name, raw in engine["models"].items()}
+    return {**doc, "engine": {**engine, "models": models}}
+
+
+def did_you_mean(given: str, known: Any) -> str:
+    """`; did you mean `x`?` naming the closest of `known`, or "" when none is close."""
+    close = difflib.get_close_matches(given, sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
+def _unknown_key(path: list[Any], key: str, known: Any) -> str:
+    return f"{json_path(path + [key])}: unknown field, ignored{did_you_mean(key, known)}"
+
+
+def model_properties() -> dict[str, Any]:
+    """conf/schema.json's rule for each field of a model definition (load overrides are checked,
+    shown and documented by these)."""
+    schema = json.loads(files.SCHEMA_PATH.read_text(encoding="utf-8"))
+    properties: dict[str, Any] = schema["$defs"]["model"]["properties"]
+    return properties
+
+
+def schema_findings(doc: Mapping[str, Any], origins: Origins | None = None) -> tuple[list[str], list[str]]:
+    """(errors, warnings): errors break a rule and stop the start; warnings are unknown keys. Without
+    `origins`, messages say no file."""
+    origins = origins or Origins()
+    schema = json.loads(files.SCHEMA_PATH.read_text(encoding="utf-8"))
+    validator = jsonschema.Draft202012Validator(schema)
+    problems, warnings = [], []
+    for err in validator.iter_errors(_with_effective_backends(doc)):
+        where = list(err.absolute_path)
+        if err.validator == "additionalProperties" and isinstance(err.instance, dict):
+            allowed = set(err.schema.get("properties", {}))
+            warnings += [_unknown_key(where, key, allowed) for key in sorted(set(err.instance) - allowed)]
+            continue
+        # A backend-specific rule (an if/then of the schema) says why in its description.
+        why = err.schema.get("description") if "then" in err.absolute_schema_path else None
+        because = f" ({why})" if why else ""
+        if err.validator == "required":
+            missing = err.message.split("'")[1] if "'" in err.message else err.message
+            typo = origins.misspelt_model(str(where[2])) if where[:2] == ["engine", "models"] and len(where) == 3 \
+                else ""
+            problems.append(f"{json_path(where + [missing])}: required{because}{typo}")
+            continue
+        if "propertyNames" in err.absolute_schema_path:
+            problems.append(f"{json_path(where)}: model id {err.instance!r} must be 1-128 characters of "
+                            "letters, digits and ._:@+- (model ids are names, never paths)")
+            continue
+        problems.append(f"{json_path(where)}: {err.message}{because}")
+    return sorted({origins.where(p) for p in problems}), sorted({origins.where(w) for w in warnings})
+
+
+def schema_problems(doc: Mapping[str, Any], origins: Origins | None = None) -> list[str]:
+    """Every rule broken, unknown keys included (what `check-config --strict` reports)."""
+    problems, warnings = schema_findings(doc, origins)
+    return sorted(problems + warnings)
+
+
+def secret_env_names(settings: Settings) -> set[str]:
+    """Variables that hold the proxy's secrets: the admin token's, and every variable a model names
+    in a `*_env` field (provider API keys). Model servers never see them."""
+    names = {settings.service.admin_token_env} if settings.service.admin_token_env else set()
+    names.update(h.password_env for h in settings.supervisor.hosts.values())
+    for model in settings.models.values():
+        names.update(v for k, v in model.options.items() if k.endswith("_env") and isinstance(v, str) and v)
+    return names
+
+
+def semantic_problems(settings: Settings) -> list[str]:
+    problems = []
+    if len(str(settings.socket_path)) > MAX_SOCKET_PATH and settings.supervisor.mode == "managed":
+        problems.append(f"service.state_dir: {settings.service.state_dir} is too long for a unix socket path; "
+                        "choose a shorter folder")
+    for name in sorted(set(settings.supervisor.pass_env) & secret_env_names(settings)):
+        problems.append(f"supervisor.pass_env: {name} holds a secret of the proxy (named by admin_token_env "
+                        "or a *_env field); model servers never get it")
+    if settings.service.admin_port is not None and settings.service.admin_port == settings.service.port:
+        problems.append(f"service.admin_port: {settings.service.admin_port} is service.port; the admin listener "
+                        "needs a port of its own")
+    hosts = settings.supervisor.host_names
+    if LOCAL_HOST in settings.supervisor.hosts:
+        problems.append(f"supervisor.hosts.{LOCAL_HOST}: the name is this machine's own supervisord; give the "
+                        "host another name")
+    if settings.supervisor.mode == "hosts" and not settings.supervisor.hosts:
+        problems.append("supervisor.mode: hosts needs at least one host in supervisor.hosts")
+    for name, model in settings.models.items():
+        for host in model.hosts:
+            if host not in hosts:
+                problems.append(f"engine.models.{name}.hosts: {host!r} is not a host here"
+                                f"{did_you_mean(host, hosts)} (hosts: {', '.join(hosts) or 'none'})")
+    lo, hi = settings.supervisor.port_range
+    if lo > hi:
+        problems.append(f"supervisor.port_range: start {lo} is above end {hi}")
+    for name, model in settings.models.items():
+        where = f"engine.models.{name}"
+        if not model.backend:
+            problems.append(f"{where}.backend: required (or set engine.backend){settings.origins.misspelt_model(name)}")
+        if model.replicas > model.replica_max:
+            problems.append(f"{where}.replicas: {model.replicas} is above replica_max {model.replica_max}")
+        # The renderers' own list (shims/prompts.py) is the one source: an unknown name loaded, showed
+        # READY and then failed every request with a 400 that blamed the client.
+        prompt_format = model.options.get("prompt_format")
+        if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
+            problems.append(f"{where}.prompt_format: {prompt_format!r} is not a prompt format llm-pool knows"
+                            f"{did_you_mean(prompt_format, PROMPT_FORMATS)} (one of {', '.join(PROMPT_FORMATS)})")
+    return [settings.where(p) for p in problems]
+
+
+def override_problems(model: ModelConfig, overrides: Mapping[str, Any], allowed: tuple[str, ...]) -> list[str]:
+    """Problems with temporary load overrides: only the backend's live knobs, each valid per the schema."""
+    properties = model_properties()
+    problems = []
+    for key, value in overrides.items():
+        config_only = _config_only({"properties": properties}, {key: value}, "overrides")
+        if config_only:
+            problems += config_only
+            continue
+        if key not in allowed:
+            problems.append(f"overrides.{key}: not a live override for backend {model.backend!r}; "
+                            f"allowed: {', '.join(allowed) or 'none'}")
+            continue
+        for err in jsonschema.Draft202012Validator(properties[key]).iter_errors(value):
+            problems.append(f"overrides.{key}: {err.message}")
+    return problems
+
+
+def _config_only(rule: Mapping[str, Any], value: Any, where: str) -> list[str]:
+    """The keys of `value`, at any depth (`overrides.sim.python`), that the schema marks readOnly:
+    they name what runs (an executable, a path, a library), which only the config files choose."""
+    if not isinstance(value, Mapping):
+        return []
+    found = []
+    for key, inner in value.items():
+        sub = rule.get("properties", {}).get(key, {})
+        if sub.get("readOnly") and inner is not None:   # a null only removes it: the default is the config's
+            found.append(f"{where}.{key}: set in the config files only (it names an executable, a path or a "
+                         "library); a load cannot set it")
+        else:
+            found += _config_only(sub, inner, f"{where}.{key}")
+    return found
+
+
+def override_rule(rule: Mapping[str, Any]) -> dict[str, Any]:
+    """A field's schema rule as a load override may use it: a readOnly field only as null (removed
+    for that load), an object without its readOnly keys."""
+    if rule.get("readOnly"):
+        return {"type": "null", "description": "set in the config files only; a load may remove it"}
+    shown = dict(rule)
+    if isinstance(rule.get("properties"), Mapping):
+        shown["properties"] = {k: override_rule(v) for k, v in rule["properties"].items() if not v.get("readOnly")}
+    return shown
+
+
+def replicas_problem(value: object, replica_max: int) -> str | None:
+    """The one rule for a replica count a load or a scale asks for."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= replica_max:
+        return f"replicas: must be an integer from 1 to replica_max ({replica_max})"
+    return None

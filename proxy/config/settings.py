@@ -1,0 +1,151 @@
+"""The records of the settings (`Settings`: the service, supervisord and its hosts, engine.lifecycle,
+the models) with the defaults of their sections."""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from proxy.config.model import ModelConfig
+from proxy.config.origins import Origins
+
+DEFAULT_SERVICE = {"host": "127.0.0.1", "port": 8011, "log_level": "info", "max_body_bytes": 32 * 1024 * 1024,
+                   "drain_timeout_s": 30.0, "reload_timeout_s": 120.0, "admin_token_env": None}
+# Reliability defaults (README: Timeouts, health and ejection). A long prefill on a big model is
+# legitimate, so the first byte gets minutes; a stream that goes quiet mid-answer does not.
+DEFAULT_RELIABILITY: dict[str, Any] = {"first_byte_timeout_s": 600.0, "stream_idle_timeout_s": 120.0,
+                       "max_response_bytes": 64 * 1024 * 1024, "health_interval_s": 5.0, "health_timeout_s": 5.0,
+                       "eject_after_failures": 5, "eject_base_s": 30.0, "eject_max_s": 300.0,
+                       "load_retry_base_s": 5.0, "load_retry_max_s": 300.0}
+DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "port_range": [18100, 18999],
+                      "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15, "pass_env": []}
+# engine.lifecycle (README: More models than memory). Every default keeps the behaviour from before
+# it existed: models load only when enabled or an admin loads them, stay until unloaded, and no load
+# is refused for memory.
+DEFAULT_LIFECYCLE: dict[str, Any] = {"load_on_demand": False, "idle_unload_s": None, "pinned": False,
+                                     "max_loaded_models": None, "swap_max_wait_s": 10.0, "min_residence_s": 5.0}
+DEFAULT_MEMORY: dict[str, Any] = {"gpu_headroom_mib": None, "cpu_budget_mib": None, "footprint_margin": 0.1,
+                                  "footprint_percentile": 90}
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    host: str
+    port: int
+    log_level: str
+    state_dir: Path
+    max_body_bytes: int
+    drain_timeout_s: float
+    admin_token_env: str | None
+    # A reload's successor must have adopted every running replica and be accepting within this.
+    reload_timeout_s: float = 120.0
+    admin_host: str | None = None       # with admin_port: the admin API listens there, and only there
+    admin_port: int | None = None
+    # Without a token, the admin API on an address other machines reach is refused at startup unless
+    # this says it is meant (README: Security): anyone who reaches it can load and unload models.
+    admin_allow_unauthenticated_remote: bool = False
+    first_byte_timeout_s: float = DEFAULT_RELIABILITY["first_byte_timeout_s"]
+    stream_idle_timeout_s: float = DEFAULT_RELIABILITY["stream_idle_timeout_s"]
+    max_response_bytes: int = DEFAULT_RELIABILITY["max_response_bytes"]
+    health_interval_s: float = DEFAULT_RELIABILITY["health_interval_s"]
+    health_timeout_s: float = DEFAULT_RELIABILITY["health_timeout_s"]
+    eject_after_failures: int = DEFAULT_RELIABILITY["eject_after_failures"]
+    eject_base_s: float = DEFAULT_RELIABILITY["eject_base_s"]
+    eject_max_s: float = DEFAULT_RELIABILITY["eject_max_s"]
+    # A failed load at startup that can pass is tried again after this, doubled per try, up to the max.
+    load_retry_base_s: float = DEFAULT_RELIABILITY["load_retry_base_s"]
+    load_retry_max_s: float = DEFAULT_RELIABILITY["load_retry_max_s"]
+
+    @property
+    def admin_listener_host(self) -> str:
+        """Where the admin API listens: admin_host with admin_port, else service.host."""
+        return (self.admin_host or self.host) if self.admin_port is not None else self.host
+
+
+def is_loopback(host: str) -> bool:
+    """`localhost` or a loopback address (127.0.0.0/8, ::1, bracketed or not): only this machine reaches it."""
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    """supervisor.hosts.NAME: another host's supervisord with llm-pool's plugin (`llm-pool node`)."""
+
+    name: str
+    url: str
+    username: str
+    password_env: str                    # the variable holding its password: the value is never kept here
+    address: str                         # where its replicas are reached (default: the url's host)
+    cpu_budget_mib: float | None = None  # None: engine.lifecycle.memory.cpu_budget_mib
+
+
+# The name of the host that is this machine's own supervisord (managed or external mode).
+LOCAL_HOST = "local"
+DEFAULT_NODE_USERNAME = "llm-pool"
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    mode: str
+    url: str | None
+    programs_dir: Path
+    port_range: tuple[int, int]
+    poll_interval_s: float
+    rpc_timeout_s: float
+    stopwaitsecs: int
+    pass_env: tuple[str, ...] = ()       # variables passed to model servers besides the fixed few
+    hosts: Mapping[str, HostSettings] = field(default_factory=dict)   # other hosts, by name
+
+    @property
+    def host_names(self) -> tuple[str, ...]:
+        """Every host replicas may run on: this machine's supervisord first (unless mode is
+        `hosts`), then the configured ones in their order."""
+        return ((LOCAL_HOST,) if self.mode != "hosts" else ()) + tuple(self.hosts)
+
+
+@dataclass(frozen=True)
+class LifecycleSettings:
+    """engine.lifecycle: the pool-wide limits of what may be loaded at once."""
+
+    max_loaded_models: int | None = None
+    swap_max_wait_s: float = DEFAULT_LIFECYCLE["swap_max_wait_s"]
+    min_residence_s: float = DEFAULT_LIFECYCLE["min_residence_s"]
+    gpu_headroom_mib: float | None = None    # None: GPU memory does not limit loads
+    cpu_budget_mib: float | None = None      # None: CPU memory does not limit loads
+    footprint_margin: float = DEFAULT_MEMORY["footprint_margin"]
+    footprint_percentile: float = DEFAULT_MEMORY["footprint_percentile"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    service: ServiceSettings
+    supervisor: SupervisorSettings
+    decoding: Mapping[str, Any]
+    fairness: Mapping[str, Any]
+    models: Mapping[str, ModelConfig]
+    sources: tuple[Path, ...]
+    lifecycle: LifecycleSettings = field(default_factory=LifecycleSettings)
+    warnings: tuple[str, ...] = ()         # unknown keys, each with the closest known name
+    origins: Origins = field(default_factory=Origins, compare=False)
+
+    def where(self, message: str) -> str:
+        """A config message with the file and line that set its key, e.g. `(conf/local.yaml:12)`."""
+        return self.origins.where(message)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.service.state_dir / "supervisor.sock"
+
+    @property
+    def supervisor_url(self) -> str:
+        if self.supervisor.mode == "external":
+            assert self.supervisor.url
+            return self.supervisor.url
+        return f"unix://{self.socket_path}"
