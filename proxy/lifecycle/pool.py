@@ -37,12 +37,13 @@ from proxy.lifecycle.watch.monitor import Monitor
 from proxy.lifecycle.placement.placer import Placer
 from proxy.lifecycle.kinds.programs import ProgramKind, Programs, live
 from proxy.lifecycle.kinds.remote import EndpointKind
-from proxy.lifecycle.state.replicas import ModelState, ReplicaState
+from proxy.lifecycle.state.outcomes import Outcomes
+from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.rolling import roll
 from proxy.lifecycle.state.runtime import LoadRetry, ModelRuntime
 from proxy.lifecycle.scaling import scale
 from proxy.upstream.client import UpstreamHttp
-from proxy.supervisord.hosts import build_hosts
+from proxy.supervisord.hosts import Host, build_hosts
 from proxy.supervisord.managed import ManagedSupervisord
 from proxy.supervisord.orphans import PidRecord
 from proxy.supervisord.supervisor import SupervisorClient, SupervisorError
@@ -550,6 +551,31 @@ class Pool:
         # Retrieved even when no one awaits it any more, so its failure is not reported as lost.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)
+
+
+    # -- what serving/ asks of the pool ----------------------------------------------------------
+    # The HTTP side goes through these, never into the pool's parts (placer, monitor, programs).
+
+    @property
+    def outcomes(self) -> Outcomes:
+        """Where the data path reports each request's outcome on a replica (the monitor's health)."""
+        return self.monitor
+
+    def demand(self, runtime: ModelRuntime) -> None:
+        """A request for a model that is not loaded: raise what refuses it now, else let it queue."""
+        self.placer.demand(runtime)
+
+    def memory_report(self) -> dict[str, Any]:
+        """GET /v1/admin/memory: each device's budget and what holds it; the loads in flight and waiting."""
+        return self.placer.describe()
+
+    def supervisord_status(self) -> dict[str, object]:
+        """Whether this machine's supervisord answers, and since when it has not."""
+        return self.monitor.supervisord_status()
+
+    def host_of(self, replica: Replica) -> Host:
+        """The host a replica's program runs on (its log is read there)."""
+        return self.programs.host_of(replica)
 
 
 def _no_nvml_yet() -> Any:

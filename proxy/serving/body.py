@@ -85,7 +85,7 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) 
     # An admin's unload is meant: its model is not brought back while it unloads.
     if runtime.config.load_on_demand and runtime.kind is not None and not (
             state == ModelState.UNLOADING and runtime.unload_reason == "admin"):
-        pool.placer.demand(runtime)
+        pool.demand(runtime)
         return runtime
     if state == ModelState.LOADING:
         raise Unavailable(f"model {name!r} is loading", code="model_loading", retry_after=5)

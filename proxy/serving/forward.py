@@ -14,10 +14,11 @@ from aiohttp import web
 
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable, sse_error_event
 from proxy.lifecycle.state.affinity import Wait
-from proxy.lifecycle.watch.monitor import Monitor, process_gone
+from proxy.lifecycle.state.outcomes import Outcomes, process_gone
 from proxy.lifecycle.state.replicas import ModelState, Replica
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.upstream.client import SENDING, Answer, MalformedAnswer, NotingConnector, Send, UpstreamHttp
+from proxy.upstream.client import SENDING, Answer, NotingConnector, Send, UpstreamHttp
+from proxy.upstream.connection import MalformedAnswer
 from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STARTED,
                                 STREAM_ERROR)
 from proxy.serving.metrics import usage_in
@@ -91,18 +92,18 @@ class upstream:
     costs several times as much to enter and leave.
     """
 
-    __slots__ = ("monitor", "http", "runtime", "path", "payload", "request_id", "timeouts", "affinity", "raw",
+    __slots__ = ("outcomes", "http", "runtime", "path", "payload", "request_id", "timeouts", "affinity", "raw",
                  "replica", "resp", "send")
 
-    def __init__(self, monitor: Monitor, http: UpstreamHttp, runtime: ModelRuntime, path: str,
+    def __init__(self, outcomes: Outcomes, http: UpstreamHttp, runtime: ModelRuntime, path: str,
                  payload: dict[str, Any], request_id: str, timeouts: Timeouts, affinity: str | None = None,
                  raw: bytes | None = None) -> None:
-        self.monitor, self.http, self.runtime, self.path = monitor, http, runtime, path
+        self.outcomes, self.http, self.runtime, self.path = outcomes, http, runtime, path
         self.payload, self.request_id, self.timeouts = payload, request_id, timeouts
         self.affinity, self.raw = affinity, raw
 
     async def __aenter__(self) -> tuple[Replica, Answer]:
-        monitor, runtime, timeouts, affinity = self.monitor, self.runtime, self.timeouts, self.affinity
+        outcomes, runtime, timeouts, affinity = self.outcomes, self.runtime, self.timeouts, self.affinity
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeouts.first_byte_s
         failed_over = False   # a request goes to a second replica once at most (below)
@@ -139,7 +140,7 @@ class upstream:
                         resp = await _post(send, self.http, replica, self.path, self.payload, self.request_id,
                                            self.raw)
                 except aiohttp.ClientConnectorError as exc:
-                    monitor.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
+                    outcomes.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
                     if send.second is None:
                         continue
                     # Refused on a new connection just after a reused one was dropped: the replica went
@@ -151,21 +152,21 @@ class upstream:
                         continue
                     raise BackendError(f"{label(replica)} dropped the request: {type(exc).__name__}") from exc
                 except asyncio.TimeoutError:
-                    monitor.report_outcome(replica, "no answer within first_byte_timeout_s")
+                    outcomes.report_outcome(replica, "no answer within first_byte_timeout_s")
                     raise BackendTimeout(f"{label(replica)} sent no answer within {timeouts.first_byte_s:g}s "
                                          "(first_byte_timeout_s)") from None
                 except MalformedAnswer as exc:
                     # It answered, out of turn or out of bounds: nothing to send again, the replica's fault.
-                    monitor.report_outcome(replica, str(exc))
+                    outcomes.report_outcome(replica, str(exc))
                     raise BackendError(f"{label(replica)} {exc}") from exc
                 except (aiohttp.ClientError, OSError) as exc:
                     if not failed_over and process_gone(replica):
                         # Its process died with the request before any answer: nothing ran it to an
                         # end, so another replica may. Out of rotation until its health check passes.
-                        monitor.report_connection_failure(replica, f"its process exited ({type(exc).__name__})")
+                        outcomes.report_connection_failure(replica, f"its process exited ({type(exc).__name__})")
                         failed_over = True
                         continue
-                    monitor.report_outcome(replica, f"dropped the request: {type(exc).__name__}")
+                    outcomes.report_outcome(replica, f"dropped the request: {type(exc).__name__}")
                     raise BackendError(f"{label(replica)} dropped the request: {type(exc).__name__}") from exc
                 if resp.status == 503 and replica.spec is not None and not failed_over and \
                         any(r is not replica for r in runtime.ready()):
@@ -173,7 +174,7 @@ class upstream:
                     # model, a shim shutting down) did not take the request: another replica does,
                     # and this one stays out of rotation until its health check passes.
                     resp.close()
-                    monitor.report_connection_failure(replica, "answered 503 (not serving)")
+                    outcomes.report_connection_failure(replica, "answered 503 (not serving)")
                     failed_over = True
                     continue
                 self.replica, self.resp, self.send = replica, resp, send
@@ -230,20 +231,20 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
     the proxy-only fields are dropped by the replica's reach. `raw`: the bytes `body` was read
     from, sent as they are where the reach changes nothing."""
     request_id = request.headers.get("X-Request-Id") or f"req_{os.urandom(16).hex()}"
-    monitor = request.app[POOL].monitor
+    outcomes = request.app[POOL].outcomes
     cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
     queued = runtime.admission.enqueue(key)
     enqueued = time.perf_counter()
     async with Slot(runtime, queued):
         request.app[METRICS].observe_wait(runtime.name, time.perf_counter() - enqueued, cold)
         timeouts = Timeouts.of(request.app[SETTINGS].service, runtime.model)
-        async with upstream(monitor, request.app[HTTP], runtime, request.path, body, request_id,
+        async with upstream(outcomes, request.app[HTTP], runtime, request.path, body, request_id,
                             timeouts, affinity, raw) as (replica, resp):
             request[REPLICA] = replica
-            return await _relay(request, monitor, replica, resp, request_id, timeouts)
+            return await _relay(request, outcomes, replica, resp, request_id, timeouts)
 
 
-async def read_answer(monitor: Monitor, replica: Replica, resp: Answer, timeouts: Timeouts,
+async def read_answer(outcomes: Outcomes, replica: Replica, resp: Answer, timeouts: Timeouts,
                       limit: int) -> bytes:
     """A non-streamed answer, whole, within service.max_response_bytes; a backend error (5xx, or an
     answer that is not JSON) is raised as an OpenAI error and counted against the replica."""
@@ -251,25 +252,26 @@ async def read_answer(monitor: Monitor, replica: Replica, resp: Answer, timeouts
         raw = await read_capped(resp, timeouts, limit, label(replica))
     except (PoolError, aiohttp.ClientError) as exc:
         reason = exc.message if isinstance(exc, PoolError) else f"broke off its answer: {type(exc).__name__}"
-        monitor.report_outcome(replica, reason)
+        outcomes.report_outcome(replica, reason)
         if isinstance(exc, PoolError):
             raise
         raise BackendError(f"{label(replica)} {reason}") from exc
     content_type = resp.headers.get("Content-Type", "")
     if resp.status >= 400 or "json" not in content_type:
-        monitor.report_outcome(replica, f"HTTP {resp.status}" if resp.status >= 500 else None)
+        outcomes.report_outcome(replica, f"HTTP {resp.status}" if resp.status >= 500 else None)
         raise backend_error(resp.status if resp.status >= 400 else 502, raw, label(replica),
                             retry_after=resp.headers.get("Retry-After"))
-    monitor.report_outcome(replica, None)
+    outcomes.report_outcome(replica, None)
     return raw
 
 
-async def _relay(request: web.Request, monitor: Monitor, replica: Replica, upstream: Answer,
+async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, upstream: Answer,
                  request_id: str, timeouts: Timeouts) -> web.StreamResponse:
     content_type = upstream.headers.get("Content-Type", "application/json")
     metrics = request.app[METRICS]
     if not content_type.startswith("text/event-stream") or upstream.status != 200:
-        body = await read_answer(monitor, replica, upstream, timeouts, request.app[SETTINGS].service.max_response_bytes)
+        limit = request.app[SETTINGS].service.max_response_bytes
+        body = await read_answer(outcomes, replica, upstream, timeouts, limit)
         metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(body), replica)
         return web.Response(status=upstream.status, body=body, headers={
             "Content-Type": content_type, "X-Request-Id": request_id, REPLICA_HEADER: str(replica.index)})
@@ -298,12 +300,12 @@ async def _relay(request: web.Request, monitor: Monitor, replica: Replica, upstr
             BackendError(f"{label(replica)} broke off the stream: {type(exc).__name__}")
         log.warning("%s %s: %s", request.method, request.path, err.message)
         request[STREAM_ERROR] = err.metric_code
-        monitor.report_outcome(replica, err.message)
+        outcomes.report_outcome(replica, err.message)
         with contextlib.suppress(ConnectionResetError):
             await out.write(sse_error_event(err))
             await out.write_eof()
         return out
-    monitor.report_outcome(replica, None)
+    outcomes.report_outcome(replica, None)
     metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(oldest + older + last),
                         replica)
     await out.write_eof()

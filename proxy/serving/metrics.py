@@ -162,7 +162,7 @@ class PoolCollector(Collector):
         used = GaugeMetricFamily("llm_pool_memory_used_bytes", "Memory admitted to loaded models per device", labels=d)
         reserved = GaugeMetricFamily("llm_pool_memory_reserved_bytes", "Memory reserved by loads in flight per device",
                                      labels=d)
-        for row in self.pool.placer.describe()["devices"]:
+        for row in self.pool.memory_report()["devices"]:
             if row["budget_bytes"] is not None:
                 budget.add_metric([row["device"]], row["budget_bytes"])
             used.add_metric([row["device"]], row["used_bytes"])

@@ -34,7 +34,7 @@ async def admin_models(request: web.Request) -> web.Response:
     rows = [admin_row(pool.describe(rt), rt.config, properties, pool.environ, loadable=rt.kind is not None,
                       model_field=rt.traits.model_field) for rt in pool.models.values()]
     return web.json_response({"object": "list", "data": rows,
-                              "supervisord": pool.monitor.supervisord_status()})
+                              "supervisord": pool.supervisord_status()})
 
 
 async def _load_request(request: web.Request, name: str) -> dict[str, Any]:
@@ -162,7 +162,7 @@ async def admin_memory(request: web.Request) -> web.Response:
     """What placement works with: each device's budget, what loaded models hold and loads in flight
     reserve, the count cap, and the loads in flight and waiting for room, in order."""
     admit(request)
-    return web.json_response(request.app[POOL].placer.describe())
+    return web.json_response(request.app[POOL].memory_report())
 
 
 @routes.get("/v1/admin/traffic")
@@ -245,7 +245,7 @@ async def admin_logs(request: web.Request) -> web.Response:
                        code="no_process_log")
     # The supervisord of the replica's host: a node's log is read through its own XML-RPC
     # (tailProcessStdoutLog / readProcessStdoutLog, with its username and password).
-    host = request.app[POOL].programs.host_of(replica)
+    host = request.app[POOL].host_of(replica)
     supervisor = host.client
     overflow = False
     try:

@@ -69,7 +69,7 @@ async def health(request: web.Request) -> web.Response:
     # Another configured host that does not answer takes its replicas out of rotation: degraded
     # too, while it lasts (named in `hosts`, with how long).
     # Stopping is still alive (200): an orchestrator that killed it then would cut the drain short.
-    supervisord = pool.monitor.supervisord_status()
+    supervisord = pool.supervisord_status()
     hosts = {name: s for name, s in pool.host_status().items() if name != LOCAL_HOST}
     whole = supervisord["answering"] and all(s["answering"] for s in hosts.values())
     status = "shutting_down" if request.app[SHUTDOWN].started else "ok" if whole else "degraded"

@@ -110,7 +110,7 @@ async def _relay(request: web.Request, runtime: ModelRuntime, queued: Any, paylo
     """The one path of a /v1/responses request through the pool: wait for a slot, send to a
     replica, and yield the answer's text as it comes (a JSON answer as one piece, a stream chunk
     by chunk). A backend failure is raised; the caller's output decides how the client hears it."""
-    monitor = request.app[POOL].monitor
+    outcomes = request.app[POOL].outcomes
     settings = request.app[SETTINGS]
     async with Slot(runtime, queued):
         timer.mark("admitted")
@@ -118,24 +118,24 @@ async def _relay(request: web.Request, runtime: ModelRuntime, queued: Any, paylo
         if cold and timer.enqueued is not None and timer.admitted is not None:
             request.app[METRICS].load_wait.labels(runtime.name).observe(timer.admitted - timer.enqueued)
         timeouts = Timeouts.of(settings.service, runtime.model)
-        async with upstream(monitor, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
+        async with upstream(outcomes, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
                             timeouts, affinity) as (replica, resp):
             request[REPLICA] = replica
             # A provider's timings are not engine times we measured.
             own_timings = replica.reach.engine_timings
             if not payload.get("stream"):
-                raw = await read_answer(monitor, replica, resp, timeouts, settings.service.max_response_bytes)
+                raw = await read_answer(outcomes, replica, resp, timeouts, settings.service.max_response_bytes)
                 timer.mark("received")
                 answer = _chat_completion(raw)
                 if answer is None:
-                    monitor.report_outcome(replica, "unreadable chat completion")
+                    outcomes.report_outcome(replica, "unreadable chat completion")
                     log.warning("POST /v1/responses: %s answered an unreadable chat completion", label(replica))
                     raise BackendError(f"{label(replica)} answered with an unreadable chat completion")
                 text, usage, timings = answer
                 yield _Piece(text, usage, timings if own_timings else None)
                 return
             if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-                await read_answer(monitor, replica, resp, timeouts, settings.service.max_response_bytes)
+                await read_answer(outcomes, replica, resp, timeouts, settings.service.max_response_bytes)
                 raise BackendError(f"{label(replica)} did not answer with an event stream")
             try:
                 async for chunk in sse_data(resp, timeouts, label(replica)):
@@ -145,9 +145,9 @@ async def _relay(request: web.Request, runtime: ModelRuntime, queued: Any, paylo
                 raise  # the client left (aiohttp's reset error is a ClientConnectionError too)
             except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
                 resp.close()
-                monitor.report_outcome(replica, exc.message if isinstance(exc, PoolError) else type(exc).__name__)
+                outcomes.report_outcome(replica, exc.message if isinstance(exc, PoolError) else type(exc).__name__)
                 raise
-            monitor.report_outcome(replica, None)
+            outcomes.report_outcome(replica, None)
             timer.mark("received")
 
 

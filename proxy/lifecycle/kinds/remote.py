@@ -28,7 +28,8 @@ from proxy.errors import BackendError, Forbidden, PoolError, TooManyRequests
 from proxy.upstream.reach import PROXY_ONLY_FIELDS
 from proxy.masking import MASK, masked, shown_url
 from proxy.lifecycle.state.replicas import Replica, ReplicaState
-from proxy.upstream.client import Answer, MalformedAnswer, UpstreamHttp
+from proxy.upstream.client import Answer, UpstreamHttp
+from proxy.upstream.connection import MalformedAnswer
 
 if TYPE_CHECKING:
     from proxy.config.model import ModelConfig

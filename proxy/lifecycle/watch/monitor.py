@@ -14,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Mapping
 
 import aiohttp
@@ -467,21 +465,3 @@ async def probe(http: UpstreamHttp, spec: ProgramSpec | None,
         return True, None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return False, None
-
-
-def process_gone(replica: Replica) -> bool:
-    """Whether the process of a program replica has exited (gone, or a zombie supervisord has not
-    reaped yet). False for an endpoint, or when its PID is not known yet."""
-    if replica.spec is None or not replica.pid:
-        return False
-    try:
-        os.kill(replica.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False   # alive, under another user
-    try:
-        stat = Path(f"/proc/{replica.pid}/stat").read_text()
-    except OSError:
-        return False   # no /proc: alive, as far as can be told
-    return stat.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"])

@@ -28,7 +28,8 @@ from proxy.lifecycle.pool import Pool
 from proxy.upstream.reach import ProgramReach
 from proxy.lifecycle.kinds.remote import RemoteReach
 from proxy.lifecycle.state.replicas import Replica
-from proxy.upstream.client import MAX_FIELD, MAX_HEAD, MAX_HEADERS, MalformedAnswer, UpstreamHttp
+from proxy.upstream.client import UpstreamHttp
+from proxy.upstream.connection import MAX_FIELD, MAX_HEAD, MAX_HEADERS, MalformedAnswer
 from proxy.serving.forward import upstream_session
 
 # Only a hang guard, for clients and the proxy's client alike: what the proxy did with some of

@@ -14,8 +14,9 @@ import pytest
 from aiohttp import web
 
 from helpers import free_port
-from proxy.upstream import client as upstream_http
-from proxy.upstream.client import HIGH_WATER, SENDING, Send, UpstreamHttp
+from proxy.upstream import client as upstream_http, connection as upstream_connection
+from proxy.upstream.client import SENDING, Send, UpstreamHttp
+from proxy.upstream.connection import HIGH_WATER
 
 NO_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)
 JSON = {"Content-Type": "application/json"}
@@ -280,7 +281,7 @@ async def test_what_it_does_not_do_itself_goes_to_its_aiohttp_session(replica, c
 def test_it_names_only_what_aiohttp_exports() -> None:
     # aiohttp's inner modules and underscored names change between releases, and setup.cfg puts no
     # upper bound on aiohttp: the client stays on the public API (issue 28).
-    tree = ast.parse(Path(upstream_http.__file__).read_text())
-    named = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    trees = [ast.parse(Path(m.__file__).read_text()) for m in (upstream_http, upstream_connection)]
+    named = [(node.module, alias.name) for tree in trees for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
              and (node.module or "").startswith("aiohttp") for alias in node.names]
     assert all(module == "aiohttp" and not name.startswith("_") for module, name in named), named
