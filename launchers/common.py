@@ -5,7 +5,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from launchers.gguf_header import MAGIC as GGUF_MAGIC
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
@@ -13,9 +13,10 @@ from proxy.config.files import REPO_ROOT
 from proxy.config.model import ModelConfig
 
 
-def library_env(model: ModelConfig, library_field: str | None,
+def library_env(model: ModelConfig, libs: Sequence[str],
                 environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """CUDA_VISIBLE_DEVICES from the model's GPUs and its library path prepended to LD_LIBRARY_PATH.
+    """CUDA_VISIBLE_DEVICES from the model's GPUs and its library path (`libs`, its backend's
+    `*_library_path`) prepended to LD_LIBRARY_PATH.
 
     `environ` is the environment supervisord passes on (the proxy's own in managed mode); it is an
     argument so that the launcher stays a pure function of its inputs.
@@ -23,10 +24,9 @@ def library_env(model: ModelConfig, library_field: str | None,
     env: dict[str, str] = {}
     if model.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in model.gpus)
-    libs = list(model.get(library_field, [])) if library_field else []
     if libs:
         inherited = environ.get("LD_LIBRARY_PATH")
-        env["LD_LIBRARY_PATH"] = ":".join(libs + ([inherited] if inherited else []))
+        env["LD_LIBRARY_PATH"] = ":".join([*libs, *([inherited] if inherited else [])])
     return tuple(sorted(env.items()))
 
 
@@ -72,33 +72,31 @@ def managed_flag_problem(where: str, given: str, flag: str, field: str | None, e
             f"of the two would be silently lost; set {field} instead")
 
 
-def shim_env(model: ModelConfig, library_field: str | None,
-             environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """library_env plus PYTHONPATH naming llm-pool's own source tree.
+def shim_env(model: ModelConfig, environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """library_env (a shim has no library path of its own) plus PYTHONPATH naming llm-pool's own source tree.
 
     A shim runs `python -m shims.<engine>`, possibly under an interpreter of its own (`<engine>_python`)
     that has its engine installed but not llm-pool; PYTHONPATH lets it import `shims` from the tree the
     proxy runs from, never from whatever copy that interpreter might happen to have.
     """
-    return tuple(sorted({**dict(library_env(model, library_field, environ)), "PYTHONPATH": str(REPO_ROOT)}.items()))
+    return tuple(sorted({**dict(library_env(model, (), environ)), "PYTHONPATH": str(REPO_ROOT)}.items()))
 
 
-def shim_problems(model: ModelConfig, module: str, python_field: str, extra: str,
-                  judge: Callable[[Path], str | None]) -> list[str]:
+def shim_problems(model: ModelConfig, model_path: str | None, module: str, python_field: str, python: str | None,
+                  extra: str, judge: Callable[[Path], str | None]) -> list[str]:
     """What stops a shim backend from starting: no model, a model `judge` refuses (a file where the
     engine reads a folder, or the other way round), or no interpreter with its engine.
 
     Without `<engine>_python` the shim runs under the proxy's own interpreter, so the engine must be
     importable there; `find_spec` finds it without importing it (heavy imports stay in the shim).
+    `model_path` and `python` are the model's settings of those fields (its backend's options).
     """
     where = f"engine.models.{model.name}"
     problems = []
-    path = model.get("model_path")
-    if not path:
+    if not model_path:
         problems.append(f"{where}.model_path: required for backend {model.backend!r}")
     else:
-        problems += model_file_problems(where, "model_path", path, judge)
-    python = model.get(python_field)
+        problems += model_file_problems(where, "model_path", model_path, judge)
     if python:
         if not (Path(python).is_file() and os.access(python, os.X_OK)):
             problems.append(f"{where}.{python_field}: {python} is not an executable interpreter")
@@ -108,16 +106,15 @@ def shim_problems(model: ModelConfig, module: str, python_field: str, extra: str
     return problems
 
 
-def shim_argv(model: ModelConfig, python_field: str, engine: str, host: str, port: int,
+def shim_argv(model: ModelConfig, model_path: str | None, python: str | None, engine: str, host: str, port: int,
               stopwaitsecs: int) -> list[str]:
     """`python -m shims.<engine>` with the arguments every shim takes.
 
     The shim's own drain deadline is inside supervisord's stop wait, so it exits by itself after
     finishing what it can instead of being killed mid-write.
     """
-    python = model.get(python_field) or sys.executable
-    return [python, "-m", f"shims.{engine}", "--host", host, "--port", str(port), "--model", model.name,
-            "--shutdown-timeout", str(max(1, stopwaitsecs - 2)), "--model-path", str(model.get("model_path"))]
+    return [python or sys.executable, "-m", f"shims.{engine}", "--host", host, "--port", str(port),
+            "--model", model.name, "--shutdown-timeout", str(max(1, stopwaitsecs - 2)), "--model-path", str(model_path)]
 
 
 SHIM_HOST = "127.0.0.1"
@@ -129,7 +126,7 @@ def shim_spec(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, en
     return ProgramSpec(
         program=program_name(model.name, replica),
         argv=argv,
-        env=shim_env(model, None, environ),
+        env=shim_env(model, environ),
         host=SHIM_HOST,
         port=port,
         health_path="/health",

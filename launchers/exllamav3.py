@@ -1,11 +1,13 @@
 """ExLlamaV3 (EXL3) models (shims/exllamav3.py) as supervisord programs; every `exllama_*` field."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from launchers.common import SHIM_HOST, none_known, shim_argv, shim_problems, shim_spec
 from launchers.gguf_header import is_gguf
+from launchers.options import Options, setting
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.capabilities import Traits
 from proxy.config.model import ModelConfig
@@ -30,6 +32,27 @@ METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_r
                         kv_cache="vllm:kv_cache_usage_perc")
 
 
+@dataclass(frozen=True)
+class Exllamav3Options(Options):
+    """An EXL3 model's fields (conf/schema.json: `exllama_*`, `exllamav3_python`), read once."""
+
+    PREFIX = "exllama_"
+
+    cache_size: int | None = None
+    cache_quant: str | int | None = None
+    gpu_split: tuple[float, ...] | None = setting(convert=tuple)
+    tensor_parallel: bool | None = None
+    tp_backend: str | None = None
+    max_batch_size: int | None = None
+    max_chunk_size: int | None = None
+    max_q_size: int | None = None
+    max_rq_tokens: int | None = None
+    python: str | None = setting(key=PYTHON_FIELD)   # the shim's interpreter; None: the proxy's own
+    prompt_format: str = setting("generic", key="prompt_format")
+    model_path: str | None = setting(key="model_path")
+    enable_thinking: bool | None = setting(key="enable_thinking")
+
+
 def model_folder_problem(path: Path) -> str | None:
     """Why `path` is not an EXL3 model folder (exllamav3's Config.from_directory reads its config.json), or None."""
     if path.is_dir():
@@ -47,23 +70,26 @@ def device(model: ModelConfig) -> tuple[str, str]:
 
 
 def check(model: ModelConfig) -> list[str]:
-    return shim_problems(model, "exllamav3", PYTHON_FIELD, "exllamav3", model_folder_problem)
+    opts = Exllamav3Options.from_config(model)
+    return shim_problems(model, opts.model_path, "exllamav3", PYTHON_FIELD, opts.python, "exllamav3",
+                         model_folder_problem)
 
 
 def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[str, ...]:
-    args = shim_argv(model, PYTHON_FIELD, "exllamav3", host, port, stopwaitsecs)
-    args += ["--prompt-format", str(model.get("prompt_format", "generic")),
+    opts = Exllamav3Options.from_config(model)
+    args = shim_argv(model, opts.model_path, opts.python, "exllamav3", host, port, stopwaitsecs)
+    args += ["--prompt-format", str(opts.prompt_format),
              # The continuous-batching generator runs every request the scheduler sends together.
              "--max-concurrency", str(model.target_inflight)]
     for key, flag in FLAGS:
-        if model.get(key) is not None:
-            args += [flag, str(model.get(key))]
-    if model.get("exllama_gpu_split"):
-        args += ["--gpu-split", ",".join(repr(float(x)) for x in model.get("exllama_gpu_split"))]
-    if model.get("exllama_tensor_parallel") is not None:
-        args += ["--tensor-parallel", str(bool(model.get("exllama_tensor_parallel"))).lower()]
-    if model.get("enable_thinking") is not None:
-        args += ["--enable-thinking", str(bool(model.get("enable_thinking"))).lower()]
+        if opts.value(key) is not None:
+            args += [flag, str(opts.value(key))]
+    if opts.gpu_split:
+        args += ["--gpu-split", ",".join(repr(float(x)) for x in opts.gpu_split)]
+    if opts.tensor_parallel is not None:
+        args += ["--tensor-parallel", str(bool(opts.tensor_parallel)).lower()]
+    if opts.enable_thinking is not None:
+        args += ["--enable-thinking", str(bool(opts.enable_thinking)).lower()]
     return tuple(args)
 
 

@@ -6,10 +6,12 @@ to 1, and throughput comes from `replicas`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from launchers.common import SHIM_HOST, gguf_problem, none_known, shim_argv, shim_problems, shim_spec
+from launchers.options import Options, setting
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.capabilities import Traits
 from proxy.config.model import ModelConfig
@@ -33,9 +35,26 @@ METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_r
                         kv_cache="vllm:kv_cache_usage_perc")
 
 
+@dataclass(frozen=True)
+class LlamaCppOptions(Options):
+    """A llama-cpp-python model's fields (conf/schema.json: `gguf_*`, `llama_cpp_python`), read once."""
+
+    PREFIX = "gguf_"
+
+    n_gpu_layers: int | None = None
+    n_ctx: int | None = None
+    flash_attn: str | bool | None = None
+    type_k: str | None = None
+    type_v: str | None = None
+    python: str | None = setting(key=PYTHON_FIELD)   # the shim's interpreter; None: the proxy's own
+    prompt_format: str | None = setting(key="prompt_format")   # None: the GGUF's own chat template
+    model_path: str | None = setting(key="model_path")
+    enable_thinking: bool | None = setting(key="enable_thinking")
+
+
 def device(model: ModelConfig) -> tuple[str, str]:
     """Where a replica's memory is (placement: cpu or gpu), and the field that says so."""
-    layers = model.options.get("gguf_n_gpu_layers")
+    layers = LlamaCppOptions.from_config(model).n_gpu_layers
     if not layers:
         return "cpu", "gguf_n_gpu_layers: 0 or unset (llama-cpp-python keeps every layer on the CPU)"
     return "gpu", f"gguf_n_gpu_layers: {layers}"
@@ -45,22 +64,24 @@ def check(model: ModelConfig) -> list[str]:
     def judge(path: Path) -> str | None:
         return gguf_problem(path, model.backend)
 
-    return shim_problems(model, "llama_cpp", PYTHON_FIELD, "llama_cpp", judge)
+    opts = LlamaCppOptions.from_config(model)
+    return shim_problems(model, opts.model_path, "llama_cpp", PYTHON_FIELD, opts.python, "llama_cpp", judge)
 
 
 def argv(model: ModelConfig, host: str, port: int, stopwaitsecs: int) -> tuple[str, ...]:
-    args = shim_argv(model, PYTHON_FIELD, "llama_cpp", host, port, stopwaitsecs)
+    opts = LlamaCppOptions.from_config(model)
+    args = shim_argv(model, opts.model_path, opts.python, "llama_cpp", host, port, stopwaitsecs)
     for key, flag in FLAGS:
-        if model.get(key) is not None:
-            args += [flag, str(model.get(key))]
-    flash = model.get("gguf_flash_attn")
+        if opts.value(key) is not None:
+            args += [flag, str(opts.value(key))]
+    flash = opts.flash_attn
     if flash is not None:
         args += ["--flash-attn", ("on" if flash else "off") if isinstance(flash, bool) else str(flash)]
     # Without prompt_format the GGUF's own chat template renders chat (the shim falls back to generic).
-    if model.get("prompt_format"):
-        args += ["--prompt-format", str(model.get("prompt_format"))]
-    if model.get("enable_thinking") is not None:
-        args += ["--enable-thinking", str(bool(model.get("enable_thinking"))).lower()]
+    if opts.prompt_format:
+        args += ["--prompt-format", str(opts.prompt_format)]
+    if opts.enable_thinking is not None:
+        args += ["--enable-thinking", str(bool(opts.enable_thinking)).lower()]
     return tuple(args)
 
 

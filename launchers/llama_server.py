@@ -14,13 +14,14 @@ import difflib
 import os
 import re
 import shutil
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
 from launchers.common import gguf_problem, library_env, managed_flag_problem, model_file_problems
 from launchers.gguf_header import declared_pooling
 from launchers.llama_help import HelpUnavailable, Option, choices, help_text, options
+from launchers.options import Options, setting, strings
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.capabilities import Traits
 from proxy.config.model import ModelConfig
@@ -68,22 +69,55 @@ TRAITS = Traits(multi_turn=True, thinking="template", embeddings_field="llama_se
 # Runtime knobs an admin may change for one load without editing files (seed: "Live admin overrides").
 LOAD_OVERRIDES = ("llama_server_n_ctx", "llama_server_image_max_tokens", "llama_server_spec_type",
                   "llama_server_spec_draft_n_max", "llama_server_spec_draft_p_min")
-DEFAULT_START_TIMEOUT_S = 120.0
 METRICS = EngineMetrics(running="llamacpp:requests_processing", waiting="llamacpp:requests_deferred",
                         kv_cache="llamacpp:kv_cache_usage_ratio")
 
 
+@dataclass(frozen=True)
+class LlamaServerOptions(Options):
+    """Every `llama_server_*` field of a model (conf/schema.json), read once, and the model's own
+    fields llama-server is given."""
+
+    PREFIX = "llama_server_"
+
+    binary: str | None = None
+    host: str = "127.0.0.1"
+    port: int | None = None
+    library_path: tuple[str, ...] = setting((), convert=strings)
+    n_ctx: int | None = None                  # per request: --ctx-size is this times the slots
+    n_gpu_layers: str | int | None = None
+    flash_attn: str | None = None
+    mmproj_path: str | None = None
+    image_max_tokens: int | None = None
+    draft_model_path: str | None = None
+    spec_type: str | None = None
+    spec_draft_n_max: int | None = None
+    spec_draft_p_min: float | None = None
+    spec_draft_ngl: str | int | None = None
+    reasoning: str | None = None
+    embeddings: bool | None = None
+    pooling: str | None = None
+    media_path: str | None = None
+    extra_args: tuple[str, ...] = setting((), convert=strings)
+    start_timeout_s: float = setting(120.0, convert=float)
+    model_path: str | None = setting(key="model_path")
+    enable_thinking: bool | None = setting(key="enable_thinking")
+
+
 def binary(model: ModelConfig) -> str:
     """The configured binary, else llama-server on PATH, else the build `llm-pool setup` caches."""
-    configured = model.get("llama_server_binary")
-    if configured:
-        return str(configured)
+    return _binary(LlamaServerOptions.from_config(model))
+
+
+def _binary(opts: LlamaServerOptions) -> str:
+    if opts.binary:
+        return opts.binary
     return shutil.which("llama-server") or str(cached_llama_server())
 
 
 def device(model: ModelConfig) -> tuple[str, str]:
     """Where a replica's memory is (placement: cpu or gpu), and the field that says so."""
-    layers = model.options.get("llama_server_n_gpu_layers")
+    layers = LlamaServerOptions.from_config(model).n_gpu_layers
     if layers is not None and int(layers) == 0:
         return "cpu", "llama_server_n_gpu_layers: 0"
     return "gpu", ("llama_server_n_gpu_layers: " + str(layers)) if layers is not None else \
@@ -93,29 +127,35 @@ def device(model: ModelConfig) -> tuple[str, str]:
 def check(model: ModelConfig) -> list[str]:
     """Problems that would stop this model from starting, each naming the field and the path."""
     where = f"engine.models.{model.name}"
+    opts = LlamaServerOptions.from_config(model)
     problems = []
-    exe = binary(model)
+    exe = _binary(opts)
     if not (Path(exe).is_file() and os.access(exe, os.X_OK)):
-        hint = "" if model.get("llama_server_binary") else " (run `llm-pool setup` to build it)"
+        hint = "" if opts.binary else " (run `llm-pool setup` to build it)"
         return [f"{where}.llama_server_binary: {exe} does not exist or is not executable{hint}"]
     def judge(path: Path) -> str | None:
         return gguf_problem(path, model.backend)
 
     for key in ("model_path", "llama_server_mmproj_path", "llama_server_draft_model_path"):
-        problems += model_file_problems(where, key, model.get(key), judge)
-    media = model.get("llama_server_media_path")
+        problems += model_file_problems(where, key, opts.value(key), judge)
+    media = opts.media_path
     if media and not Path(media).is_dir():
         problems.append(f"{where}.llama_server_media_path: {media} is not a folder")
-    return problems + option_problems(model)
+    return problems + _option_problems(model, opts)
 
 
 def option_problems(model: ModelConfig) -> list[str]:
     """Values and extra arguments the binary would refuse at start, each with what it accepts (from its --help)."""
-    wanted = [(key, flag, _flag_value(key, model.get(key))) for key, flag in ENUM_FIELDS if model.get(key) is not None]
-    extra = [str(a) for a in model.get("llama_server_extra_args", [])]
+    return _option_problems(model, LlamaServerOptions.from_config(model))
+
+
+def _option_problems(model: ModelConfig, opts: LlamaServerOptions) -> list[str]:
+    wanted = [(key, flag, _flag_value(key, opts.value(key))) for key, flag in ENUM_FIELDS
+              if opts.value(key) is not None]
+    extra = list(opts.extra_args)
     if not wanted and not extra:
         return []
-    exe = binary(model)
+    exe = _binary(opts)
     try:
         known = options(help_text(exe, cache_root()))
     except HelpUnavailable as exc:
@@ -130,17 +170,22 @@ def option_problems(model: ModelConfig) -> list[str]:
         given = value.split(",") if flag == "--spec-type" else [value]
         refused = [v for v in given if accepted is not None and v not in accepted]
         if refused:
-            problems.append(f"engine.models.{model.name}.{key}: {model.get(key)!r} is not accepted by {exe} "
+            problems.append(f"engine.models.{model.name}.{key}: {opts.value(key)!r} is not accepted by {exe} "
                             f"({flag} {', '.join(refused)}); it accepts: {', '.join(sorted(accepted or ()))}")
     return problems + extra_args_problems(f"engine.models.{model.name}.llama_server_extra_args", extra, exe, known,
-                                          managed_flags(model, known))
+                                          _managed_flags(model, opts, known))
 
 
 def managed_flags(model: ModelConfig, known: Mapping[str, Option]) -> dict[str, tuple[str, str | None]]:
     """Each flag llm-pool's own argv gives this model, under every name the binary has for it (`-c`
     is `--ctx-size`): the flag as argv gives it, and the field behind it."""
+    return _managed_flags(model, LlamaServerOptions.from_config(model), known)
+
+
+def _managed_flags(model: ModelConfig, opts: LlamaServerOptions,
+                   known: Mapping[str, Option]) -> dict[str, tuple[str, str | None]]:
     fields = {**FIXED_FLAGS, **{flag: key for key, flag in FLAGS + SWITCHES}}
-    own = argv(replace(model, options={**model.options, "llama_server_extra_args": []}), "127.0.0.1", 0)
+    own = _argv(model, replace(opts, extra_args=()), "127.0.0.1", 0)
     managed: dict[str, tuple[str, str | None]] = {}
     for flag in own[1:]:
         if re.match(r"--?[A-Za-z]", flag):
@@ -193,43 +238,45 @@ def _flag_value(key: str, value: object) -> str:
     return str(value)
 
 
-def ctx_args(model: ModelConfig) -> list[str]:
+def ctx_args(model: ModelConfig, opts: LlamaServerOptions) -> list[str]:
     """llama_server_n_ctx is the context of one request. llama-server splits --ctx-size over its
     --parallel slots, so the total is n_ctx times the slots; unset (or 0), every slot may use the
     model's whole trained context from one shared (unified) KV cache."""
-    n_ctx = model.get("llama_server_n_ctx")
-    if not n_ctx:
+    if not opts.n_ctx:
         return ["--kv-unified"]
-    return ["--ctx-size", str(int(n_ctx) * model.target_inflight)]
+    return ["--ctx-size", str(int(opts.n_ctx) * model.target_inflight)]
 
 
-def pooling(model: ModelConfig) -> str | None:
+def pooling(opts: LlamaServerOptions) -> str | None:
     """The --pooling value: the configured one; with embeddings on and none configured, the GGUF's
     own when it declares one that serves OAI embeddings, else DEFAULT_EMBEDDINGS_POOLING; None for
     no flag (embeddings off, or a model file that cannot be read, which fails its load anyway)."""
-    configured = model.get("llama_server_pooling")
-    if configured is not None or not model.get("llama_server_embeddings"):
+    configured = opts.pooling
+    if configured is not None or not opts.embeddings:
         return None if configured is None else str(configured)
-    declared = declared_pooling(Path(str(model.get("model_path"))))
+    declared = declared_pooling(Path(str(opts.model_path)))
     return DEFAULT_EMBEDDINGS_POOLING if declared in ("", "none") else None
 
 
 def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
-    args = [binary(model), "--model", model.get("model_path"), "--host", host, "--port", str(port),
+    return _argv(model, LlamaServerOptions.from_config(model), host, port)
+
+
+def _argv(model: ModelConfig, opts: LlamaServerOptions, host: str, port: int) -> tuple[str, ...]:
+    args = [_binary(opts), "--model", str(opts.model_path), "--host", host, "--port", str(port),
             "--alias", model.name,
             # One slot per request the scheduler may send at once, so none waits inside llama-server.
             "--parallel", str(model.target_inflight),
             # /metrics feeds replica routing (running, deferred, KV-cache use).
-            "--metrics", "--no-webui", *ctx_args(model)]
+            "--metrics", "--no-webui", *ctx_args(model, opts)]
     for key, flag in FLAGS:
-        value = pooling(model) if key == "llama_server_pooling" else model.get(key)
+        value = pooling(opts) if key == "llama_server_pooling" else opts.value(key)
         if value is not None:
             args += [flag, _flag_value(key, value)]
-    args += [flag for key, flag in SWITCHES if model.get(key)]
-    thinking = model.get("enable_thinking")
-    if thinking is not None:
-        args += ["--reasoning", "on" if thinking else "off"]
-    args += [str(a) for a in model.get("llama_server_extra_args", [])]
+    args += [flag for key, flag in SWITCHES if opts.value(key)]
+    if opts.enable_thinking is not None:
+        args += ["--reasoning", "on" if opts.enable_thinking else "off"]
+    args += opts.extra_args
     return tuple(args)
 
 
@@ -237,17 +284,18 @@ PORT_FIELD = "llama_server_port"
 
 
 def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
-    host = model.get("llama_server_host", "127.0.0.1")
+    opts = LlamaServerOptions.from_config(model)
+    host = opts.host
     return ProgramSpec(
         program=program_name(model.name, replica),
-        argv=argv(model, host, port),
-        env=library_env(model, "llama_server_library_path", environ),
+        argv=_argv(model, opts, host, port),
+        env=library_env(model, opts.library_path, environ),
         host=host,
         port=port,
         health_path="/health",
         models_path="/v1/models",
         served_model=model.name,
-        start_timeout_s=float(model.get("llama_server_start_timeout_s", DEFAULT_START_TIMEOUT_S)),
+        start_timeout_s=opts.start_timeout_s,
         stopwaitsecs=stopwaitsecs,
         metrics=METRICS,
         closes_after_streams=True,

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import sys
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 from launchers.common import SHIM_HOST, none_known, shim_spec
+from launchers.options import Options, setting
 from launchers.spec import EngineMetrics, ProgramSpec
 from proxy.capabilities import Traits
 from proxy.config.model import ModelConfig
@@ -19,6 +21,16 @@ METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_r
                         kv_cache="vllm:kv_cache_usage_perc")
 
 
+@dataclass(frozen=True)
+class SimOptions(Options):
+    """The simulated engine's fields (conf/schema.json: `sim`, `sim_port`), read once."""
+
+    PREFIX = "sim_"
+
+    params: Mapping[str, Any] = setting(key="sim", factory=dict)   # SimParams' fields, and `python`
+    port: int | None = None
+
+
 def device(model: ModelConfig) -> tuple[str, str]:
     """Where a replica's memory is (placement): the simulated engine is a small CPU process."""
     return "cpu", "backend sim is a CPU process"
@@ -30,7 +42,7 @@ def check(model: ModelConfig) -> list[str]:
 
 def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
     # The interpreter running the proxy has the shim's dependencies; `sim.python` may name another.
-    sim = dict(model.get("sim", {}))
+    sim = dict(SimOptions.from_config(model).params)
     args = [sim.pop("python", None) or sys.executable, "-m", "shims.sim", "--host", host, "--port", str(port),
             "--model", model.name]
     for name in SimParams.__dataclass_fields__:

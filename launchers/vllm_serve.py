@@ -11,13 +11,13 @@ import json
 import os
 import re
 import shutil
-from dataclasses import replace
-from typing import Any, Mapping
-
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Mapping
 
 from launchers.common import library_env, managed_flag_problem, model_file_problems
 from launchers.gguf_header import is_gguf
+from launchers.options import Options, setting, strings
 from launchers.spec import EngineMetrics, ProgramSpec, program_name
 from proxy.capabilities import Traits
 from proxy.config.model import ModelConfig
@@ -61,7 +61,6 @@ LOAD_OVERRIDES = ("vllm_max_model_len", "vllm_kv_cache_dtype", "vllm_kv_cache_me
                   "vllm_speculative_method", "vllm_speculative_model", "vllm_speculative_moe_backend",
                   "vllm_speculative_attention_backend", "vllm_num_speculative_tokens")
 PORT_FIELD = "vllm_serve_port"
-DEFAULT_START_TIMEOUT_S = 600.0   # vLLM imports torch, loads weights and profiles before it serves
 METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_requests_waiting",
                         kv_cache="vllm:kv_cache_usage_perc")
 # Blackwell with an older CUDA toolkit: flashinfer's JIT sampler targets an unsupported architecture.
@@ -81,14 +80,53 @@ ALIASES = {"--tensor-parallel-size": ("-tp",), "--gpu-memory-utilization": ("--d
            "--speculative-config": ("-sc",), "--trust-remote-code": ("--no-trust-remote-code",)}
 
 
+@dataclass(frozen=True)
+class VllmServeOptions(Options):
+    """Every `vllm_*` field of a model (conf/schema.json), read once."""
+
+    PREFIX = "vllm_"
+
+    model: str | None = None                       # a model folder, a GGUF file or a Hugging Face id
+    dtype: str | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str | None = None
+    max_model_len: int | None = None
+    trust_remote_code: bool | None = None
+    tensor_parallel_size: int | None = None
+    limit_mm_per_prompt: Mapping[str, Any] | None = None
+    mm_processor_kwargs: Mapping[str, Any] | None = None   # None, not {}: an empty mapping is still passed on
+    max_pixels: int | None = None                  # the live override of the image budget
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    speculative_moe_backend: str | None = None
+    speculative_attention_backend: str | None = None
+    num_speculative_tokens: int | None = None
+    serve_binary: str | None = None
+    serve_host: str = "127.0.0.1"
+    serve_port: int | None = None
+    serve_library_path: tuple[str, ...] = setting((), convert=strings)
+    serve_env: Mapping[str, str] = setting(factory=dict)
+    serve_api_key: str | None = None
+    # vLLM imports torch, loads weights and profiles before it serves.
+    serve_start_timeout_s: float = setting(600.0, convert=float)
+    serve_timeout_s: float | None = None
+    serve_extra_args: tuple[str, ...] = setting((), convert=strings)
+
+
+
 def binary(model: ModelConfig) -> str:
     """The configured `vllm` command, else `vllm`, which supervisord looks up on its PATH."""
-    return model.get("vllm_serve_binary") or "vllm"
+    return _binary(VllmServeOptions.from_config(model))
 
 
-def _extra_flag(model: ModelConfig, flag: str) -> str | None:
+def _binary(opts: VllmServeOptions) -> str:
+    return opts.serve_binary or "vllm"
+
+
+def _extra_flag(opts: VllmServeOptions, flag: str) -> str | None:
     """The value `vllm_serve_extra_args` gives `flag` (`--flag v` or `--flag=v`; the last wins)."""
-    args = [str(a) for a in model.get("vllm_serve_extra_args", [])]
+    args = opts.serve_extra_args
     value = None
     for i, arg in enumerate(args):
         if arg == flag and i + 1 < len(args):
@@ -100,18 +138,22 @@ def _extra_flag(model: ModelConfig, flag: str) -> str | None:
 
 def option_problems(model: ModelConfig) -> list[str]:
     """Field combinations vLLM would reject or misread, each naming the fields (no file checks)."""
+    return _option_problems(model, VllmServeOptions.from_config(model))
+
+
+def _option_problems(model: ModelConfig, opts: VllmServeOptions) -> list[str]:
     where = f"engine.models.{model.name}"
     problems = []
-    if not model.get("vllm_model"):
+    if not opts.model:
         problems.append(f"{where}.vllm_model: required for backend {model.backend!r} (a model folder or id)")
-    dtype = model.get("vllm_dtype")
+    dtype = opts.dtype
     if dtype is not None and dtype not in DTYPES:
         problems.append(f"{where}.vllm_dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-    kv_dtype = model.get("vllm_kv_cache_dtype")
+    kv_dtype = opts.kv_cache_dtype
     if kv_dtype is not None and kv_dtype not in KV_CACHE_DTYPES:
         problems.append(f"{where}.vllm_kv_cache_dtype: {kv_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
-    set_fields = [f for f, _ in SPECULATIVE_KEYS if model.get(f) is not None]
-    method = model.get("vllm_speculative_method")
+    set_fields = [f for f, _ in SPECULATIVE_KEYS if opts.value(f) is not None]
+    method = opts.speculative_method
     if set_fields and method is None:
         problems.append(f"{where}.vllm_speculative_method: required when {', '.join(set_fields)} "
                         f"{'is' if len(set_fields) == 1 else 'are'} set")
@@ -119,15 +161,15 @@ def option_problems(model: ModelConfig) -> list[str]:
         problems.append(f"{where}.vllm_speculative_method: {method!r} names more than one method; "
                         f"{', '.join(DRAFT_METHODS + (MTP,))} are separate paths and are never mixed")
     if method in DRAFT_METHODS:
-        if not model.get("vllm_speculative_model"):
+        if not opts.speculative_model:
             problems.append(f"{where}.vllm_speculative_model: method {method!r} needs its draft checkpoint")
         backends = [f for f in ("vllm_speculative_moe_backend", "vllm_speculative_attention_backend")
-                    if model.get(f) is not None]
+                    if opts.value(f) is not None]
         if backends:
             problems.append(f"{where}.{backends[0]}: {', '.join(backends)} configure the target's own MTP "
                             f"(method 'mtp'), not method {method!r}; the methods are never mixed")
-    managed = managed_flags(model)
-    for arg in (str(a) for a in model.get("vllm_serve_extra_args", [])):
+    managed = _managed_flags(model, opts)
+    for arg in opts.serve_extra_args:
         name = arg.partition("=")[0]
         # vLLM's parser reads `--max_model_len` as `--max-model-len`.
         key = name.replace("_", "-") if name.startswith("--") else name
@@ -139,8 +181,12 @@ def option_problems(model: ModelConfig) -> list[str]:
 def managed_flags(model: ModelConfig) -> dict[str, tuple[str, str | None]]:
     """Each flag llm-pool's own argv gives this model (and ALWAYS), under each of its names: the
     flag as argv gives it, and the field behind it."""
+    return _managed_flags(model, VllmServeOptions.from_config(model))
+
+
+def _managed_flags(model: ModelConfig, opts: VllmServeOptions) -> dict[str, tuple[str, str | None]]:
     fields = {**FIXED_FLAGS, **{flag: key for key, flag in FLAGS + JSON_FLAGS}}
-    own = argv(replace(model, options={**model.options, "vllm_serve_extra_args": []}), "127.0.0.1", 0)
+    own = _argv(model, replace(opts, serve_extra_args=()), "127.0.0.1", 0)
     managed: dict[str, tuple[str, str | None]] = {}
     for flag in (*own[2:], *ALWAYS):
         if re.match(r"--?[A-Za-z]", flag):
@@ -156,13 +202,14 @@ def device(model: ModelConfig) -> tuple[str, str]:
 def check(model: ModelConfig) -> list[str]:
     """Problems that would stop this model from starting, each naming the field and the path."""
     where = f"engine.models.{model.name}"
-    problems = option_problems(model)
-    exe = binary(model)
+    opts = VllmServeOptions.from_config(model)
+    problems = _option_problems(model, opts)
+    exe = _binary(opts)
     if shutil.which(exe) is None:
-        hint = "" if model.get("vllm_serve_binary") else \
+        hint = "" if opts.serve_binary else \
             " (`vllm` is not on PATH: set vllm_serve_binary to a vLLM environment's `vllm`)"
         problems.append(f"{where}.vllm_serve_binary: {exe} does not exist or is not executable{hint}")
-    vllm_model = model.get("vllm_model")
+    vllm_model = opts.model
     # A path-like vllm_model must be a model vLLM can load; anything else is a Hugging Face id vLLM
     # resolves itself.
     if isinstance(vllm_model, str) and vllm_model.startswith(("/", "./", "../", "~")):
@@ -186,12 +233,13 @@ def model_folder_problem(path: Path) -> str | None:
 def warnings(model: ModelConfig) -> list[str]:
     """Settings that load but work against the pool, for `check-config` to print."""
     where = f"engine.models.{model.name}"
+    opts = VllmServeOptions.from_config(model)
     found = []
-    max_num_seqs = _extra_flag(model, "--max-num-seqs")
+    max_num_seqs = _extra_flag(opts, "--max-num-seqs")
     if max_num_seqs is not None and max_num_seqs.isdigit() and model.target_inflight > int(max_num_seqs):
         found.append(f"{where}.target_inflight: {model.target_inflight} is above --max-num-seqs {max_num_seqs} "
                      "in vllm_serve_extra_args; vLLM queues the excess where the pool's fairness cannot see it")
-    if model.get("vllm_kv_cache_memory_bytes") is None and _extra_flag(model, "--kv-cache-memory-bytes") is None:
+    if opts.kv_cache_memory_bytes is None and _extra_flag(opts, "--kv-cache-memory-bytes") is None:
         found.append(f"{where}.vllm_kv_cache_memory_bytes: not set, so vLLM sizes its KV cache from "
                      "vllm_gpu_memory_utilization (0.9 of the GPU by default); set the budget explicitly")
     return found
@@ -203,7 +251,11 @@ def speculative_config(model: ModelConfig) -> dict[str, Any] | None:
     With method "mtp", `model` is an assistant checkpoint (Gemma 4) when set; without it vLLM uses
     the target's own MTP layers (Qwen 3.6), tuned by the MoE and attention backends.
     """
-    config = {key: model.get(field) for field, key in SPECULATIVE_KEYS if model.get(field) is not None}
+    return _speculative_config(VllmServeOptions.from_config(model))
+
+
+def _speculative_config(opts: VllmServeOptions) -> dict[str, Any] | None:
+    config = {key: opts.value(field) for field, key in SPECULATIVE_KEYS if opts.value(field) is not None}
     return config or None
 
 
@@ -218,60 +270,68 @@ def _flag_value(value: object) -> str:
 
 
 def argv(model: ModelConfig, host: str, port: int) -> tuple[str, ...]:
-    args = [binary(model), "serve", str(model.get("vllm_model")), "--host", host, "--port", str(port),
+    return _argv(model, VllmServeOptions.from_config(model), host, port)
+
+
+def _argv(model: ModelConfig, opts: VllmServeOptions, host: str, port: int) -> tuple[str, ...]:
+    args = [_binary(opts), "serve", str(opts.model), "--host", host, "--port", str(port),
             "--served-model-name", model.name]
     for key, flag in FLAGS:
-        value = model.get(key)
+        value = opts.value(key)
         if value is not None:
             args += [flag, _flag_value(value)]
-    if model.get("vllm_trust_remote_code"):
+    if opts.trust_remote_code:
         args.append("--trust-remote-code")
-    limits = model.get("vllm_limit_mm_per_prompt")
-    if limits is not None:
-        args += ["--limit-mm-per-prompt", _json(limits)]
-    processor = dict(model.get("vllm_mm_processor_kwargs", {}))
-    if model.get("vllm_max_pixels") is not None:
-        processor["max_pixels"] = model.get("vllm_max_pixels")  # the live override of the image budget
-    if processor or model.get("vllm_mm_processor_kwargs") is not None:
+    if opts.limit_mm_per_prompt is not None:
+        args += ["--limit-mm-per-prompt", _json(opts.limit_mm_per_prompt)]
+    processor = dict(opts.mm_processor_kwargs or {})
+    if opts.max_pixels is not None:
+        processor["max_pixels"] = opts.max_pixels  # the live override of the image budget
+    if processor or opts.mm_processor_kwargs is not None:
         args += ["--mm-processor-kwargs", _json(processor)]
-    speculative = speculative_config(model)
+    speculative = _speculative_config(opts)
     if speculative is not None:
         args += ["--speculative-config", _json(speculative)]
     # Extra args come last; one that gives a flag of the above again is a config error (option_problems):
     # argparse keeps the last value, so the field would be silently lost.
-    args += [str(a) for a in model.get("vllm_serve_extra_args", [])]
+    args += opts.serve_extra_args
     return tuple(args)
 
 
 def environment(model: ModelConfig, environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     """GPUs, library path, the configured `vllm_serve_env`, the API key, the sampler default."""
-    env = dict(library_env(model, "vllm_serve_library_path", environ))
-    env.update(model.get("vllm_serve_env", {}))
+    return _environment(model, VllmServeOptions.from_config(model), environ)
+
+
+def _environment(model: ModelConfig, opts: VllmServeOptions,
+                 environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    env = dict(library_env(model, opts.serve_library_path, environ))
+    env.update(opts.serve_env)
     if FLASHINFER_SAMPLER not in env and FLASHINFER_SAMPLER not in environ:
         env[FLASHINFER_SAMPLER] = "0"
-    api_key = model.get("vllm_serve_api_key")
-    if api_key:
+    if opts.serve_api_key:
         # The environment, not --api-key: a command line is visible to every user in `ps`.
-        env["VLLM_API_KEY"] = api_key
+        env["VLLM_API_KEY"] = opts.serve_api_key
     return tuple(sorted(env.items()))
 
 
 def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, environ: Mapping[str, str]) -> ProgramSpec:
-    host = model.get("vllm_serve_host", "127.0.0.1")
-    api_key = model.get("vllm_serve_api_key")
+    opts = VllmServeOptions.from_config(model)
+    host = opts.serve_host
+    api_key = opts.serve_api_key
     return ProgramSpec(
         program=program_name(model.name, replica),
-        argv=argv(model, host, port),
-        env=environment(model, environ),
+        argv=_argv(model, opts, host, port),
+        env=_environment(model, opts, environ),
         host=host,
         port=port,
         # /health answers once the engine is up; /v1/models then proves it serves this model.
         health_path="/health",
         models_path="/v1/models",
         served_model=model.name,
-        start_timeout_s=float(model.get("vllm_serve_start_timeout_s", DEFAULT_START_TIMEOUT_S)),
+        start_timeout_s=opts.serve_start_timeout_s,
         stopwaitsecs=stopwaitsecs,
         metrics=METRICS,
         headers=(("Authorization", f"Bearer {api_key}"),) if api_key else (),
-        request_timeout_s=model.get("vllm_serve_timeout_s"),
+        request_timeout_s=opts.serve_timeout_s,
     )

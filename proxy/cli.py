@@ -18,8 +18,8 @@ from proxy.config.loading import ConfigError, load_settings
 from proxy.config.settings import DEFAULT_NODE_USERNAME, Settings, is_loopback
 from proxy.lifecycle.kinds.kind import kinds_for
 from proxy.lifecycle.placement.memory import memory_warnings
-from proxy.lifecycle.kinds.programs import ProgramKind
-from proxy.lifecycle.kinds.remote import EndpointKind
+from proxy.lifecycle.kinds.rules import EndpointRules, ProgramRules
+from proxy.lifecycle.state.kind import KindRules
 from proxy.masking import shown_url
 from proxy.supervisord.host_login import try_logins
 from proxy.supervisord.managed import StateDirBusy, claim_state_dir, inherited_lock
@@ -63,10 +63,11 @@ def startup_problems(settings: Settings) -> tuple[list[str], list[str]]:
     exits non-zero for the first, and warns of the second (errors too with --strict)."""
     automatic: list[str] = []
     admin_only: list[str] = []
-    # Kinds without supervisord or an HTTP session: enough to check a model, not to run one.
-    kinds = kinds_for({m.backend for m in settings.models.values()}, ProgramKind(None), EndpointKind(None, os.environ))
+    # The kinds' rules alone, without supervisord or an HTTP session: enough to check a model, not to run one.
+    rules: dict[str, KindRules] = kinds_for({m.backend for m in settings.models.values()}, ProgramRules(),
+                                            EndpointRules(os.environ))
     for name, model in settings.models.items():
-        kind = kinds.get(model.backend)
+        kind = rules.get(model.backend)
         found = kind.check(model) if kind is not None else [
             f"engine.models.{name}.backend: {model.backend!r} cannot be run by this version of llm-pool (set "
             "enabled: false and load_on_demand: false to keep it configured)"]

@@ -35,12 +35,14 @@ from proxy.lifecycle.placement.load_retry import retry_delay, worth_retrying
 from proxy.lifecycle.placement.memory import Memory
 from proxy.lifecycle.watch.monitor import Monitor
 from proxy.lifecycle.placement.placer import Placer
-from proxy.lifecycle.kinds.programs import ProgramKind, Programs, live
+from proxy.lifecycle.kinds.process_table import live
+from proxy.lifecycle.kinds.program_kind import ProgramKind
+from proxy.lifecycle.kinds.programs import Programs
 from proxy.lifecycle.kinds.remote import EndpointKind
 from proxy.lifecycle.state.outcomes import Outcomes
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.rolling import roll
-from proxy.lifecycle.state.runtime import LoadRetry, ModelRuntime
+from proxy.lifecycle.state.runtime import Kind, LoadRetry, ModelRuntime
 from proxy.lifecycle.scaling import scale
 from proxy.upstream.client import UpstreamHttp
 from proxy.supervisord.hosts import Host, build_hosts
@@ -72,8 +74,8 @@ class Pool:
         self.programs = Programs(settings, supervisor, self.environ, self.models, lambda: self.monitor.wake(),
                                  pid_record, self.hosts, lambda *a: self.placer.hosts_for(*a), events=self.events)
         self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, self.events, managed)
-        kinds = kinds_for({c.backend for c in settings.models.values()}, ProgramKind(self.programs),
-                          EndpointKind(http, self.environ))
+        kinds: dict[str, Kind] = kinds_for({c.backend for c in settings.models.values()},
+                                           ProgramKind(self.programs), EndpointKind(http, self.environ))
         for runtime in self.models.values():
             runtime.kind = kinds.get(runtime.config.backend)
             runtime.traits = traits_for(runtime.config.backend)

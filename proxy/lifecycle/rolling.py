@@ -22,7 +22,8 @@ from proxy import events as kinds
 from proxy.events import Events
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.lifecycle.scaling import Waiter, add_ready, drain_and_remove, free_indices
+from proxy.lifecycle.scaling import Waiter, add_ready, drain_and_remove
+from proxy.lifecycle.state.indices import free_indices
 from proxy.supervisord.supervisor import SupervisorError
 
 log = logging.getLogger(__name__)

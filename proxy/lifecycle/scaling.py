@@ -1,6 +1,6 @@
 """Live scaling: start or stop replicas of a loaded model while requests keep flowing on the others.
 
-Up: the kind adds the new replicas under the lowest free indices (free_indices: a rolled
+Up: the kind adds the new replicas under the lowest free indices (state/indices.py: a rolled
 model's may have a gap) (for programs: one supervisord program each, the running ones untouched)
 and the call returns once they are READY; admission's capacity grows as each becomes READY. Down:
 the highest-numbered replicas (out-of-date ones first) leave rotation at once (STOPPING: no new
@@ -14,11 +14,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from proxy.config.checks import replicas_problem
 from proxy.config.model import ModelConfig
 from proxy.errors import BackendError, BadRequest, Conflict, Unavailable
+from proxy.lifecycle.state.indices import free_indices
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.supervisord.supervisor import SupervisorError
@@ -30,25 +31,6 @@ class Waiter(Protocol):
     """What scaling needs of the monitor: to wait until new replicas have passed their checks."""
 
     async def await_replicas(self, runtime: ModelRuntime, replicas: list[Replica] | None = None) -> None: ...
-
-
-def free_indices(used: Sequence[int], count: int) -> list[int]:
-    """The `count` lowest replica indices not in `used`.
-
-    A replica's index is its name (program `<model>-<hash>-r<i>`, `model/r<i>` in the admin view),
-    not its position: a program cannot be renamed while it runs, so a roll (rolling.py) starts each
-    new replica under the lowest index free then (the one past the others for the first, then the
-    index of the old replica it replaced) and a rolled model's indices may have a gap (r0, r2).
-    Scaling takes the same rule: up adds the lowest free indices, down removes the highest ones,
-    and a restarted proxy adopts the running replicas by their indices, whatever they are."""
-    taken = set(used)
-    found: list[int] = []
-    i = 0
-    while len(found) < count:
-        if i not in taken:
-            found.append(i)
-        i += 1
-    return found
 
 
 async def scale(runtime: ModelRuntime, replicas: int, monitor: Waiter, drain_timeout_s: float) -> ModelRuntime:

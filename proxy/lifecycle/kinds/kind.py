@@ -1,66 +1,29 @@
-"""Kinds of replica: what differs between a supervised program and a remote endpoint.
+"""Which kind runs each backend, and what each backend can do.
 
-The pool's decisions (admission, routing, states, metrics) are the same for every model; what a
-kind decides is how its replicas start and stop, whether they are healthy, how a request reaches
-one (its `Reach`, proxy/upstream/reach.py) and which gate a request to it must pass. `Kind` is
-that seam; the kinds themselves are `ProgramKind` (proxy/lifecycle/kinds/programs.py) and `EndpointKind`
-(proxy/lifecycle/kinds/remote.py).
+The seam itself (`KindRules`, `KindRunner`, `Kind`) is declared in the state wing
+(proxy/lifecycle/state/kind.py and runtime.py); the kinds are `ProgramKind`
+(proxy/lifecycle/kinds/program_kind.py) and `EndpointKind` (proxy/lifecycle/kinds/remote.py), each its
+rules (proxy/lifecycle/kinds/rules.py) plus a runner. `kinds_for` picks among either: the pool's
+runners, or `check-config`'s rules alone.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+from typing import TypeVar
 
 from launchers import launcher_for
 from proxy.capabilities import Traits
-from proxy.lifecycle.kinds import remote
-if TYPE_CHECKING:
-    from proxy.config.model import ModelConfig
-    from proxy.lifecycle.state.replicas import Replica
-    from proxy.lifecycle.state.runtime import ModelRuntime
-
+from proxy.lifecycle.kinds import remote_options
 
 # Backends whose replica is a remote endpoint; every other runnable backend has a launcher.
 ENDPOINT_BACKENDS = frozenset({"openai_remote"})
 
-
-class Kind(Protocol):
-    """Start, stop and gate one kind of replica; the pool calls nothing else that differs per kind."""
-
-    def check(self, config: ModelConfig) -> list[str]:
-        """Problems that stop the model from loading, each naming the field (never a secret's value)."""
-        ...
-
-    async def start(self, runtime: ModelRuntime, config: ModelConfig) -> None:
-        """Create runtime.replicas and set them going; health decides READY (the pool waits for it)."""
-        ...
-
-    async def stop(self, runtime: ModelRuntime) -> None:
-        """Whatever runs for the replicas is gone when this returns."""
-        ...
-
-    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: Sequence[int]) -> list[Replica]:
-        """Live scaling up: append replicas `indices` to runtime.replicas and set them going, leaving
-        the others alone; health decides READY (the pool waits for it). Returns the new replicas."""
-        ...
-
-    async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
-        """Live scaling down: whatever runs for `replicas` (already drained) is gone when this
-        returns; the others are left alone."""
-        ...
-
-    def gate(self, config: ModelConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
-        """Raise a PoolError if this request may not go to such a model at all."""
-        ...
-
-    def describe(self, config: ModelConfig) -> dict[str, object]:
-        """Extra fields of the model's admin row."""
-        ...
+K = TypeVar("K")
 
 
-def kinds_for(backends: set[str], program: Kind, endpoint: Kind) -> dict[str, Kind]:
-    """The kind of each configured backend this version can run; a backend left out answers
-    409 backend_not_supported on load."""
-    kinds: dict[str, Kind] = {}
+def kinds_for(backends: set[str], program: K, endpoint: K) -> dict[str, K]:
+    """The kind of each configured backend this version can run (`program` or `endpoint`: the
+    kinds, or only their rules); a backend left out answers 409 backend_not_supported on load."""
+    kinds: dict[str, K] = {}
     for backend in backends:
         if backend in ENDPOINT_BACKENDS:
             kinds[backend] = endpoint
@@ -72,6 +35,6 @@ def kinds_for(backends: set[str], program: Kind, endpoint: Kind) -> dict[str, Ki
 def traits_for(backend: str) -> Traits:
     """What `backend` can do, as it declares it; a backend this version cannot run can do nothing."""
     if backend in ENDPOINT_BACKENDS:
-        return remote.TRAITS
+        return remote_options.TRAITS
     launcher = launcher_for(backend)
     return launcher.TRAITS if launcher is not None else Traits()

@@ -5,36 +5,36 @@ supervisord), so that a live scale adds or removes one without touching the othe
 the replica's file, has supervisord add it and starts it; a restarted proxy adopts each replica
 whose file is unchanged and whose program is running (same process, no reload). Removing stops a
 program, waits until it has exited, removes its group, then its file. This is the program kind's
-half of the pool (the `Kind` seam, proxy/lifecycle/kinds/kind.py); the pool's monitor reads the same process snapshot.
+half of the pool (the `Kind` seam, proxy/lifecycle/state/kind.py; its adapter is ProgramKind,
+proxy/lifecycle/kinds/program_kind.py). Ports are chosen by ports.py; supervisord's process table,
+which the pool's monitor reads too, is process_table.py.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-from launchers import launcher_for
 from launchers.spec import (Launcher, ProgramSpec, UnsafeProgramValue, ports_in_file, program_name, render_replica,
                             replica_index)
-from proxy import events
+from proxy.atomic_file import PRIVATE_MODE, write_atomic
 from proxy.config.model import ModelConfig
 from proxy.config.settings import LOCAL_HOST, Settings
-from proxy.errors import Unavailable
 from proxy.events import Events
-from proxy.lifecycle.kept import outdated_reason, what_changed
-from proxy.lifecycle.scaling import free_indices
-from proxy.supervisord.hosts import Host
-from proxy.supervisord.orphans import PidRecord
-from proxy.upstream.reach import ProgramReach
+from proxy.lifecycle.kinds.ports import assign_ports, ports_of_other_groups
+from proxy.lifecycle.kinds.process_table import ProcessTable, process_key
+from proxy.lifecycle.state.outdated import outdated_reason, what_changed
 from proxy.lifecycle.state.replicas import Replica, ReplicaState
 from proxy.lifecycle.state.runtime import ModelRuntime
+from proxy.lifecycle.state.indices import free_indices
+from proxy.supervisord.hosts import Host
+from proxy.supervisord.orphans import PidRecord
 from proxy.supervisord.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning,
                                           SupervisorClient, SupervisorError)
-from proxy.atomic_file import PRIVATE_MODE, write_atomic
+from proxy.upstream.reach import ProgramReach
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,6 @@ STOP_GRACE_S = 10.0
 # Chooses the host of each new replica: (model settings, replica indices, the hosts that hold a
 # program file of each index now) -> a host per index. The placer's (placer.Placer.hosts_for).
 HostChooser = Callable[[ModelConfig, list[int], Mapping[int, str]], Mapping[int, str]]
-
-
-def process_key(host: str, fullname: str) -> str:
-    """A process's key in the merged table: the local host's as supervisord names them (as always),
-    another host's prefixed with its name."""
-    return fullname if host == LOCAL_HOST else f"{host}/{fullname}"
 
 
 async def start_replica(client: SupervisorClient, replica: Replica) -> None:
@@ -71,7 +65,6 @@ class Programs:
                  pid_record: PidRecord | None = None, hosts: Mapping[str, Host] | None = None,
                  choose: HostChooser | None = None, *, events: Events) -> None:
         self.settings = settings
-        self.events = events          # a host that stops answering, and answers again
         self.supervisor = supervisor
         self.hosts: dict[str, Host] = dict(hosts) if hosts is not None else \
             {LOCAL_HOST: Host(LOCAL_HOST, supervisor, settings.service.state_dir / "logs")}
@@ -79,89 +72,28 @@ class Programs:
         self.environ = environ
         self.runtimes = runtimes      # every model's, for the ports their replicas hold
         self.wake = wake              # the pool's monitor: look again now, a program was started
-        self.pid_record = pid_record  # managed mode: what to stop should supervisord die (proxy/supervisord/orphans.py)
-        self.processes: dict[str, ProcessInfo] = {}
-        self._polls: dict[str, asyncio.Task[dict[str, ProcessInfo]]] = {}   # in flight, by host
+        # Every host's processes; a host that stops answering, and answers again, is an event.
+        self.table = ProcessTable(self.hosts, events, pid_record)
         self.stop_grace_s = STOP_GRACE_S
 
+    @property
+    def processes(self) -> dict[str, ProcessInfo]:
+        """Every host's processes at the last look, by process_key (ProcessTable)."""
+        return self.table.processes
+
     async def snapshot(self, patience_s: float | None = None, only: str | None = None) -> dict[str, ProcessInfo]:
-        """Every host's process table now, by process_key (kept as `processes` too). The local
-        supervisord not answering raises, as it always did; another host that does not answer is
-        marked down (Host.down_since) and its processes are left out.
-
-        Each host is asked by a poll of its own, at most one in flight per host. `patience_s` bounds
-        the wait for other hosts than the local one: one that has not answered by then keeps its last
-        table (Host.table_at says how old) and its poll runs on, to be taken by a later call, so
-        that one frozen host does not hold up every other host's monitoring for rpc_timeout_s.
-        None waits for each until it answers or its call times out. `only`: ask that host alone."""
-        asked = [self.hosts[only]] if only is not None else list(self.hosts.values())
-        polls = {h.name: self._poll(h) for h in asked}
-        local = [polls[h.name] for h in asked if h.local]
-        remote = [polls[h.name] for h in asked if not h.local]
-        if local:
-            await asyncio.wait(local)
-        if remote:
-            await asyncio.wait(remote, timeout=patience_s)
-        failed: set[str] = set()
-        local_error: BaseException | None = None
-        for host in asked:
-            task = polls[host.name]
-            if not task.done():
-                continue   # still asking: its last table stands for it this time
-            if self._polls.get(host.name) is task:
-                del self._polls[host.name]
-            error = task.exception()
-            if error is None:
-                continue
-            failed.add(host.name)
-            if not isinstance(error, SupervisorError) or host.local:
-                local_error = local_error or error
-            elif host.mark_down(error):
-                self.events.record(events.HOST_DOWN, f"host {host.name} is not answering: {error}; its replicas "
-                                   "leave rotation", host=host.name, reason=str(error), level=logging.WARNING)
-        merged: dict[str, ProcessInfo] = {}
-        for host in self.hosts.values():
-            if host.name not in failed and host.down_since is None:
-                merged.update({process_key(host.name, n): i for n, i in host.processes.items()})
-        self.processes = merged
-        if local_error is not None:
-            raise local_error
-        return merged
-
-    def _poll(self, host: Host) -> "asyncio.Task[dict[str, ProcessInfo]]":
-        task = self._polls.get(host.name)
-        if task is None:
-            task = self._polls[host.name] = asyncio.create_task(self._host_snapshot(host),
-                                                                name=f"llm-pool poll {host.name}")
-        return task
+        """Every host's process table now (ProcessTable.snapshot)."""
+        return await self.table.snapshot(patience_s, only)
 
     async def close(self) -> None:
         """Cancel the polls still in flight (a frozen host's)."""
-        polls, self._polls = list(self._polls.values()), {}
-        for task in polls:
-            task.cancel()
-        await asyncio.gather(*polls, return_exceptions=True)
-
-    async def _host_snapshot(self, host: Host) -> dict[str, ProcessInfo]:
-        asked_at = time.monotonic()
-        processes = await host.snapshot()
-        if host.local and self.pid_record is not None:
-            self.pid_record.update(processes.values())
-        if host.down_since is not None or (not host.local and host.log_dir is None):
-            await host.refresh()
-            if host.down_since is not None:
-                self.events.record(events.HOST_UP, f"host {host.name} answers again after "
-                                   f"{time.monotonic() - host.down_since:.1f}s", host=host.name,
-                                   level=logging.WARNING)
-            host.down_since, host.error = None, None
-        host.processes, host.table_at, host.last_contact = processes, asked_at, time.monotonic()
-        return processes
+        await self.table.close()
 
     def host_of(self, replica: Replica) -> Host:
         return self.hosts[replica.host]
 
     def down_hosts(self) -> set[str]:
-        return {h.name for h in self.hosts.values() if h.down_since is not None}
+        return self.table.down_hosts()
 
     async def texts(self) -> dict[str, dict[str, str]]:
         """Every answering host's llm-pool program files, by host and program name."""
@@ -196,8 +128,7 @@ class Programs:
     def running(self, program: str, host: str = LOCAL_HOST) -> ProcessInfo | None:
         """The program's process if it runs: RUNNING, or STARTING with a process (within supervisord's
         startsecs; a replica is checked, and may serve, from the moment its process exists)."""
-        info = self.processes.get(process_key(host, f"{program}:{program}"))
-        return info if info is not None and live(info) else None
+        return self.table.running(program, host)
 
     async def start(self, runtime: ModelRuntime, config: ModelConfig, launcher: Launcher) -> None:
         await self.snapshot()
@@ -332,44 +263,13 @@ class Programs:
 
     def _assign_ports(self, config: ModelConfig, launcher: Launcher, previous: dict[str, int],
                       texts: Mapping[str, Mapping[str, str]], indices: Sequence[int]) -> dict[int, int]:
-        """Stable ports, by replica index: the fixed port (plus the index) if configured, else the
-        one this replica had, else the first free one in the range. Ports of other models' programs,
-        of this model's other replicas (running ones included) and ports in use are skipped."""
-        fixed = config.get(launcher.PORT_FIELD)
-        if fixed:
-            return {i: int(fixed) + i for i in indices}
-        taken = self._ports_of_other_groups(config.name, texts)
-        lo, hi = self.settings.supervisor.port_range
-        ports: dict[int, int] = {}
-        candidates = iter(range(lo, hi + 1))
-        for i in indices:
-            program = program_name(config.name, i)
-            old = previous.get(program)
-            ours_running = any(self.running(program, h) is not None for h in self.hosts)
-            if old and old not in taken and old not in ports.values() and (ours_running or port_free(old)):
-                ports[i] = old
-                continue
-            for port in candidates:
-                if port not in taken and port not in ports.values() and port not in previous.values() \
-                        and port_free(port):
-                    ports[i] = port
-                    break
-            else:
-                raise Unavailable(f"no free port left in supervisor.port_range {lo}-{hi}", code="no_free_port")
-        return ports
-
-    def _ports_of_other_groups(self, name: str, texts: Mapping[str, Mapping[str, str]]) -> set[int]:
-        """`texts`: every answering host's program files (texts()), this machine's folder included.
-        Ports are kept apart across hosts too: hosts on one machine (tests, benchmarks) share its ports."""
-        taken: set[int] = set()
-        for by_name in texts.values():
-            for stem, text in by_name.items():
-                if replica_index(name, stem) is None:
-                    taken.update(ports_in_file(text).values())
-        for runtime in self.runtimes.values():
-            if runtime.name != name:
-                taken.update(r.spec.port for r in runtime.replicas if r.spec is not None)
-        return taken
+        """Stable ports for replicas `indices` of `config` (ports.assign_ports), apart from every other
+        model's: their program files on every host (`texts`) and their replicas' ports now."""
+        held = [r.spec.port for rt in self.runtimes.values() if rt.name != config.name
+                for r in rt.replicas if r.spec is not None]
+        taken = ports_of_other_groups(config.name, texts, held)
+        return assign_ports(config, launcher, previous, taken, self.settings.supervisor.port_range, indices,
+                            lambda program: any(self.running(program, h) is not None for h in self.hosts))
 
     async def stop(self, name: str) -> None:
         """Stop every replica program of model `name` and remove their groups and files (the
@@ -440,63 +340,9 @@ class Programs:
             await asyncio.sleep(0.05)
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a server could listen on `port` now. SO_REUSEADDR as servers set it: sockets left in
-    TIME_WAIT by a replica that exited (an unload) must not make its port look taken."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _launcher(config: ModelConfig) -> Launcher:
-    launcher = launcher_for(config.backend)
-    assert launcher is not None, "the program kind serves only backends with a launcher (kinds_for)"
-    return launcher
-
-
-class ProgramKind:
-    """Replicas as supervisord programs (`Programs`, above), written by the backend's launcher."""
-
-    def __init__(self, programs: Programs | None) -> None:
-        self.programs = programs   # None: for checks only (check-config)
-
-    def check(self, config: ModelConfig) -> list[str]:
-        return _launcher(config).check(config)
-
-    async def start(self, runtime: ModelRuntime, config: ModelConfig) -> None:
-        assert self.programs is not None
-        await self.programs.start(runtime, config, _launcher(config))
-
-    async def stop(self, runtime: ModelRuntime) -> None:
-        assert self.programs is not None
-        await self.programs.stop(runtime.name)
-
-    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: Sequence[int]) -> list[Replica]:
-        assert self.programs is not None
-        return await self.programs.add(runtime, config, _launcher(config), indices)
-
-    async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
-        assert self.programs is not None
-        await self.programs.remove([(r.host, r.spec.program) for r in replicas if r.spec is not None])
-
-    def gate(self, config: ModelConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
-        return None
-
-    def describe(self, config: ModelConfig) -> dict[str, object]:
-        return {}
-
-
 def _set_spec(replica: Replica, spec: ProgramSpec) -> None:
     replica.spec, replica.reach = spec, ProgramReach(spec)
     replica.fullname = f"{spec.program}:{spec.program}"
-
-
-def live(info: ProcessInfo) -> bool:
-    return info.state == ProcessState.RUNNING or (info.state == ProcessState.STARTING and info.pid > 0)
 
 
 def on_host(spec: ProgramSpec, address: str) -> ProgramSpec:

@@ -13,16 +13,14 @@ import binascii
 import contextlib
 import json
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 from urllib.parse import quote
 
 import aiohttp
 
 from proxy.errors import BackendError, BadRequest
+from proxy.lifecycle.kinds.provider import Provider
 from proxy.upstream.client import UpstreamHttp
-
-if TYPE_CHECKING:
-    from proxy.lifecycle.kinds.remote import RemoteReach
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +30,7 @@ def _has_file(content: Any) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def extracted(http: UpstreamHttp, reach: RemoteReach,
+async def extracted(http: UpstreamHttp, reach: Provider,
                     body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     """`body` with each file item replaced by a system message holding the provider's extraction,
     placed just before the message that carried it; the uploads are deleted on leaving."""
@@ -57,7 +55,7 @@ async def extracted(http: UpstreamHttp, reach: RemoteReach,
             await asyncio.shield(_delete_all(http, reach, uploaded))
 
 
-async def _extract(http: UpstreamHttp, reach: RemoteReach, item: dict[str, Any],
+async def _extract(http: UpstreamHttp, reach: Provider, item: dict[str, Any],
                    uploaded: list[str]) -> str:
     file = item.get("file")
     if not isinstance(file, dict):
@@ -99,7 +97,7 @@ async def _extract(http: UpstreamHttp, reach: RemoteReach, item: dict[str, Any],
                            "without a file id") from None
 
 
-async def _delete_all(http: UpstreamHttp, reach: RemoteReach, ids: list[str]) -> None:
+async def _delete_all(http: UpstreamHttp, reach: Provider, ids: list[str]) -> None:
     for file_id in ids:
         try:
             async with http.delete(reach.url(f"/v1/files/{quote(file_id, safe='')}"),

@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 from proxy.admission import Admission
 from proxy.capabilities import Capabilities, Traits, capabilities
@@ -15,10 +15,8 @@ from proxy.config.model import ModelConfig
 from proxy.errors import PoolError
 from proxy.fairness import FairnessPolicy
 from proxy.lifecycle.state import affinity
+from proxy.lifecycle.state.kind import KindRules
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState, model_transition
-
-if TYPE_CHECKING:
-    from proxy.lifecycle.kinds.kind import Kind
 
 
 @dataclass(eq=False)
@@ -60,7 +58,7 @@ class ModelRuntime:
     replicas: list[Replica] = field(default_factory=list)
     admission: Admission = field(default_factory=Admission)
     last_error: str | None = None
-    kind: "Kind | None" = None              # how its replicas start, stop and are reached; None: unsupported
+    kind: Kind | None = None                # how its replicas start, stop and are reached; None: unsupported
     traits: Traits = field(default_factory=Traits)  # what its backend can do
     load_s: float | None = None             # how long its last load and unload took (for /metrics)
     unload_s: float | None = None
@@ -266,3 +264,30 @@ class ModelRuntime:
             "load_retry": self.load_retry.describe() if self.load_retry is not None else None,
             **(self.kind.describe(cfg) if self.kind is not None else {}),
         }
+
+
+class KindRunner(Protocol):
+    """Start and stop one kind of replica (the runner half of the seam, proxy/lifecycle/state/kind.py);
+    the pool calls nothing else that differs per kind."""
+
+    async def start(self, runtime: ModelRuntime, config: ModelConfig) -> None:
+        """Create runtime.replicas and set them going; health decides READY (the pool waits for it)."""
+        ...
+
+    async def stop(self, runtime: ModelRuntime) -> None:
+        """Whatever runs for the replicas is gone when this returns."""
+        ...
+
+    async def add(self, runtime: ModelRuntime, config: ModelConfig, indices: Sequence[int]) -> list[Replica]:
+        """Live scaling up: append replicas `indices` to runtime.replicas and set them going, leaving
+        the others alone; health decides READY (the pool waits for it). Returns the new replicas."""
+        ...
+
+    async def remove(self, runtime: ModelRuntime, replicas: list[Replica]) -> None:
+        """Live scaling down: whatever runs for `replicas` (already drained) is gone when this
+        returns; the others are left alone."""
+        ...
+
+
+class Kind(KindRules, KindRunner, Protocol):
+    """A kind of replica as a model's runtime holds it: its rules and its runner."""

@@ -28,7 +28,8 @@ from proxy.lifecycle.watch import crashes
 from proxy.upstream.engine_metrics import read_gauges
 from proxy.lifecycle.watch.health import (HealthPolicy, ReadyChecks, note_exit, note_failure, note_success,
                                     state_after_check)
-from proxy.lifecycle.kinds.programs import Programs, live, process_key, start_replica
+from proxy.lifecycle.kinds.process_table import live, process_key
+from proxy.lifecycle.kinds.programs import Programs, start_replica
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.upstream.client import UpstreamHttp

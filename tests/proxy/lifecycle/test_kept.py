@@ -10,8 +10,9 @@ from pathlib import Path
 
 from launchers import llama_server, sim
 from proxy.config.model import ModelConfig
-from proxy.lifecycle.kept import KeptModels, entry, honoured, what_changed
-from proxy.lifecycle.scaling import free_indices
+from proxy.lifecycle.kept import KeptModels, entry, honoured
+from proxy.lifecycle.state.indices import free_indices
+from proxy.lifecycle.state.outdated import what_changed
 
 
 def model(**options: object) -> ModelConfig:

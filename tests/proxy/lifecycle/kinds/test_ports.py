@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import socket
 
-from proxy.lifecycle.kinds.programs import port_free
+from proxy.lifecycle.kinds.ports import port_free
 
 
 def _time_wait_port() -> int:

@@ -19,7 +19,10 @@ from proxy.config.loading import ConfigError, load_settings
 from proxy.config.model import ModelConfig
 from proxy.errors import BackendError, Forbidden, TooManyRequests
 from proxy.lifecycle.pool import Pool
-from proxy.lifecycle.kinds.remote import EndpointKind, RemoteReach, Secret, allowed, retry_after_s
+from proxy.lifecycle.kinds.provider import retry_after_s
+from proxy.lifecycle.kinds.remote import EndpointKind, RemoteReach
+from proxy.lifecycle.kinds.remote_options import Secret
+from proxy.lifecycle.kinds.rules import allowed
 from proxy.lifecycle.state.replicas import ModelState, ReplicaState
 from proxy.serving.responses import backend_request, parse, validate_for_model
 
