@@ -1,7 +1,7 @@
 """What a model accepts: its backend's traits (declared once, by the backend) applied to its config.
 
 Every backend says what it can do in one `Traits` record: a launcher as its module's `TRAITS`, the
-remote kind beside its endpoint (proxy/lifecycle/kinds/remote.py). Nothing here or in the serving wing
+remote kind beside its options (proxy/lifecycle/kinds/remote_options.py). Nothing here or in the serving wing
 names a backend: they read the traits. `Capabilities` is what /v1/admin/models advertises.
 """
 from __future__ import annotations

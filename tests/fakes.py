@@ -858,7 +858,7 @@ class FakeApt:
 
 
 class FakeReplicaKind:
-    """A fake `Kind` (proxy/lifecycle/kinds/kind.py) whose replicas are READY the moment they are added
+    """A fake `Kind` (proxy/lifecycle/state/kind.py) whose replicas are READY the moment they are added
     and gone the moment they are removed, no process behind them; `fail_adds` makes that many
     adds come up FAILED. For the pool's decisions about replicas (a roll's order), not for how
     replicas start (the integration tests start real ones). Each add and remove is in `calls`,

@@ -7,8 +7,9 @@ an unload removes the model's entry, so a full stop (SIGTERM unloads every model
 kept and the next `serve` starts from the config files alone. A reload (SIGUSR1, --keep-models)
 leaves the replicas running and the entries in place: the next `serve` adopts each such model with
 its kept overrides, and compares the kept settings with what the config files (plus the kept
-overrides) give now to say what changed (by name: settings may name secrets' variables, programs
-hold their values) and roll the replicas that run the old ones (proxy/lifecycle/rolling.py).
+overrides) give now to say what changed (proxy/lifecycle/state/outdated.py: by name, since settings
+may name secrets' variables and programs hold their values) and roll the replicas that run the old
+ones (proxy/lifecycle/rolling.py).
 
 The file is the proxy's own (mode 0600, in its state dir), read only at startup. Nothing in it is
 ever started: the kept settings only describe and reach replicas that already run.

@@ -1,7 +1,8 @@
 """The pool: the lifecycle decisions. Load, adopt, scale and unload models.
 
 The decisions are the same for every model; how a replica starts and stops differs per kind
-(proxy/lifecycle/kinds/kind.py): a supervisord program (programs.py) or a remote endpoint (remote.py).
+(the `Kind` seam, proxy/lifecycle/state/kind.py): a supervisord program (kinds/program_kind.py) or a
+remote endpoint (kinds/remote.py).
 Load starts the replicas and waits until each passes its health check; a restarted proxy adopts
 running ones. Keeping replica states true meanwhile is the monitor's job (monitor.py). Which models
 may be loaded together, and when one loads on demand, unloads when idle or is evicted to make room,

@@ -230,7 +230,7 @@ async def admin_logs(request: web.Request) -> web.Response:
         raise Conflict(f"model {runtime.name!r} has no replicas to read a log from; load it first",
                        code="model_not_loaded")
     # A replica by its index (its name, `model/r<i>`), not its place in the list: a rolled model's
-    # indices may have a gap (proxy/lifecycle/scaling.py, free_indices).
+    # indices may have a gap (proxy/lifecycle/state/indices.py, free_indices).
     indices = [r.index for r in runtime.replicas]
     index = _int_param(request, "replica", indices[0], 0, max(indices), code="invalid_log_request")
     replica = next((r for r in runtime.replicas if r.index == index), None)

@@ -1,7 +1,9 @@
 """What the pool knows, and the pure rules that change it: the lowest sub-wing of lifecycle/.
 
 `replicas` (a leaf: states and every allowed transition), `runtime` (one public model at run time:
-state, replicas, admission, routing) and `affinity` (pure rendezvous hashing with a load bound).
+state, replicas, admission, routing; and the runner half of the `Kind` seam), `kind` (the rules
+half), `affinity` (pure rendezvous hashing with a load bound), `indices` (a new replica takes the
+lowest free index) and `outdated` (which settings a running replica's differ in, by name).
 It may import `proxy.upstream`, launchers' specs and the root vocabulary; nothing else of
 lifecycle/, not even for a type: the protocols the wings above implement are declared here.
 """

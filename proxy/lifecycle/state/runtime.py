@@ -1,4 +1,6 @@
-"""What the pool knows about one public model at run time: state, replicas, admission."""
+"""What the pool knows about one public model at run time: state, replicas, admission; and the
+runner half of the `Kind` seam it holds (`KindRunner`, `Kind`; the rules half is state/kind.py),
+declared here beside the ModelRuntime it acts on so that neither module names the other's types."""
 from __future__ import annotations
 
 import asyncio
