@@ -18,7 +18,7 @@ from launchers.llama_server import LlamaServerOptions
 from launchers.options import Options
 from launchers.sim import SimOptions
 from launchers.vllm_serve import VllmServeOptions
-from proxy.config import ModelConfig
+from proxy.config.model import ModelConfig
 from proxy.lifecycle.kinds.remote_options import RemoteOptions
 
 SCHEMA = Path(__file__).resolve().parents[2] / "conf" / "schema.json"
