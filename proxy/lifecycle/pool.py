@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, Mapping, TypeVar
 from launchers.spec import replica_index
 from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from proxy.config.model import ModelConfig
-from proxy.config.settings import Settings
+from proxy.config.settings import LOCAL_HOST, Settings
 from proxy.errors import BackendError, Conflict, NotFound, PoolError, Unavailable
 from proxy import events as ev
 from proxy.events import Events
@@ -579,6 +579,19 @@ class Pool:
     def host_of(self, replica: Replica) -> Host:
         """The host a replica's program runs on (its log is read there)."""
         return self.programs.host_of(replica)
+
+    async def gpu_memory_by_host(self, local: dict[str, Any]) -> dict[str, Any] | None:
+        """GET /v1/admin/gpu-memory's `hosts`: this machine's devices (`local`, the report's own) beside
+        each node's, read from it now; None where every host is this machine."""
+        nodes = [h for h in self.hosts.values() if not h.local]
+        if not nodes:
+            return None
+        found = await asyncio.gather(*(h.gpu_memory(self.replica_programs(h.name)) for h in nodes))
+        return {**({"local": local} if LOCAL_HOST in self.hosts else {}), **{h.name: f for h, f in zip(nodes, found)}}
+
+    async def close_nodes(self) -> None:
+        """At the end: the XML-RPC clients of the nodes (this machine's supervisord is stopped apart)."""
+        await asyncio.gather(*(h.client.close() for h in self.hosts.values() if not h.local))
 
 
 def _no_nvml_yet() -> Any:

@@ -170,7 +170,7 @@ async def release_pool(app: web.Application) -> None:
             async with asyncio.timeout(app[SETTINGS].service.drain_timeout_s + STRAGGLERS_WAIT_S):
                 await pool.predecessor_gone.wait()
     await pool.close(stop_models=not keep)
-    await asyncio.gather(*(h.client.close() for h in pool.hosts.values() if not h.local))
+    await pool.close_nodes()
     if app[SETTINGS].supervisor.mode == "managed" and not keep:
         await managed.stop_supervisord(pool.supervisor)
         # A supervisord that died (and could not be started again) stopped nothing: what it left

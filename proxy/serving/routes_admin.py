@@ -147,13 +147,10 @@ async def admin_gpu_memory(request: web.Request) -> web.Response:
     # NVML, /proc and model file headers are blocking reads: off the event loop.
     pool = request.app[POOL]
     report = await asyncio.to_thread(gpu_report, _snapshot(pool), request.app[VRAM])
-    if any(not h.local for h in pool.hosts.values()):
-        # Devices per host: this machine's are the report's own; each node reads its own, now.
-        nodes = [h for h in pool.hosts.values() if not h.local]
-        found = await asyncio.gather(*(h.gpu_memory(pool.replica_programs(h.name)) for h in nodes))
-        local = {"local": {k: report[k] for k in ("available", "gpus", "reason") if k in report}} \
-            if LOCAL_HOST in pool.hosts else {}
-        report["hosts"] = {**local, **{h.name: f for h, f in zip(nodes, found)}}
+    # Devices per host: this machine's are the report's own; each node reads its own, now.
+    hosts = await pool.gpu_memory_by_host({k: report[k] for k in ("available", "gpus", "reason") if k in report})
+    if hosts is not None:
+        report["hosts"] = hosts
     return web.json_response(report)
 
 
