@@ -5,8 +5,8 @@ over READY replicas and changes as replicas come and go. Waiters are futures: a 
 away while waiting leaves its queue, one that goes away while running frees its slot (its running
 time still counts to its key), and a waiter cancelled just after it was handed a slot gives the
 slot back to the scheduler instead of stranding it. A waiter that has waited `max_wait_s` gives up
-its place the same way and fails with 503 `queue_timeout` (or with `stall`, the pool's reason why
-a model that is not loaded cannot load yet: 503 `insufficient_memory`).
+its place the same way and fails with 503 `queue_timeout` (or with its stall, the pool's reason why
+a model that is not loaded cannot load yet: 503 `insufficient_memory`, given through `set_stall`).
 
 The queue outlives loads: requests for a model that is not loaded wait in it while the pool loads
 the model (load on demand), and `hold` stops granting slots without failing the waiters while the
@@ -41,11 +41,26 @@ class Admission:
         # Wall-clock time of the last request's arrival or end (or an admin load): idle unload
         # counts from it, and it is kept across restarts.
         self.last_used = 0.0
-        # Why a waiter's wait can run out before the model loads (set by the pool's placement).
-        self.stall: PoolError | None = None
-        # The pool's hooks: a request had to wait (the model may need loading); the queue went idle.
-        self.on_queued: Callable[[], None] | None = None
-        self.on_idle: Callable[[], None] | None = None
+        # Why a waiter's wait can run out before the model loads (the pool's placement says, set_stall).
+        self._stall: PoolError | None = None
+        # The listeners (listen): a request had to wait (the model may need loading); the queue went idle.
+        self._on_queued: Callable[[], None] | None = None
+        self._on_idle: Callable[[], None] | None = None
+
+    def listen(self, on_queued: Callable[[], None] | None = None, on_idle: Callable[[], None] | None = None) -> None:
+        """Be told when a request has to wait (`on_queued`: the model may need loading) and when
+        nothing runs or waits any more (`on_idle`). Called synchronously, on the event loop."""
+        self._on_queued, self._on_idle = on_queued, on_idle
+
+    @property
+    def stall(self) -> PoolError | None:
+        return self._stall
+
+    def set_stall(self, error: PoolError | None) -> None:
+        """Why a waiter's wait may run out before the model loads (it cannot load yet: 503
+        `insufficient_memory`): what a wait that runs out raises instead of `queue_timeout`. None:
+        a wait that runs out is a plain `queue_timeout` again."""
+        self._stall = error
 
     @property
     def capacity(self) -> int:
@@ -118,8 +133,8 @@ class Admission:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._granted[ticket] = fut
         self._start(started)
-        if self.on_queued is not None:
-            self.on_queued()
+        if self._on_queued is not None:
+            self._on_queued()
         return ticket, fut
 
     async def wait(self, queued: tuple[Hashable, "asyncio.Future[None] | None"]) -> Hashable:
@@ -135,8 +150,8 @@ class Admission:
                 await asyncio.shield(fut)
         except TimeoutError:
             self.abandon(queued)
-            if self.stall is not None:
-                raise self.stall from None
+            if self._stall is not None:
+                raise self._stall from None
             raise Unavailable(f"no slot freed within {self.max_wait_s:g}s (engine.fairness.max_queue_wait_s)",
                               code="queue_timeout",
                               retry_after=self.scheduler.retry_after(self.scheduler.waiting)) from None
@@ -167,8 +182,8 @@ class Admission:
         self._maybe_idle()
 
     def _maybe_idle(self) -> None:
-        if self.on_idle is not None and not self.scheduler.running and not self.scheduler.waiting:
-            self.on_idle()
+        if self._on_idle is not None and not self.scheduler.running and not self.scheduler.waiting:
+            self._on_idle()
 
     def close(self, error: PoolError) -> None:
         """Refuse new requests and fail every waiter with `error`; running ones finish."""

@@ -945,3 +945,86 @@ class BrokenCallXmlRpc:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+
+
+class FakeClock:
+    """FAKE clock (proxy/lifecycle/placement/actions.py Clock) for the placer's unit tests: its wall
+    and monotonic readings move only when the test calls `advance`, both by the same amount."""
+
+    def __init__(self, wall: float = 1_700_000_000.0, mono: float = 10_000.0) -> None:
+        self.wall = wall
+        self.mono = mono
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def advance(self, seconds: float) -> None:
+        self.wall += seconds
+        self.mono += seconds
+
+
+class RecordingPlacerActions:
+    """FAKE of the pool as the placer's actions (proxy/lifecycle/placement/actions.py PlacerActions),
+    in the style of llama-swap's scheduler tests: each action the placer asks for is recorded in
+    `calls`, in order, and carried out only as far as the placer's decisions can see it. No process
+    starts and no memory is held: a load ends LOADED (or raises `load_fails[name]`, the model FAILED),
+    an unload ends UNLOADED (or raises `unload_fails[name]`). A load that must evict first makes room
+    through the placer's make_room before it starts, as the pool does (set `placer`). A spawned
+    coroutine is kept, its name in `spawned`, until the test runs it (`run_spawned`): what runs when
+    is the test's to say."""
+
+    def __init__(self, runtimes: Any = None, predecessor_gone: bool = True) -> None:
+        self.runtimes = dict(runtimes or {})
+        self.predecessor_gone = asyncio.Event()
+        if predecessor_gone:
+            self.predecessor_gone.set()
+        self.placer: Any = None
+        self.calls: list[tuple[object, ...]] = []
+        self.spawned: list[str] = []
+        self.load_fails: dict[str, Exception] = {}
+        self.unload_fails: dict[str, Exception] = {}
+        self._queued: list[Any] = []
+
+    def spawn(self, coro: Any) -> None:
+        self.spawned.append(coro.__qualname__)
+        self._queued.append(coro)
+
+    async def run_spawned(self) -> None:
+        """Run every coroutine spawned so far to its end, in order (and those they spawn)."""
+        while self._queued:
+            await self._queued.pop(0)
+
+    def drop_spawned(self) -> None:
+        """Forget what was spawned and not run (closed, so that none is reported as never awaited)."""
+        for coro in self._queued:
+            coro.close()
+        self._queued.clear()
+
+    async def load_placed(self, name: str, evict: tuple[str, ...]) -> Any:
+        from proxy.lifecycle.state.replicas import ModelState
+
+        runtime = self.runtimes[name]
+        if evict:
+            assert self.placer is not None, "set RecordingPlacerActions.placer: a load evicts through it"
+            await self.placer.make_room(runtime, evict)
+        self.calls.append(("load", name, evict))
+        runtime.move(ModelState.LOADING)
+        if name in self.load_fails:
+            runtime.move(ModelState.FAILED, str(self.load_fails[name]))
+            raise self.load_fails[name]
+        runtime.move(ModelState.LOADED)
+        return runtime
+
+    async def unload_by_pool(self, name: str, reason: str, cause: str | None = None) -> Any:
+        from proxy.lifecycle.state.replicas import ModelState
+
+        self.calls.append(("unload", name, reason, cause))
+        if name in self.unload_fails:
+            raise self.unload_fails[name]
+        runtime = self.runtimes[name]
+        runtime.move(ModelState.UNLOADING)
+        runtime.move(ModelState.UNLOADED)
+        return runtime

@@ -66,3 +66,34 @@ async def roll(runtime: ModelRuntime, monitor: Waiter, events: Events, predecess
             events.record(kinds.RESTART, f"model {runtime.name}: replica {old.index} replaced by replica "
                           f"{new.index} ({reason}); {left - 1} out-of-date replica(s) left", model=runtime.name,
                           replica=new.index, reason=reason)
+
+
+class Rolls:
+    """The rolls that run: one at a time per model, each replacing a model's out-of-date replicas."""
+
+    def __init__(self, monitor: Waiter, events: Events, predecessor_gone: asyncio.Event,
+                 drain_timeout_s: float) -> None:
+        self.monitor = monitor
+        self.events = events
+        self.predecessor_gone = predecessor_gone
+        self.drain_timeout_s = drain_timeout_s
+        self._running: set[str] = set()
+
+    def wanted(self, runtime: ModelRuntime) -> bool:
+        """Whether `runtime` has replicas out of date and no roll of its own runs."""
+        return any(r.outdated for r in runtime.replicas) and runtime.name not in self._running
+
+    async def run(self, runtime: ModelRuntime) -> None:
+        """Replace the replicas adopted out of date one by one (roll); once none is left, the
+        settings the last proxy kept for it are no longer needed to reach one."""
+        outdated = sum(1 for r in runtime.replicas if r.outdated)
+        log.info("model %s: rolling %d out-of-date replica(s) onto its settings, one at a time", runtime.name,
+                 outdated)
+        self._running.add(runtime.name)
+        try:
+            done = await roll(runtime, self.monitor, self.events, self.predecessor_gone, self.drain_timeout_s)
+        finally:
+            self._running.discard(runtime.name)
+        if done:
+            runtime.kept = None
+            log.info("model %s: every replica runs its settings", runtime.name)

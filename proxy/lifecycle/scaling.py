@@ -16,9 +16,11 @@ import logging
 import time
 from typing import Protocol
 
+from proxy import events as ev
 from proxy.config.checks import replicas_problem
 from proxy.config.model import ModelConfig
 from proxy.errors import BackendError, BadRequest, Conflict, Unavailable
+from proxy.events import Events
 from proxy.lifecycle.state.indices import free_indices
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.state.runtime import ModelRuntime
@@ -33,7 +35,10 @@ class Waiter(Protocol):
     async def await_replicas(self, runtime: ModelRuntime, replicas: list[Replica] | None = None) -> None: ...
 
 
-async def scale(runtime: ModelRuntime, replicas: int, monitor: Waiter, drain_timeout_s: float) -> ModelRuntime:
+async def scale(runtime: ModelRuntime, replicas: int, monitor: Waiter, drain_timeout_s: float, events: Events,
+                actor: str | None = None) -> ModelRuntime:
+    """Scale `runtime` to `replicas`; a change is an event (`actor`: who asked)."""
+    before = len(runtime.replicas)
     problem = replicas_problem(replicas, runtime.config.replica_max)
     if problem:
         raise BadRequest(f"model {runtime.name!r}: {problem}", code="invalid_scale_request", param="replicas")
@@ -50,8 +55,12 @@ async def scale(runtime: ModelRuntime, replicas: int, monitor: Waiter, drain_tim
         except SupervisorError as exc:
             raise Unavailable(f"model {runtime.name!r} could not be scaled: supervisord: {exc}; scale again to retry",
                               code="scale_failed", retry_after=5) from exc
-        runtime.active = runtime.with_replicas(replicas)   # the pool records the change (events feed)
-        return runtime
+        runtime.active = runtime.with_replicas(replicas)
+    if len(runtime.replicas) != before:
+        by = f" by {actor}" if actor else ""
+        events.record(ev.SCALE, f"model {runtime.name} scaled from {before} to {len(runtime.replicas)} replicas{by} "
+                      f"({len(runtime.ready())} ready)", model=runtime.name, actor=actor)
+    return runtime
 
 
 async def _scale_up(runtime: ModelRuntime, replicas: int, monitor: Waiter) -> None:

@@ -197,11 +197,11 @@ async def test_a_closed_queue_refuses_until_reopened() -> None:
 
 async def test_a_wait_that_runs_out_while_the_model_cannot_load_says_why() -> None:
     adm = Admission(max_wait_s=0.01)
-    adm.stall = Unavailable("no room", code="insufficient_memory", retry_after=5)
+    adm.set_stall(Unavailable("no room", code="insufficient_memory", retry_after=5))
     with pytest.raises(Unavailable) as caught:
         await adm.acquire("a")
     assert caught.value.code == "insufficient_memory"
-    adm.stall = None
+    adm.set_stall(None)
     with pytest.raises(Unavailable) as caught:
         await adm.acquire("a")
     assert caught.value.code == "queue_timeout"
@@ -210,8 +210,7 @@ async def test_a_wait_that_runs_out_while_the_model_cannot_load_says_why() -> No
 async def test_hooks_tell_the_pool_a_request_waits_and_the_queue_is_idle() -> None:
     adm = Admission()
     events: list[str] = []
-    adm.on_queued = lambda: events.append("queued")
-    adm.on_idle = lambda: events.append("idle")
+    adm.listen(on_queued=lambda: events.append("queued"), on_idle=lambda: events.append("idle"))
     adm.set_capacity(1)
     first = await adm.acquire("a")       # started at once: nothing to tell
     assert events == [] and adm.last_used > 0

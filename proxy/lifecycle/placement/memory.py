@@ -50,12 +50,23 @@ class Need:
 
 class Memory:
     def __init__(self, lifecycle: LifecycleSettings, footprints: Footprints, estimator: Estimator,
-                 gpus: GpuTotals) -> None:
+                 gpus: GpuTotals, hosts: Mapping[str, Host] | None = None) -> None:
         self.lifecycle = lifecycle
         self.footprints = footprints
         self.estimator = estimator
         self.gpus = gpus
-        self.hosts: Mapping[str, Host] = {}   # other hosts than this machine's (the pool's, once started)
+        # The other hosts than this machine's (supervisor.hosts), as the pool built them.
+        self.hosts: Mapping[str, Host] = hosts if hosts is not None else {}
+
+    @classmethod
+    def from_settings(cls, settings: Settings, gpus: GpuTotals | None = None,
+                      hosts: Mapping[str, Host] | None = None) -> "Memory":
+        """The memory of `settings`' lifecycle, its footprints kept in the state directory. `gpus`
+        None: not read yet (the pool reads them when it starts, in a thread), so no GPU budget is known."""
+        life = settings.lifecycle
+        footprints = Footprints(settings.service.state_dir / "footprints.json", life.footprint_percentile,
+                                life.footprint_margin)
+        return cls(life, footprints, Estimator(), gpus if gpus is not None else gpu_totals(_not_read_yet), hosts)
 
     def host_gpus(self, host: str) -> GpuTotals:
         if host == LOCAL_HOST:
@@ -174,9 +185,7 @@ def memory_warnings(settings: Settings, nvml_loader: Callable[[], Any] = load_nv
     life = settings.lifecycle
     if life.cpu_budget_mib is None and life.gpu_headroom_mib is None and life.max_loaded_models is None:
         return []
-    footprints = Footprints(settings.service.state_dir / "footprints.json", life.footprint_percentile,
-                            life.footprint_margin)
-    memory = Memory(life, footprints, Estimator(), gpu_totals(nvml_loader))
+    memory = Memory.from_settings(settings, gpu_totals(nvml_loader))
     limits = Limits(budgets=memory.budgets(), max_loaded=life.max_loaded_models)
     needs = {name: memory.need(m).per_device for name, m in settings.models.items()}
     counted = {name: bool(memory.placement(m).devices) for name, m in settings.models.items()}
@@ -199,3 +208,7 @@ def memory_warnings(settings: Settings, nvml_loader: Callable[[], Any] = load_nv
             found.append(f"engine.lifecycle.memory: the enabled models need {total / MIB:.1f} MiB on {device}, more "
                          f"than its budget of {budget / MIB:.1f} MiB: not all of them load at start")
     return [settings.where(w) for w in found]
+
+
+def _not_read_yet() -> Any:
+    raise RuntimeError("not read yet")

@@ -15,7 +15,11 @@ out what placement decides (proxy/lifecycle/placement/rules.py, where the rules 
   and never evicts anything by itself. A charge that moved with each measurement made two models
   evict each other in turn as their figures swung (issue 29).
 - Usage times (each model's last use) are kept in the state directory, so that a restarted proxy
-  that adopts a model does not count its idle time from zero.
+  that adopts a model does not count its idle time from zero (usage.py).
+
+Every side effect of a decision (a load, an unload, a task that runs on) goes through the actions
+the placer is handed at construction (actions.py: the pool implements them), and the time it
+reads comes from its clock: the placer's unit tests give it a recording fake and a clock of their own.
 
 Placement is planned again whenever something it depends on changes: a request waits for a model
 that is not loaded, a queue goes idle while a load waits for room, a load or unload ends, and at the
@@ -24,12 +28,9 @@ next deadline placement names (an idle timeout, a swap bound).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from proxy.config.model import ModelConfig
 from proxy.config.settings import LOCAL_HOST, Settings
@@ -38,43 +39,44 @@ from proxy.errors import BackendError, Conflict, PoolError, Unavailable
 from proxy.events import Events
 from proxy.gpu.footprint import tree_cpu_bytes, tree_gpu_bytes
 from proxy.gpu.report import load_nvml
+from proxy.lifecycle.placement import placer_view
+from proxy.lifecycle.placement.actions import Clock, PlacerActions, SystemClock
 from proxy.lifecycle.placement.load_retry import retry_delay, worth_retrying
 from proxy.lifecycle.placement.memory import CPU, Memory, qualify
-from proxy.lifecycle.placement.rules import HOLDING, MIB, Limits, ModelView, Shortfall, Status, plan, room_for, spread
+from proxy.lifecycle.placement.rules import HOLDING, Limits, ModelView, Shortfall, Status, plan, room_for, spread
+from proxy.lifecycle.placement.usage import UsageTimes
 from proxy.lifecycle.state.replicas import ModelState, ReplicaState
 from proxy.lifecycle.state.runtime import Backoff, ModelRuntime
-from proxy.atomic_file import write_atomic
+from proxy.lifecycle.state.wake import Wake
 from proxy.supervisord.hosts import Host
 from proxy.supervisord.supervisor import SupervisorError
 
-if TYPE_CHECKING:
-    from proxy.lifecycle.pool import Pool
-
 log = logging.getLogger(__name__)
 
-# Usage times are written at most this often while requests flow (and always when the proxy stops).
-USAGE_SAVE_S = 5.0
 _STATUS: dict[ModelState, Status] = {ModelState.UNLOADED: "cold", ModelState.LOADING: "loading",
                                      ModelState.LOADED: "loaded", ModelState.UNLOADING: "unloading"}
 
 
 class Placer:
     def __init__(self, settings: Settings, models: Mapping[str, ModelRuntime], memory: Memory,
-                 nvml_loader: Callable[[], Any] = load_nvml, events: Events | None = None) -> None:
+                 actions: PlacerActions, nvml_loader: Callable[[], Any] = load_nvml, events: Events | None = None,
+                 clock: Clock | None = None) -> None:
         self.settings = settings
         self.events = events if events is not None else Events()
         self.models = models
         self.memory = memory
+        self.actions = actions          # how its decisions are carried out: the pool's
         self.nvml_loader = nvml_loader
-        self.usage_path = settings.service.state_dir / "usage.json"
+        self.clock: Clock = clock if clock is not None else SystemClock()
+        self.usage = UsageTimes(settings.service.state_dir / "usage.json", models, self.clock)
+        # Plan again now: a request waits for a model that is not loaded, a queue went idle, a load
+        # or an unload ended. Its loop, started by `start`, is the only one that waits on it.
+        self.wake = Wake()
         self._loading: dict[str, ModelConfig] = {}     # loads admitted and not finished, with their settings
         self._evicting: set[str] = set()                # models being unloaded by the pool
         self.waiting: dict[str, Shortfall] = {}         # cold models whose load waits for room
         self._blocked_since: dict[str, float] = {}      # since when (monotonic) each of them waits
         self.pending: list[str] = []                    # on-demand loads in flight, in the order planned
-        self._wake: asyncio.Event | None = None
-        self._saved_usage: dict[str, float] = {}
-        self._saved_at = 0.0
         self._planned: dict[str, tuple[str, ...]] = {}   # the hosts of a cold model's replicas, as last placed
         # What each model that holds memory is charged per replica, by host (unqualified devices):
         # fixed at its admission, dropped once it is cold.
@@ -169,7 +171,7 @@ class Placer:
         return out
 
     def _views(self, target: tuple[str, ModelConfig] | None = None) -> list[ModelView]:
-        now, mono = time.time(), time.monotonic()
+        now, mono = self.clock.time(), self.clock.monotonic()
         out = []
         for name, rt in self.models.items():
             status: Status = _STATUS.get(rt.state, "cold")
@@ -206,7 +208,7 @@ class Placer:
     def admit(self, runtime: ModelRuntime, config: ModelConfig, may_evict: bool = True) -> tuple[str, ...]:
         """An admin or startup load: the models to evict first, or the refusal. Reserves its room.
         A load at startup evicts nothing (`may_evict`): the enabled models would evict each other."""
-        room = room_for(runtime.name, self.views((runtime.name, config)), self.limits(), time.time(),
+        room = room_for(runtime.name, self.views((runtime.name, config)), self.limits(), self.clock.time(),
                         may_evict=may_evict)
         if room.too_large is not None:
             raise too_large(runtime.name, room.too_large)
@@ -250,7 +252,7 @@ class Placer:
         """A request for a model that is not loaded and loads on demand: raise what refuses it now
         (its back-off, a model that can never fit), else let it queue."""
         backoff = runtime.backoff
-        now = time.time()
+        now = self.clock.time()
         if backoff is not None and backoff.until > now:
             error = backoff.error
             if not worth_retrying(error):
@@ -269,17 +271,11 @@ class Placer:
 
     # -- the plan, carried out ------------------------------------------------------------------
 
-    def start(self, pool: "Pool") -> "asyncio.Task[None]":
-        self._wake = asyncio.Event()
-        self._restore_usage()
+    def start(self) -> "asyncio.Task[None]":
+        self.usage.restore()
         for runtime in self.models.values():
-            runtime.admission.on_queued = self._queued_hook(runtime)
-            runtime.admission.on_idle = self._idle_hook(runtime)
-        return asyncio.create_task(self._loop(pool))
-
-    def wake(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+            runtime.admission.listen(on_queued=self._queued_hook(runtime), on_idle=self._idle_hook(runtime))
+        return asyncio.create_task(self._loop())
 
     def _queued_hook(self, runtime: ModelRuntime) -> Callable[[], None]:
         def queued() -> None:
@@ -294,61 +290,58 @@ class Placer:
                 self.wake()
         return idle
 
-    async def _loop(self, pool: "Pool") -> None:
-        assert self._wake is not None
+    async def _loop(self) -> None:
         while True:
-            self._wake.clear()
+            self.wake.clear()
             try:
-                wake_in = self._plan_once(pool)
+                wake_in = self._plan_once()
             except Exception:   # a bug here must not stop loads on demand for good
                 log.exception("placement failed; planning again in 1s")
                 wake_in = 1.0
-            self.save_usage(force=False)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wake_in if wake_in is None else max(0.0, wake_in) + 0.01):
-                    await self._wake.wait()
+            self.usage.save(force=False)
+            await self.wake.wait(wake_in if wake_in is None else max(0.0, wake_in) + 0.01)
 
-    def _plan_once(self, pool: "Pool") -> float | None:
-        views, limits, now = self.views(), self.limits(), time.time()
+    def _plan_once(self) -> float | None:
+        views, limits, now = self.views(), self.limits(), self.clock.time()
         decided = plan(views, limits, now)
         # A reload's predecessor may still be finishing requests on any model, unseen here: until it
         # has exited nothing is unloaded (idle, or evicted for a load); loads that need no room go on.
-        settled = pool.predecessor_gone.is_set()
+        settled = self.actions.predecessor_gone.is_set()
         for name in decided.idle_unloads if settled else ():
             self._evicting.add(name)
             log.info("model %s: idle for %gs (idle_unload_s), unloading it", name,
                      self.models[name].config.idle_unload_s)
-            pool.spawn(self._unload(pool, name, "idle", f"{self.models[name].config.idle_unload_s:g}s"))
+            self.actions.spawn(self._unload(name, "idle", f"{self.models[name].config.idle_unload_s:g}s"))
         for name, evict in decided.loads:
             if evict and not settled:
                 continue
             if evict:
                 # While what it evicts drains, its waiters wait for room: a wait that runs out says so.
                 short = room_for(name, views, limits, now, may_evict=False).blocked
-                self.models[name].admission.stall = insufficient(name, short, evict) if short else None
+                self.models[name].admission.set_stall(insufficient(name, short, evict) if short else None)
             self.reserve(name, self.models[name].config)
             self._evicting.update(evict)
             self.pending.append(name)
             log.info("model %s: loading on demand%s", name, f", evicting {', '.join(evict)}" if evict else "")
-            pool.spawn(self._load_on_demand(pool, name, evict))
+            self.actions.spawn(self._load_on_demand(name, evict))
         self.waiting = decided.waiting
-        mono = time.monotonic()
+        mono = self.clock.monotonic()
         self._blocked_since = {n: self._blocked_since.get(n, mono) for n in decided.waiting}
         for name, runtime in self.models.items():
             if name in self._loading:
                 continue   # its stall (evictions draining) is its load's to clear
             short = decided.waiting.get(name)
-            runtime.admission.stall = insufficient(name, short) if short is not None else None
+            runtime.admission.set_stall(insufficient(name, short) if short is not None else None)
         for name, short in decided.too_large.items():
             self.models[name].admission.close(too_large(name, short))
         if not settled:   # plan again soon: the predecessor's exit wakes nothing here
             return 1.0 if decided.wake_in_s is None else min(decided.wake_in_s, 1.0)
         return decided.wake_in_s
 
-    async def _load_on_demand(self, pool: "Pool", name: str, evict: tuple[str, ...]) -> None:
+    async def _load_on_demand(self, name: str, evict: tuple[str, ...]) -> None:
         runtime = self.models[name]
         try:
-            await pool.load_placed(name, evict)
+            await self.actions.load_placed(name, evict)
         except Exception as exc:
             error = exc if isinstance(exc, PoolError) else BackendError(str(exc), code="model_load_failed")
             if error.status >= 500:
@@ -356,7 +349,7 @@ class Placer:
                 error = BackendError(f"model {name!r} failed to load: {reason}", code="model_load_failed")
             attempts = runtime.backoff.attempts + 1 if runtime.backoff is not None else 1
             delay = retry_delay(self.settings.service, attempts)
-            runtime.backoff = Backoff(attempts, time.time() + delay, error)
+            runtime.backoff = Backoff(attempts, self.clock.time() + delay, error)
             error.retry_after = delay if worth_retrying(error) else None
             runtime.admission.close(error)
             log.error("model %s: on-demand load failed (%d in a row): %s; next try after %gs", name, attempts,
@@ -368,24 +361,24 @@ class Placer:
                 self.pending.remove(name)
             self.settled(name)
 
-    async def make_room(self, pool: "Pool", runtime: ModelRuntime, evict: tuple[str, ...]) -> None:
+    async def make_room(self, runtime: ModelRuntime, evict: tuple[str, ...]) -> None:
         """Unload `evict` (drained, their waiters kept) so that `runtime`'s load fits."""
         self._evicting.update(evict)
         for name in evict:
             self.events.record(ev.EVICT, f"model {name} is evicted to make room for {runtime.name}", model=name,
                                reason="evicted", cause=runtime.name)
         try:
-            results = await asyncio.gather(*(self._unload(pool, name, "evicted", runtime.name) for name in evict),
+            results = await asyncio.gather(*(self._unload(name, "evicted", runtime.name) for name in evict),
                                            return_exceptions=True)
         finally:
-            runtime.admission.stall = None   # from here on it loads: a wait that runs out is queue_timeout
+            runtime.admission.set_stall(None)   # from here on it loads: a wait that runs out is queue_timeout
         failed = [f"{name}: {r}" for name, r in zip(evict, results) if isinstance(r, BaseException)]
         if failed:
             raise Unavailable("could not make room: " + "; ".join(failed), code="insufficient_memory", retry_after=5)
 
-    async def _unload(self, pool: "Pool", name: str, reason: str, cause: str) -> None:
+    async def _unload(self, name: str, reason: str, cause: str) -> None:
         try:
-            await pool.unload_by_pool(name, reason, cause)
+            await self.actions.unload_by_pool(name, reason, cause)
         except Conflict:
             # No longer loaded (another unload got there first): once that one has ended, its
             # memory is free. An unload holds the model's lock until its processes are gone.
@@ -435,97 +428,19 @@ class Placer:
             {d: int(b) for d, b in found.items() if d != CPU and b}
         return sample or None
 
-    # -- usage times ------------------------------------------------------------------------------
-
-    def _restore_usage(self) -> None:
-        try:
-            data = json.loads(self.usage_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return
-        for name, at in (data.get("last_used") or {}).items() if isinstance(data, dict) else ():
-            if name in self.models and isinstance(at, (int, float)):
-                self.models[name].admission.last_used = float(at)
-        self._saved_usage = {n: rt.last_used for n, rt in self.models.items()}
-
-    def save_usage(self, force: bool = True) -> None:
-        usage = {n: rt.last_used for n, rt in self.models.items() if rt.last_used}
-        if usage == self._saved_usage or (not force and time.monotonic() - self._saved_at < USAGE_SAVE_S):
-            return
-        try:
-            write_atomic(self.usage_path, json.dumps({"last_used": usage}, sort_keys=True))
-        except OSError as exc:
-            log.warning("could not write %s: %s", self.usage_path, exc)
-            return
-        self._saved_usage, self._saved_at = usage, time.monotonic()
-
     # -- the admin view ---------------------------------------------------------------------------
 
     def describe_model(self, runtime: ModelRuntime) -> dict[str, Any]:
-        """The lifecycle fields of a model's admin row."""
-        now = time.time()
-        used = runtime.last_used
-        busy = runtime.admission.active or runtime.admission.waiting
-        short = self.waiting.get(runtime.name)
-        return {
-            "load_on_demand": runtime.config.load_on_demand,
-            "idle_unload_s": runtime.config.idle_unload_s,
-            "pinned": runtime.config.pinned,
-            "last_used": round(used, 3) if used else None,
-            "idle_for_s": None if not used or busy else round(max(0.0, now - used), 1),
-            "footprint": {**self.memory.describe(runtime.model),
-                          "charged_mib_per_replica": self._charged(runtime)},
-            "loads": dict(runtime.loads),
-            "unloads": dict(runtime.unloads),
-            "evictions": runtime.unloads.get("evicted", 0),
-            "backoff": runtime.backoff.describe(now) if runtime.backoff is not None and runtime.backoff.until > now
-            else None,
-            "waiting_for_room": short.as_dict() if short is not None else None,
-        }
-
-    def _charged(self, runtime: ModelRuntime) -> dict[str, float] | None:
-        """What each replica of a model that holds memory is charged, by host-qualified device."""
+        """The lifecycle fields of a model's admin row (placer_view.py)."""
         holding = runtime.name in self._loading or _STATUS.get(runtime.state) in HOLDING or \
             (runtime.state == ModelState.FAILED and bool(runtime.replicas))
-        fixed = self._charges.get(runtime.name) if holding else None
-        return {qualify(h, d): round(b / MIB, 1) for h, per in fixed.items() for d, b in per.items()} \
-            if fixed else None
+        return placer_view.model_fields(runtime, self.memory, self.waiting.get(runtime.name),
+                                        self._charges.get(runtime.name) if holding else None, self.clock.time())
 
     def describe(self) -> dict[str, Any]:
-        """GET /v1/admin/memory: per device its budget, what loaded models hold, what loads in flight
-        reserve; the loads in flight and those waiting for room, in order."""
-        views = self.views()
-        budgets = self.memory.budgets()
-        devices: dict[str, dict[str, Any]] = {}
-        for view in views:
-            for device, need in view.needs.items():
-                row = devices.setdefault(device, {"used_bytes": 0, "reserved_bytes": 0, "unloading_bytes": 0,
-                                                  "models": []})
-                if view.status in ("loaded", "unloading"):
-                    row["used_bytes"] += need
-                    row["unloading_bytes"] += need if view.status == "unloading" else 0
-                    row["models"].append(view.name)
-                elif view.status == "loading":
-                    row["reserved_bytes"] += need
-                    row["models"].append(view.name)
-        for device in budgets:
-            devices.setdefault(device, {"used_bytes": 0, "reserved_bytes": 0, "unloading_bytes": 0, "models": []})
-        rows = []
-        for device, row in sorted(devices.items()):
-            budget = budgets.get(device)
-            # While an eviction runs, the models being unloaded still hold what the load they make
-            # room for has reserved: both are counted, and free is 0 until they are gone.
-            rows.append({"device": device, "budget_bytes": budget, **row,
-                         "free_bytes": None if budget is None
-                         else max(0, budget - row["used_bytes"] - row["reserved_bytes"])})
-        waiting = sorted(self.waiting, key=lambda n: -self.models[n].admission.oldest_wait_s())
-        return {"devices": rows, "gpus_visible": bool(self.memory.gpus.totals), "gpu_reason": self.memory.gpus.reason,
-                "max_loaded_models": self.settings.lifecycle.max_loaded_models,
-                "loaded_models": sum(1 for v in views if v.counted and v.status != "cold"),
-                "swap_max_wait_s": self.settings.lifecycle.swap_max_wait_s,
-                "min_residence_s": self.settings.lifecycle.min_residence_s,
-                "loading": list(self.pending),
-                "waiting_for_room": [{"model": n, "waited_s": round(self.models[n].admission.oldest_wait_s(), 3),
-                                      **self.waiting[n].as_dict()} for n in waiting]}
+        """GET /v1/admin/memory (placer_view.py)."""
+        return placer_view.memory_report(self.views(), self.memory, self.settings.lifecycle, self.pending,
+                                         self.waiting, self.models)
 
 
 def too_large(name: str, short: Shortfall) -> Conflict:

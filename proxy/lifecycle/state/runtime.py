@@ -10,10 +10,11 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
-from proxy.admission import Admission
+from proxy.admission import DEFAULT_MAX_QUEUE_WAIT_S, Admission
 from proxy.capabilities import Capabilities, Traits, capabilities
 from proxy.config.merge import changed
 from proxy.config.model import ModelConfig
+from proxy.config.settings import Settings
 from proxy.errors import PoolError
 from proxy.fairness import FairnessPolicy
 from proxy.lifecycle.state import affinity
@@ -23,7 +24,7 @@ from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState, mo
 
 @dataclass(eq=False)
 class LoadRetry:
-    """A failed load at startup that the pool tries again (Pool._load_at_startup)."""
+    """A failed load at startup that the pool tries again (proxy/lifecycle/startup.py)."""
 
     attempts: int = 0                 # tries that failed so far
     next_at: float | None = None      # when the next try starts (monotonic); None while one runs
@@ -293,3 +294,12 @@ class KindRunner(Protocol):
 
 class Kind(KindRules, KindRunner, Protocol):
     """A kind of replica as a model's runtime holds it: its rules and its runner."""
+
+
+def runtimes_for(settings: Settings) -> dict[str, ModelRuntime]:
+    """A runtime for each configured model, not loaded. Its queue is its own for its whole life:
+    requests wait in it while the model loads on demand (engine.fairness for the policy and the wait)."""
+    policy = FairnessPolicy.from_settings(settings.fairness)
+    max_wait_s = settings.fairness.get("max_queue_wait_s", DEFAULT_MAX_QUEUE_WAIT_S)
+    return {n: ModelRuntime(config=c, policy=policy, admission=Admission(policy, max_wait_s=max_wait_s))
+            for n, c in settings.models.items()}

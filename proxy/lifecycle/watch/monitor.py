@@ -12,7 +12,6 @@ mode, starts a supervisord that died again, with the replicas it ran.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -32,6 +31,7 @@ from proxy.lifecycle.kinds.process_table import live, process_key
 from proxy.lifecycle.kinds.programs import Programs, start_replica
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.state.runtime import ModelRuntime
+from proxy.lifecycle.state.wake import Wake
 from proxy.upstream.client import UpstreamHttp
 from proxy.lifecycle.watch.warmup import warm_up
 from proxy.supervisord.managed import ManagedSupervisord
@@ -65,7 +65,7 @@ class Monitor:
 
     def __init__(self, settings: Settings, supervisor: SupervisorClient, http: UpstreamHttp,
                  models: Mapping[str, ModelRuntime], programs: Programs, events: Events,
-                 managed: ManagedSupervisord | None = None) -> None:
+                 managed: ManagedSupervisord | None = None, *, wake: Wake) -> None:
         self.settings = settings
         self.events = events          # crashes are recorded there (and logged)
         self.supervisor = supervisor
@@ -78,7 +78,7 @@ class Monitor:
         self.down: SupervisordDown | None = None
         self.revivals = 0             # times a dead supervisord was started again
         self._revive_at = 0.0
-        self._woken = asyncio.Event()
+        self._woken = wake             # the pool's, shared with the programs that start processes
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -91,7 +91,7 @@ class Monitor:
 
     def wake(self) -> None:
         """Look at supervisord again now (a program was started, a connection was refused)."""
-        self._woken.set()
+        self._woken()
 
     async def await_replicas(self, runtime: ModelRuntime, replicas: list[Replica] | None = None) -> None:
         # Endpoints are judged inside their kind's start; only programs take time to become healthy.
@@ -150,9 +150,7 @@ class Monitor:
             except Exception:
                 log.exception("monitor iteration failed")
             self._woken.clear()
-            with contextlib.suppress(TimeoutError):  # asyncio.timeout: a stop's cancel is never lost
-                async with asyncio.timeout(interval):
-                    await self._woken.wait()
+            await self._woken.wait(interval)
 
     async def _pass(self) -> None:
         try:

@@ -1,13 +1,12 @@
 """The placer's admission of a request for a model that is not loaded (Placer.demand)."""
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from fakes import RecordingPlacerActions
 from proxy.admission import Admission
 from proxy.config.loading import load_settings
 from proxy.errors import BackendError, Conflict, Unavailable
@@ -26,7 +25,7 @@ def placer(tmp_path: Path) -> tuple[Placer, ModelRuntime]:
     settings = load_settings(tmp_path / "pool.yaml")
     runtime = ModelRuntime(config=settings.models["m"], admission=Admission())
     memory = Memory(settings.lifecycle, Footprints(tmp_path / "footprints.json"), Estimator(), GpuTotals({}))
-    return Placer(settings, {"m": runtime}, memory), runtime
+    return Placer(settings, {"m": runtime}, memory, RecordingPlacerActions({"m": runtime})), runtime
 
 
 async def test_a_request_for_a_model_being_swapped_out_queues_without_reopening_it(tmp_path: Path) -> None:
@@ -73,18 +72,6 @@ def test_a_model_backing_off_for_a_setting_is_refused_without_retry_after(tmp_pa
     assert "llm-pool check-config" in caught.value.message and "tried in" not in caught.value.message
 
 
-class FakePool:
-    """FAKE: the two things Placer._plan_once asks of the pool; what it would spawn is recorded."""
-
-    def __init__(self) -> None:
-        self.predecessor_gone = asyncio.Event()
-        self.spawned: list[str] = []
-
-    def spawn(self, coro: Any) -> None:
-        self.spawned.append(coro.__qualname__)
-        coro.close()
-
-
 async def test_a_reloads_successor_unloads_nothing_before_its_predecessor_has_exited(tmp_path: Path) -> None:
     (tmp_path / "pool.yaml").write_text(f"service: {{state_dir: {tmp_path}}}\n"
                                         "engine: {models: {m: {backend: sim, idle_unload_s: 1}}}\n")
@@ -93,10 +80,12 @@ async def test_a_reloads_successor_unloads_nothing_before_its_predecessor_has_ex
     runtime.state = ModelState.LOADED
     runtime.admission.last_used = time.time() - 60     # idle well past idle_unload_s
     memory = Memory(settings.lifecycle, Footprints(tmp_path / "footprints.json"), Estimator(), GpuTotals({}))
-    placer_, pool = Placer(settings, {"m": runtime}, memory), FakePool()
+    pool = RecordingPlacerActions({"m": runtime}, predecessor_gone=False)
+    placer_ = Placer(settings, {"m": runtime}, memory, pool)
     # The predecessor may still be streaming from m: no idle unload, and planning comes back soon.
-    assert placer_._plan_once(pool) == 1.0   # type: ignore[arg-type]
+    assert placer_._plan_once() == 1.0
     assert pool.spawned == []
     pool.predecessor_gone.set()
-    placer_._plan_once(pool)   # type: ignore[arg-type]
+    placer_._plan_once()
     assert pool.spawned == ["Placer._unload"]
+    pool.drop_spawned()

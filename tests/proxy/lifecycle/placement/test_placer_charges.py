@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+from fakes import RecordingPlacerActions
 from proxy.admission import Admission
 from proxy.config.loading import load_settings
 from proxy.gpu.footprint import GpuTotals
@@ -26,7 +27,7 @@ def pool(tmp_path: Path, *names: str) -> tuple[Placer, dict[str, ModelRuntime]]:
     runtimes = {n: ModelRuntime(config=settings.models[n], admission=Admission()) for n in names}
     memory = Memory(settings.lifecycle, Footprints(tmp_path / "footprints.json", margin=0), Estimator(),
                     GpuTotals({}))
-    return Placer(settings, runtimes, memory), runtimes
+    return Placer(settings, runtimes, memory, RecordingPlacerActions(runtimes)), runtimes
 
 
 def loaded(placer: Placer, runtime: ModelRuntime) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import yaml
 
+from fakes import RecordingPlacerActions
 from helpers import Node, free_port
 from launchers import sim
 from launchers.spec import render_replica
@@ -42,8 +43,8 @@ async def test_a_replica_on_another_host_is_measured_on_that_host_through_its_no
         await host.client.start_process(f"{spec.program}:{spec.program}")
         node.remember()
 
-        memory = Memory(settings.lifecycle, Footprints(tmp_path / "footprints.json"), Estimator(), GpuTotals({}))
-        memory.hosts = hosts
+        memory = Memory(settings.lifecycle, Footprints(tmp_path / "footprints.json"), Estimator(), GpuTotals({}),
+                        hosts=hosts)
         runtime = ModelRuntime(config=config, admission=Admission())
         replica = Replica(model="m", index=0, spec=spec, fullname=f"{spec.program}:{spec.program}",
                           reach=ProgramReach(spec), host="b")
@@ -53,7 +54,7 @@ async def test_a_replica_on_another_host_is_measured_on_that_host_through_its_no
         runtime.set_replica_state(replica, ReplicaState.STARTING)
         runtime.set_replica_state(replica, ReplicaState.READY)
         assert memory.footprints.measured(config, (CPU,)) is None
-        await Placer(settings, {"m": runtime}, memory).measure(runtime)
+        await Placer(settings, {"m": runtime}, memory, RecordingPlacerActions({"m": runtime})).measure(runtime)
         measured = memory.footprints.measured(config, (CPU,))
         assert measured is not None and measured.raw[CPU] > 1024 * 1024, measured
         await host.client.close()
