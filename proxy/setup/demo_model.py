@@ -2,7 +2,8 @@
 
 It is real in every way that matters to the pool (llama-server loads it, tokenizes, applies the
 chat template, streams tokens, reports usage) and tiny in every way that matters to a CPU: about
-0.5 MB, loads at once, thousands of tokens a second. Its output is gibberish by design.
+0.5 MB, loads at once, thousands of tokens a second. Its output is gibberish by design, and under
+greedy decoding it never ends by itself: an answer runs to max_tokens or a stop string (below).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ N_FF = 128
 N_HEAD = 4
 N_LAYER = 2
 N_CTX = 2048
+EOS_ID = 2   # the vocabulary's third token, </s>
 
 # ChatML-like and deliberately simple: llama-server renders it with its jinja engine, so the chat
 # endpoint works without the model having to match any template llama.cpp knows by name.
@@ -82,13 +84,18 @@ def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str = CHAT_TEMPLAT
     writer.add_token_types(types)
     writer.add_unk_token_id(0)
     writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer.add_eos_token_id(EOS_ID)
     writer.add_add_bos_token(True)
     writer.add_chat_template(chat_template)
 
     writer.add_tensor("token_embd.weight", weights(n_vocab, N_EMBD))
     writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-    writer.add_tensor("output.weight", weights(n_vocab, N_EMBD))
+    output = weights(n_vocab, N_EMBD)
+    # The end token's row is zero, so its logit is always 0 while hundreds of random ones spread
+    # around it: greedy decoding never picks it. Otherwise where greedy meets it depends on the
+    # CPU's float rounding, and a test's answer could end on one machine after a few tokens.
+    output[EOS_ID] = 0.0
+    writer.add_tensor("output.weight", output)
     for i in range(N_LAYER):
         blk = f"blk.{i}."
         writer.add_tensor(blk + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
