@@ -43,8 +43,9 @@ FLAGS = (
     ("llama_server_pooling", "--pooling"),
     ("llama_server_media_path", "--media-path"),
 )
-# Switches: the flag is given when the field is true.
-SWITCHES = (("llama_server_embeddings", "--embeddings"),)
+# Switches: the flag is given when the field is true. `--reranking` is also `--embeddings` plus
+# `--pooling rank` in the pinned build (common/arg.cpp), and /v1/rerank answers only with both.
+SWITCHES = (("llama_server_embeddings", "--embeddings"), ("llama_server_reranking", "--reranking"))
 # The field behind each flag argv gives besides FLAGS and SWITCHES (None: llm-pool sets it for
 # itself), named when llama_server_extra_args gives one again. Which flags a model's argv gives is
 # read from argv itself (managed_flags), so a flag added there is caught without an edit here.
@@ -96,6 +97,7 @@ class LlamaServerOptions(Options):
     spec_draft_ngl: str | int | None = None
     reasoning: str | None = None
     embeddings: bool | None = None
+    reranking: bool = False
     pooling: str | None = None
     media_path: str | None = None
     extra_args: tuple[str, ...] = setting((), convert=strings)
@@ -141,6 +143,10 @@ def check(model: ModelConfig) -> list[str]:
     media = opts.media_path
     if media and not Path(media).is_dir():
         problems.append(f"{where}.llama_server_media_path: {media} is not a folder")
+    if opts.reranking and opts.pooling not in (None, "rank"):
+        # --reranking sets the pooling to rank after --pooling, so the configured one would be dropped.
+        problems.append(f"{where}.llama_server_pooling: {opts.pooling!r} cannot serve llama_server_reranking, "
+                        f"which pools by rank; leave it unset or set it to rank")
     return problems + _option_problems(model, opts)
 
 
@@ -250,9 +256,10 @@ def ctx_args(model: ModelConfig, opts: LlamaServerOptions) -> list[str]:
 def pooling(opts: LlamaServerOptions) -> str | None:
     """The --pooling value: the configured one; with embeddings on and none configured, the GGUF's
     own when it declares one that serves OAI embeddings, else DEFAULT_EMBEDDINGS_POOLING; None for
-    no flag (embeddings off, or a model file that cannot be read, which fails its load anyway)."""
+    no flag (embeddings off, reranking on, which pools by rank itself, or a model file that cannot
+    be read, which fails its load anyway)."""
     configured = opts.pooling
-    if configured is not None or not opts.embeddings:
+    if configured is not None or not opts.embeddings or opts.reranking:
         return None if configured is None else str(configured)
     declared = declared_pooling(Path(str(opts.model_path)))
     return DEFAULT_EMBEDDINGS_POOLING if declared in ("", "none") else None

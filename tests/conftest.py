@@ -7,11 +7,18 @@ import pytest
 
 from proxy.setup.demo_model import write_tiny_gguf
 from proxy.setup.llama_build import build_llama_server
+from proxy.setup.tiny_reranker import write_tiny_reranker
 
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT cross-encoder that llama-server serves /v1/rerank from (llama_server_reranking)."""
+    return write_tiny_reranker(tmp_path_factory.mktemp("models") / "tiny-reranker.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -52,19 +52,41 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
     return tokens, scores, [int(t) for t in types]
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE) -> Path:
-    """Write the tiny model to `path` atomically (a half-written model never loads) and return it."""
+# Qwen's fill-in-the-middle tokens, which llama.cpp finds by these keys (and by these texts).
+# llama-server's /infill answers 501 "Infill is not supported by this model: prefix token is
+# missing. ..." without all three.
+FIM_TOKENS = (("<|fim_prefix|>", "tokenizer.ggml.fim_pre_token_id"),
+              ("<|fim_suffix|>", "tokenizer.ggml.fim_suf_token_id"),
+              ("<|fim_middle|>", "tokenizer.ggml.fim_mid_token_id"))
+
+
+def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE, fim: bool = True) -> Path:
+    """Write the tiny model to `path` atomically (a half-written model never loads) and return it.
+
+    `fim` appends FIM_TOKENS after the whole vocabulary, so that llama-server serves /infill.
+    Every other token id and weight is the same either way (the new rows come from a generator of
+    their own)."""
     import numpy as np
-    from gguf import GGUFWriter
+    from gguf import GGUFWriter, TokenType
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tokens, scores, types = _vocab()
-    n_vocab = len(tokens)
+    n_base = len(tokens)
+    if fim:
+        tokens += [text.encode() for text, _ in FIM_TOKENS]
+        scores += [0.0] * len(FIM_TOKENS)
+        types += [int(TokenType.CONTROL)] * len(FIM_TOKENS)
     rng = np.random.default_rng(seed)
+    extra_rng = np.random.default_rng([seed, 1])
 
     def weights(*shape: int) -> "np.ndarray":
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    def vocab_rows() -> "np.ndarray":
+        base = weights(n_base, N_EMBD)
+        extra = (extra_rng.standard_normal((len(tokens) - n_base, N_EMBD)) * 0.2).astype(np.float32)
+        return np.concatenate([base, extra]) if len(extra) else base
 
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     writer = GGUFWriter(str(tmp), "llama")
@@ -86,15 +108,20 @@ def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str = CHAT_TEMPLAT
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(EOS_ID)
     writer.add_add_bos_token(True)
+    if fim:
+        for i, (_, key) in enumerate(FIM_TOKENS):
+            writer.add_uint32(key, n_base + i)
     writer.add_chat_template(chat_template)
 
-    writer.add_tensor("token_embd.weight", weights(n_vocab, N_EMBD))
+    writer.add_tensor("token_embd.weight", vocab_rows())
     writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-    output = weights(n_vocab, N_EMBD)
+    output = vocab_rows()
     # The end token's row is zero, so its logit is always 0 while hundreds of random ones spread
     # around it: greedy decoding never picks it. Otherwise where greedy meets it depends on the
-    # CPU's float rounding, and a test's answer could end on one machine after a few tokens.
+    # CPU's float rounding, and a test's answer could end on one machine after a few tokens. The
+    # FIM tokens' rows too: they are control tokens, which an answer's text never shows.
     output[EOS_ID] = 0.0
+    output[n_base:] = 0.0
     writer.add_tensor("output.weight", output)
     for i in range(N_LAYER):
         blk = f"blk.{i}."

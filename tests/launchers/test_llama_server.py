@@ -315,6 +315,8 @@ def test_extra_args_the_built_binary_knows_pass_with_their_values(llama_server_b
     ({}, ["-m", "/other.gguf"], "-m (--model)", "model_path"),
     ({}, ["--port", "9"], "--port", "llama_server_port"),
     ({}, ["--embedding"], "--embedding (--embeddings)", "llama_server_embeddings"),
+    ({"llama_server_reranking": True, "llama_server_pooling": None}, ["--rerank"], "--rerank (--reranking)",
+     "llama_server_reranking"),
 ])
 def test_extra_args_that_repeat_a_flag_llm_pool_sets_are_errors_naming_the_field(
         llama_server_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: dict[str, object],
@@ -383,6 +385,35 @@ def test_pooling_is_left_alone_when_set_or_when_embeddings_are_off(tiny_gguf: Pa
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(tiny_gguf.read_bytes()[:40])        # unreadable: llama-server fails its load anyway
     assert "--pooling" not in llama_server.argv(model(model_path=str(cut), llama_server_pooling=None), "h", 1)
+
+
+def test_reranking_gives_its_flag_known_to_the_built_binary_and_leaves_pooling_to_it(
+        llama_server_bin: Path, tmp_path: Path) -> None:
+    # --reranking is --embeddings plus --pooling rank in the pinned build; a --pooling mean chosen
+    # for embeddings (the GGUF here declares none) would only be overridden by it.
+    gguf = _gguf_declaring(tmp_path / "m.gguf", None)
+    argv = llama_server.argv(model(model_path=str(gguf), llama_server_pooling=None, llama_server_reranking=True),
+                             "127.0.0.1", 18100)
+    assert "--reranking" in argv and "--pooling" not in argv
+    assert "--reranking" in options(_built_help(llama_server_bin))
+    assert "--reranking" not in llama_server.argv(model(), "127.0.0.1", 18100)   # off unless set
+    assert llama_server.LlamaServerOptions.from_config(model()).reranking is False
+
+
+def test_reranking_with_a_pooling_other_than_rank_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    tiny_gguf: Path) -> None:
+    exe = _help_binary(tmp_path, monkeypatch)
+
+    def cfg(**options: object) -> ModelConfig:
+        return model(**{"llama_server_binary": str(exe), "llama_server_mmproj_path": None, "model_path": str(tiny_gguf),
+                        "llama_server_media_path": None, "llama_server_draft_model_path": None,
+                        "llama_server_extra_args": [], "llama_server_reranking": True, **options})
+
+    assert llama_server.check(cfg(llama_server_pooling=None)) == []
+    assert llama_server.check(cfg(llama_server_pooling="rank")) == []
+    assert llama_server.check(cfg(llama_server_pooling="mean")) == [
+        f"engine.models.{model().name}.llama_server_pooling: 'mean' cannot serve llama_server_reranking, which "
+        "pools by rank; leave it unset or set it to rank"]
 
 
 def test_its_replicas_are_asked_to_close_after_a_stream() -> None:
