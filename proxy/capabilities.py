@@ -12,6 +12,16 @@ from proxy.config.model import ModelConfig
 
 THINKING_MODES = ("default", "enabled", "disabled")
 
+# The public routes, each with the API a replica must speak for it (a name in Traits.apis).
+# /v1/responses is translated onto chat; /v1/messages is too where the replica does not speak it.
+ROUTES: dict[str, str] = {
+    "/v1/chat/completions": "chat", "/v1/responses": "chat", "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings", "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens",
+    "/v1/rerank": "rerank", "/infill": "infill", "/tokenize": "tokenize", "/detokenize": "tokenize",
+}
+# What an engine of ours serves unless its traits say more: the shims implement these two.
+CHAT_AND_COMPLETIONS = frozenset({"chat", "completions"})
+
 
 @dataclass(frozen=True)
 class Traits:
@@ -29,6 +39,8 @@ class Traits:
     decoding_only: tuple[str, ...] | None = None
     file_inputs_field: str | None = None             # the field that lets it take file items
     model_field: str = "model_path"                  # the field that names the model it serves
+    apis: frozenset[str] = CHAT_AND_COMPLETIONS       # what its servers speak natively (ROUTES' names)
+    rerank_field: str | None = None                  # the field that makes it serve /v1/rerank
 
 
 @dataclass(frozen=True)
@@ -38,11 +50,12 @@ class Capabilities:
     file_inputs: bool
     thinking_modes: tuple[str, ...]
     embeddings: bool = False
+    endpoints: tuple[str, ...] = ()                   # the public routes it serves (ROUTES' paths)
 
     def as_dict(self) -> dict[str, object]:
         return {"modalities": list(self.modalities), "multi_turn": self.multi_turn,
                 "file_inputs": self.file_inputs, "thinking_modes": list(self.thinking_modes),
-                "embeddings": self.embeddings}
+                "embeddings": self.embeddings, "endpoints": list(self.endpoints)}
 
 
 def capabilities(model: ModelConfig, traits: Traits) -> Capabilities:
@@ -53,8 +66,21 @@ def capabilities(model: ModelConfig, traits: Traits) -> Capabilities:
         thinking = THINKING_MODES
     else:
         thinking = ("default",)
+    embeddings = traits.embeddings_field is not None and bool(model.get(traits.embeddings_field))
     return Capabilities(modalities=("text",) if traits.text_only else tuple(model.modalities),
                         multi_turn=multi_turn,
                         file_inputs=traits.file_inputs_field is not None and bool(model.get(traits.file_inputs_field)),
-                        thinking_modes=thinking,
-                        embeddings=traits.embeddings_field is not None and bool(model.get(traits.embeddings_field)))
+                        thinking_modes=thinking, embeddings=embeddings,
+                        endpoints=tuple(path for path, api in ROUTES.items() if api in served_apis(model, traits)))
+
+
+def served_apis(model: ModelConfig, traits: Traits) -> frozenset[str]:
+    """The APIs a model is served with: what its replicas speak, less what its settings switch off
+    (embeddings, rerank), and Messages wherever it chats (translated: proxy/serving/anthropic.py)."""
+    apis = set(traits.apis)
+    for api, switch in (("embeddings", traits.embeddings_field), ("rerank", traits.rerank_field)):
+        if switch is None or not model.get(switch):
+            apis.discard(api)
+    if "chat" in apis:
+        apis.add("messages")
+    return frozenset(apis)

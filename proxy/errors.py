@@ -148,6 +148,7 @@ CODES: dict[str, str] = {
     "target_lang_required": "the translation prompt format needs `target_lang_code`",
     "instructions_not_allowed": "the translation prompt format carries its own instructions",
     "embeddings_unsupported": "/v1/embeddings for a model that serves none",
+    "endpoint_unsupported": "a route the model's replicas do not speak (the message names those they do)",
     "invalid_load_request": "a load body with unknown fields, a bad override or replica count",
     "invalid_scale_request": "a scale body that is not {\"replicas\": N} within 1..replica_max",
     "invalid_log_request": "a log query parameter out of range",

@@ -12,7 +12,7 @@ from proxy.config.settings import Settings
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.upstream.client import UpstreamHttp
-from proxy.serving import routes_public, routes_responses
+from proxy.serving import routes_messages, routes_public, routes_responses
 from proxy.serving.app import metrics_middleware
 from proxy.serving.errors_http import error_middleware
 from proxy.serving.keys import ADOPTING, HTTP, METRICS, POOL, SETTINGS
@@ -39,6 +39,7 @@ async def serve_routes(stack: contextlib.AsyncExitStack, settings: Settings, poo
     app[SHUTDOWN], app[ADOPTING] = Shutdown(keep_models=False), pool.adopting()
     app.add_routes(routes_public.routes)
     app.add_routes(routes_responses.routes)
+    app.add_routes(routes_messages.routes)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     stack.push_async_callback(runner.cleanup)

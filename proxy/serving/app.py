@@ -19,6 +19,7 @@ from proxy.supervisord import managed
 from proxy.serving import openapi
 from proxy.serving import routes_admin
 from proxy.serving import routes_public
+from proxy.serving import routes_messages
 from proxy.serving import routes_responses
 from proxy.serving import ui
 from proxy.config.settings import Settings
@@ -117,6 +118,7 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
     app.add_routes(routes_public.routes)
     app.add_routes(routes_admin.routes)
     app.add_routes(routes_responses.routes)
+    app.add_routes(routes_messages.routes)
     app.add_routes(ui.routes)
     app.add_routes(openapi.routes)
 

@@ -18,16 +18,23 @@ from proxy.serving.keys import ADOPTING, FAIRNESS_KEY, MODEL, SETTINGS
 from proxy.serving.shutdown import SHUTDOWN, handed_over_error
 from proxy.serving.strict_json import decode
 
-# What each pass-through endpoint cannot do without (OpenAI's required parameter, and its JSON
-# types): checked here, so that a client hears OpenAI's error, not an engine's internals.
-REQUIRED: dict[str, tuple[str, tuple[type, ...], str]] = {
-    "/v1/chat/completions": ("messages", (list,), "an array of messages"),
-    "/v1/completions": ("prompt", (str, list), "a string or an array"),
-    "/v1/embeddings": ("input", (str, list), "a string or an array"),
+# What each pass-through endpoint cannot do without (OpenAI's, llama-server's and Anthropic's required
+# parameters, and their JSON types): checked here, so that a client hears a clear error, not an
+# engine's internals. Each: the field, its types, what it must be, and the type of each of its items
+# where an engine would otherwise fail on a wrong one with a 500 of its own (the sim, for one, on
+# `messages: [null]`: a client's mistake then became a replica's failure).
+Required = tuple[str, tuple[type, ...], str, "type | None"]
+REQUIRED: dict[str, tuple[Required, ...]] = {
+    "/v1/chat/completions": (("messages", (list,), "an array of messages", dict),),
+    "/v1/completions": (("prompt", (str, list), "a string or an array", None),),
+    "/v1/embeddings": (("input", (str, list), "a string or an array", None),),
+    "/v1/messages/count_tokens": (("messages", (list,), "an array of messages", dict),),
+    "/v1/rerank": (("query", (str,), "a string", None), ("documents", (list,), "an array of strings", str)),
+    "/infill": (("input_prefix", (str,), "a string", None),),
+    "/tokenize": (("content", (str,), "a string", None),),
+    "/detokenize": (("tokens", (list,), "an array of token ids", int),),
 }
-# And what each item of it must be, where an engine would otherwise fail on it with a 500 of its
-# own (the sim, for one, on `messages: [null]`): a client's mistake then became a replica's failure.
-ITEMS: dict[str, tuple[type, str]] = {"/v1/chat/completions": (dict, "an object")}
+ITEM_WHAT = {dict: "an object", str: "a string", int: "an integer"}
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -96,16 +103,17 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) 
 
 
 def check_required(path: str, body: dict[str, Any]) -> None:
-    """400 when the body lacks what `path` needs (`messages`, `prompt`, `input`) or has it in the wrong
-    JSON type; nothing is sent to a backend then."""
-    name, types, what = REQUIRED[path]
-    if name not in body:
-        raise BadRequest(f"Missing required parameter: '{name}'.", code="missing_required_parameter", param=name)
-    value = body[name]
-    if not isinstance(value, types) or (isinstance(value, list) and not value):
-        raise BadRequest(f"'{name}' must be {what}, not empty", code="invalid_type", param=name)
-    if path in ITEMS and isinstance(value, list):
-        item_type, item_what = ITEMS[path]
-        for i, item in enumerate(value):
-            if not isinstance(item, item_type):
-                raise BadRequest(f"'{name}.{i}' must be {item_what}", code="invalid_type", param=f"{name}.{i}")
+    """400 when the body lacks what `path` needs (`messages`, `prompt`, `input`, ...) or has it in the
+    wrong JSON type; nothing is sent to a backend then."""
+    for name, types, what, item_type in REQUIRED[path]:
+        if name not in body:
+            raise BadRequest(f"Missing required parameter: '{name}'.", code="missing_required_parameter", param=name)
+        value = body[name]
+        if not isinstance(value, types) or (isinstance(value, list) and not value):
+            raise BadRequest(f"'{name}' must be {what}, not empty", code="invalid_type", param=name)
+        if item_type is not None and isinstance(value, list):
+            for i, item in enumerate(value):
+                # bool is an int to Python, never a token id to an engine.
+                if not isinstance(item, item_type) or (item_type is int and isinstance(item, bool)):
+                    raise BadRequest(f"'{name}.{i}' must be {ITEM_WHAT[item_type]}", code="invalid_type",
+                                     param=f"{name}.{i}")

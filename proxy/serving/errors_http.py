@@ -1,5 +1,6 @@
 """The error hierarchy (proxy/errors.py) rendered as HTTP: the OpenAI envelope with a truthful status,
-for our own errors, aiohttp's, and anything unexpected (500, never 400)."""
+for our own errors, aiohttp's, and anything unexpected (500, never 400); Anthropic's on its
+Messages routes, where its SDK reads them (proxy/serving/anthropic.py)."""
 from __future__ import annotations
 
 import logging
@@ -7,14 +8,29 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from proxy.errors import BadRequest, NotFound, PoolError, TooLarge
+from proxy.errors import BadRequest, NotFound, PoolError, TooLarge, sse_error_event
+from proxy.serving import anthropic
 from proxy.serving.keys import REPLICA, REPLICA_HEADER
 
 log = logging.getLogger(__name__)
 
 
-def error_response(err: PoolError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers())
+MESSAGES_PATH = "/v1/messages"
+
+
+def anthropic_route(path: str) -> bool:
+    """Whether a request's errors take Anthropic's shape: /v1/messages and its count_tokens."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def error_response(err: PoolError, path: str = "") -> web.Response:
+    body = anthropic.error_body(err) if anthropic_route(path) else err.body()
+    return web.json_response(body, status=err.status, headers=err.headers())
+
+
+def error_event(err: PoolError, path: str) -> bytes:
+    """The SSE event that ends a stream broken off after it began, in the route's shape."""
+    return anthropic.error_event(err) if anthropic_route(path) else sse_error_event(err)
 
 
 def from_http_exception(exc: web.HTTPException) -> PoolError:
@@ -35,15 +51,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except PoolError as err:
         request[ERROR_CODE] = err.metric_code
-        response = error_response(err)
+        response = error_response(err, request.path)
         if REPLICA in request:   # a replica took it (its answer was an error): say which
             response.headers[REPLICA_HEADER] = str(request[REPLICA].index)
         return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(from_http_exception(exc))
+        return error_response(from_http_exception(exc), request.path)
     except Exception:
         # Unknown failures are the proxy's fault, never the client's: 500, with the trace in the log.
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(PoolError("internal error in llm-pool; see the proxy log"))
+        return error_response(PoolError("internal error in llm-pool; see the proxy log"), request.path)

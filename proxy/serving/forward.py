@@ -12,13 +12,14 @@ from typing import Any, Hashable
 import aiohttp
 from aiohttp import web
 
-from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable, sse_error_event
+from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable
 from proxy.lifecycle.state.affinity import Wait
 from proxy.lifecycle.state.outcomes import Outcomes, process_gone
 from proxy.lifecycle.state.replicas import ModelState, Replica
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.upstream.client import SENDING, Answer, NotingConnector, Send, UpstreamHttp
 from proxy.upstream.connection import MalformedAnswer
+from proxy.serving.errors_http import error_event
 from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STARTED,
                                 STREAM_ERROR)
 from proxy.serving.metrics import usage_in
@@ -302,7 +303,7 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
         request[STREAM_ERROR] = err.metric_code
         outcomes.report_outcome(replica, err.message)
         with contextlib.suppress(ConnectionResetError):
-            await out.write(sse_error_event(err))
+            await out.write(error_event(err, request.path))
             await out.write_eof()
         return out
     outcomes.report_outcome(replica, None)

@@ -25,6 +25,16 @@ routes = web.RouteTableDef()
 OPENAPI_VERSION = "3.1.0"
 SSE = "text/event-stream"
 RESPONSE_EVENTS = ("response.created", "response.output_text.delta", "response.metrics", "response.completed")
+MESSAGE_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
+                  "message_stop", "ping")
+PASS_THROUGH_SUMMARY = {
+    "/v1/chat/completions": "OpenAI chat completions", "/v1/completions": "OpenAI completions",
+    "/v1/embeddings": "OpenAI embeddings", "/v1/messages/count_tokens": "Anthropic's token count of a Messages request",
+    "/v1/rerank": "documents scored against a query (llama-server's rerank, Jina/Cohere-style)",
+    "/infill": "code infill: the text between input_prefix and input_suffix (llama-server's)",
+    "/tokenize": "a text's token ids in the model's vocabulary (llama-server's)",
+    "/detokenize": "token ids back to text (llama-server's)",
+}
 # The statuses of each kind of route's errors, each with the error envelope; 429 and 503 with
 # Retry-After (errors.PoolError.headers). A backend's own status passes on: `default`.
 MODEL_ERRORS = (400, 403, 404, 409, 413, 429, 502, 503, 504)
@@ -53,6 +63,7 @@ class Operation:
     parameters: tuple[dict[str, Any], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)   # more responses (status: response object)
     links: tuple[str, ...] = ()     # what may follow a 200 for the same model (admin: load, scale, unload)
+    error_schema: str = "Error"     # the shape of its errors: OpenAI's envelope, or Anthropic's
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -68,9 +79,11 @@ def operations() -> tuple[Operation, ...]:
     """Every route of the app (schemas read from the code and conf/schema.json, so built on call)."""
     chat_answer = {**_json({"type": "object"}), SSE: {"schema": schemas.sse_event(["message", "error"])}}
     pass_through = tuple(
-        Operation("post", path, f"OpenAI {path.rsplit('/', 1)[1]}, passed to a replica of the model", chat_answer,
-                  body=schemas.pass_through_request(path), errors=MODEL_ERRORS)
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"))
+        Operation("post", path, f"{PASS_THROUGH_SUMMARY[path]}, passed to a replica of a model that serves it "
+                  "(capabilities.endpoints; else 400 endpoint_unsupported)", chat_answer,
+                  body=schemas.pass_through_request(path), errors=MODEL_ERRORS,
+                  error_schema="AnthropicError" if path.startswith("/v1/messages") else "Error")
+        for path in PASS_THROUGH_SUMMARY)
     state = _json(schemas.model_state())
     by_name = ({"name": "name", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
                 "description": "a configured model id"},)
@@ -81,7 +94,15 @@ def operations() -> tuple[Operation, ...]:
                       {**_json(schemas.responses_answer()),
                        SSE: {"schema": schemas.sse_event([*RESPONSE_EVENTS, "error"])}},
                       body=schemas.responses_request(), errors=MODEL_ERRORS),
-            Operation("get", "/v1/models", "the loaded public model ids", _json(schemas.models_list())),
+            Operation("post", "/v1/messages", "Anthropic Messages: passed to a replica that speaks it, translated "
+                      "onto chat completions for one that does not; JSON or SSE (message_start, "
+                      "content_block_start, content_block_delta, content_block_stop, message_delta, message_stop, "
+                      "error); errors in Anthropic's shape",
+                      {**_json({"type": "object"}), SSE: {"schema": schemas.sse_event([*MESSAGE_EVENTS, "error"])}},
+                      body=schemas.messages_request(), errors=MODEL_ERRORS, error_schema="AnthropicError"),
+            Operation("get", "/v1/models", "every model a request may use now: the loaded ones and those that "
+                      "load on demand (status: loaded, loading or cold), with what each serves",
+                      _json(schemas.models_list())),
             Operation("get", "/health", "liveness, with every model's state", _json(schemas.health())),
             Operation("get", "/ready", "readiness: 503 until the startup loads are done, and while stopping",
                       _json(schemas.ready(["ready"])),
@@ -148,9 +169,9 @@ def _retry_after() -> dict[str, Any]:
                             "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
 
 
-def _error_response(status: int) -> dict[str, Any]:
+def _error_response(status: int, schema: str) -> dict[str, Any]:
     response: dict[str, Any] = {"description": STATUS_TEXT[status],
-                                "content": _json({"$ref": "#/components/schemas/Error"})}
+                                "content": _json({"$ref": f"#/components/schemas/{schema}"})}
     if status in (429, 503):
         response["headers"] = _retry_after()
     return response
@@ -165,11 +186,12 @@ def _operation(op: Operation, models: list[str]) -> dict[str, Any]:
                                                           f"/v1/admin/models/{{name}}/{then}", "", {})),
                    "parameters": {"name": "$request.path.name"}} for then in op.links}
     for status in op.errors:
-        responses[str(status)] = _error_response(status)
+        responses[str(status)] = _error_response(status, op.error_schema)
     responses.update(op.extra)
     # Any route: 500 (a bug), 405 (another method), and a backend's own status passed on.
-    responses["default"] = {"description": "an error, as the OpenAI envelope",
-                            "content": _json({"$ref": "#/components/schemas/Error"})}
+    responses["default"] = {"description": "an error, as the OpenAI envelope" if op.error_schema == "Error" else
+                            "an error, in Anthropic's shape",
+                            "content": _json({"$ref": f"#/components/schemas/{op.error_schema}"})}
     out: dict[str, Any] = {"summary": op.summary, "operationId": _operation_id(op), "responses": responses}
     parameters = [dict(p) for p in op.parameters]
     for p in parameters:
@@ -204,10 +226,11 @@ def build(settings: Settings | None = None) -> dict[str, Any]:
         "openapi": OPENAPI_VERSION,
         "info": {"title": "llm-pool", "version": "0.1.0",
                  "description": "One OpenAI-compatible endpoint in front of many LLM runtimes. Errors are the "
-                                "OpenAI envelope; `code` is one of components.schemas.Error's x-codes."},
+                                "OpenAI envelope; `code` is one of components.schemas.Error's x-codes. On "
+                                "/v1/messages and its count_tokens they are Anthropic's shape instead."},
         "paths": paths,
         "components": {
-            "schemas": {"Error": schemas.error_schema()},
+            "schemas": {"Error": schemas.error_schema(), "AnthropicError": schemas.anthropic_error_schema()},
             # Required only when service.admin_token_env names a variable; then every admin call needs it.
             "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer",
                                                "description": "the token in service.admin_token_env's variable"}},

@@ -16,7 +16,8 @@ from proxy.config.checks import model_properties, override_rule
 from proxy.errors import CODES
 from proxy.events import KINDS as EVENT_KINDS
 from proxy.lifecycle.state.replicas import ModelState, ReplicaState
-from proxy.serving.body import ITEMS, REQUIRED
+from proxy.serving.anthropic import ANTHROPIC_ERROR_TYPES
+from proxy.serving.body import REQUIRED
 from proxy.serving.relay import KNOWN_BACKEND_CODES
 from proxy.serving.responses import REQUEST_SCHEMA
 
@@ -51,16 +52,38 @@ def error_schema() -> dict[str, Any]:
     }
 
 
+def anthropic_error_schema() -> dict[str, Any]:
+    """Anthropic's error shape (/v1/messages): what its SDK reads to raise RateLimitError and the like."""
+    return {"type": "object", "required": ["type", "error"],
+            "properties": {"type": {"const": "error"}, "error": {
+                "type": "object", "required": ["type", "message"],
+                "properties": {"type": {"enum": sorted(set(ANTHROPIC_ERROR_TYPES.values()) | {"api_error"})},
+                               "message": {"type": "string"}}}}}
+
+
+def messages_request() -> dict[str, Any]:
+    """POST /v1/messages: what the route checks before anything is sent (anthropic.check_request)."""
+    return {"type": "object", "required": ["model", "messages", "max_tokens"], "additionalProperties": True,
+            "properties": {**PROXY_READS,
+                           "messages": {"type": "array", "minItems": 1, "items": {"type": "object"},
+                                        "description": "user and assistant turns: text, or text and image blocks"},
+                           "max_tokens": {"type": "integer", "minimum": 1},
+                           "system": {"type": ["string", "array"]},
+                           "stop_sequences": {"type": "array", "items": {"type": "string"}}}}
+
+
 def pass_through_request(path: str) -> dict[str, Any]:
-    """What the proxy itself reads of a pass-through body; the rest is the backend's (OpenAI's) and passes on."""
-    name, types, what = REQUIRED[path]
-    required_field: dict[str, Any] = {"type": [_JSON_TYPES[t] for t in types], "description": what}
-    if list in types:
-        required_field["minItems"] = 1
-    if path in ITEMS:
-        required_field["items"] = {"type": _JSON_TYPES[ITEMS[path][0]]}
-    return {"type": "object", "required": ["model", name], "additionalProperties": True,
-            "properties": {**PROXY_READS, name: required_field}}
+    """What the proxy itself reads of a pass-through body; the rest is the backend's and passes on."""
+    fields: dict[str, Any] = {}
+    for name, types, what, item_type in REQUIRED[path]:
+        field: dict[str, Any] = {"type": [_JSON_TYPES[t] for t in types], "description": what}
+        if list in types:
+            field["minItems"] = 1
+        if item_type is not None:
+            field["items"] = {"type": _JSON_TYPES[item_type]}
+        fields[name] = field
+    return {"type": "object", "required": ["model", *fields], "additionalProperties": True,
+            "properties": {**PROXY_READS, **fields}}
 
 
 def responses_request() -> dict[str, Any]:
@@ -142,9 +165,16 @@ def models_list() -> dict[str, Any]:
     return {"type": "object", "required": ["object", "data"],
             "properties": {"object": {"const": "list"},
                            "data": {"type": "array", "items": {
-                               "type": "object", "required": ["id", "object", "owned_by", "created"],
+                               "type": "object",
+                               "required": ["id", "object", "owned_by", "created", "status", "load_on_demand",
+                                            "capabilities"],
                                "properties": {"id": {"type": "string"}, "object": {"const": "model"},
-                                              "owned_by": {"type": "string"}, "created": {"type": "integer"}}}}}}
+                                              "owned_by": {"type": "string"}, "created": {"type": "integer"},
+                                              "status": {"enum": ["loaded", "loading", "cold"],
+                                                         "description": "cold: not loaded; a request loads it"},
+                                              "load_on_demand": {"type": "boolean"},
+                                              "capabilities": {"type": "object", "description": "as in GET "
+                                                               "/v1/admin/models: modalities, endpoints, ..."}}}}}}
 
 
 def responses_answer() -> dict[str, Any]:

@@ -48,6 +48,12 @@ def usage_numbers(usage: Mapping[str, Any] | None) -> tuple[int | None, int | No
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     if cached is None:
         cached = usage.get("cached_tokens")  # Moonshot reports it at the top level
+    if "prompt_tokens" not in usage and "input_tokens" in usage:
+        # Anthropic's (/v1/messages): input_tokens leaves out what was read from the cache.
+        read = usage.get("cache_read_input_tokens")
+        read = read if isinstance(read, int) else 0
+        given = usage.get("input_tokens")
+        return (given + read if isinstance(given, int) else None), read, usage.get("output_tokens")
     return usage.get("prompt_tokens"), cached, usage.get("completion_tokens")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.capabilities import ROUTES
 from proxy.config.settings import LOCAL_HOST
 from proxy.errors import BadRequest
 from proxy.lifecycle.state.replicas import ModelState
@@ -17,16 +18,16 @@ from proxy.serving.shutdown import SHUTDOWN, stopping_error
 
 routes = web.RouteTableDef()
 
-PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Passed to a replica as they are (its answer back, streams as they arrive), where it speaks them.
+PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages/count_tokens",
+                "/v1/rerank", "/infill", "/tokenize", "/detokenize")
 
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
     body, raw = await read_body(request)
     runtime = servable(request, request.app[POOL], requested_model(body), body)
     check_required(request.path, body)
-    if request.path == "/v1/embeddings" and not runtime.capabilities().embeddings:
-        # Without this the backend's own 501 would reach the client, after taking a slot.
-        raise embeddings_unsupported(runtime)
+    check_endpoint(runtime, request.path)
     await check_image_urls(body, runtime.model)
     return await forward(request, runtime, fairness_key(request, body), body,
                          affinity_key(runtime, request.path, request.headers, body), raw)
@@ -40,16 +41,46 @@ def embeddings_unsupported(runtime: ModelRuntime) -> BadRequest:
                       f"{how})", code="embeddings_unsupported", param="model")
 
 
+def check_endpoint(runtime: ModelRuntime, path: str) -> None:
+    """Refuse, before any slot is taken, a route the model is not served on; otherwise the backend's
+    own 404 or 501 would reach the client after a wait in the queue."""
+    endpoints = runtime.capabilities().endpoints
+    if path in endpoints:
+        return
+    if path == "/v1/embeddings":
+        raise embeddings_unsupported(runtime)
+    switch = runtime.traits.rerank_field if path == "/v1/rerank" else None
+    how = f"; set {switch}: true to serve it" if switch and path in endpoint_paths(runtime.traits.apis) else ""
+    raise BadRequest(f"model {runtime.name!r} (backend {runtime.model.backend!r}) does not serve {path}{how}; "
+                     f"it serves {', '.join(endpoints)}", code="endpoint_unsupported", param="model")
+
+
+def endpoint_paths(apis: frozenset[str]) -> list[str]:
+    return [path for path, api in ROUTES.items() if api in apis]
+
+
 for _path in PASS_THROUGH:
     routes.post(_path)(pass_through)
 
 
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
-    pool = request.app[POOL]
-    data = [{"id": name, "object": "model", "owned_by": "llm-pool", "created": 0}
-            for name, runtime in pool.models.items() if runtime.state == ModelState.LOADED]
+    """Every model a request may use now: the loaded ones and those that load on demand (a chat UI
+    that picks from this list offers a cold model, and the request it sends loads it). A model that is
+    neither stays unlisted: a load by an admin brings it."""
+    data = [model_entry(name, runtime) for name, runtime in request.app[POOL].models.items() if listed(runtime)]
     return web.json_response({"object": "list", "data": data})
+
+
+def listed(runtime: ModelRuntime) -> bool:
+    return runtime.state == ModelState.LOADED or (runtime.config.load_on_demand and runtime.kind is not None)
+
+
+def model_entry(name: str, runtime: ModelRuntime) -> dict[str, object]:
+    """OpenAI's model object, with llm-pool's fields: whether it is loaded now, and what it serves."""
+    status = {ModelState.LOADED: "loaded", ModelState.LOADING: "loading"}.get(runtime.state, "cold")
+    return {"id": name, "object": "model", "owned_by": "llm-pool", "created": 0, "status": status,
+            "load_on_demand": runtime.config.load_on_demand, "capabilities": runtime.capabilities().as_dict()}
 
 
 REASON_ELSEWHERE = "the reason is shown on the admin listener (service.admin_port)"

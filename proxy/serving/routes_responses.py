@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Mapping
 
 import aiohttp
@@ -24,16 +23,13 @@ from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving import response_metrics
 from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_json, servable
-from proxy.serving.forward import Slot, label, read_answer, upstream
+from proxy.serving.chat_relay import Piece, relay_chat
 from proxy.serving.image_urls import check_image_urls
-from proxy.serving.keys import FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STREAM_ERROR
-from proxy.serving.relay import Timeouts, sse_data
+from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STREAM_ERROR
 from proxy.serving.responses import IGNORED_HEADER, backend_request, parse, validate_for_model
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
-
-CHAT_PATH = "/v1/chat/completions"
 
 
 def _envelope(response_id: str, model: str, text: str, metrics: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -44,42 +40,8 @@ def _envelope(response_id: str, model: str, text: str, metrics: Mapping[str, Any
     return envelope
 
 
-def _numbers(value: Any) -> dict[str, Any] | None:
-    """A backend's usage or timings object, keeping numbers only (and usage's token details), so
-    that garbage there cannot break the metrics."""
-    if not isinstance(value, dict):
-        return None
-    kept: dict[str, Any] = {}
-    for key, item in value.items():
-        if isinstance(item, (int, float)) and not isinstance(item, bool):
-            kept[key] = item
-        elif key == "prompt_tokens_details" and isinstance(item, dict):
-            kept[key] = _numbers(item)
-    return kept
-
-
-def _text_of_chunk(chunk: dict[str, Any]) -> str:
-    choices = chunk.get("choices")
-    pieces = []
-    for choice in choices if isinstance(choices, list) else []:
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        content = delta.get("content") if isinstance(delta, dict) else None
-        if isinstance(content, str):
-            pieces.append(content)
-    return "".join(pieces)
-
-
 def _event(name: str, data: Mapping[str, Any]) -> bytes:
     return f"event: {name}\ndata: ".encode() + json.dumps({"type": name, **data}).encode() + b"\n\n"
-
-
-@dataclass
-class _Piece:
-    """What the relay hands its output: text, and the backend's usage and timings when it sent them."""
-
-    text: str
-    usage: dict[str, Any] | None = None
-    timings: dict[str, Any] | None = None
 
 
 @routes.post("/v1/responses")
@@ -98,72 +60,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
     cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
     queued = runtime.admission.enqueue(fairness_key(request, body))  # a full queue is a plain 429
     timer.mark("enqueued")
-    relay = _relay(request, runtime, queued, payload, request_id, timer, affinity, cold)
+    relay = relay_chat(request, runtime, queued, payload, request_id, timer, affinity, cold)
     if req.stream:
         return await _as_events(request, relay, timer, queued, runtime, response_id, req.model, headers)
     return await _as_json(request, relay, timer, runtime, response_id, req.model, headers)
 
 
-async def _relay(request: web.Request, runtime: ModelRuntime, queued: Any, payload: dict[str, Any],
-                 request_id: str, timer: response_metrics.Timer,
-                 affinity: str | None, cold: bool) -> AsyncGenerator[_Piece, None]:
-    """The one path of a /v1/responses request through the pool: wait for a slot, send to a
-    replica, and yield the answer's text as it comes (a JSON answer as one piece, a stream chunk
-    by chunk). A backend failure is raised; the caller's output decides how the client hears it."""
-    outcomes = request.app[POOL].outcomes
-    settings = request.app[SETTINGS]
-    async with Slot(runtime, queued):
-        timer.mark("admitted")
-        timer.mark("sent")
-        if cold and timer.enqueued is not None and timer.admitted is not None:
-            request.app[METRICS].load_wait.labels(runtime.name).observe(timer.admitted - timer.enqueued)
-        timeouts = Timeouts.of(settings.service, runtime.model)
-        async with upstream(outcomes, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
-                            timeouts, affinity) as (replica, resp):
-            request[REPLICA] = replica
-            # A provider's timings are not engine times we measured.
-            own_timings = replica.reach.engine_timings
-            if not payload.get("stream"):
-                raw = await read_answer(outcomes, replica, resp, timeouts, settings.service.max_response_bytes)
-                timer.mark("received")
-                answer = _chat_completion(raw)
-                if answer is None:
-                    outcomes.report_outcome(replica, "unreadable chat completion")
-                    log.warning("POST /v1/responses: %s answered an unreadable chat completion", label(replica))
-                    raise BackendError(f"{label(replica)} answered with an unreadable chat completion")
-                text, usage, timings = answer
-                yield _Piece(text, usage, timings if own_timings else None)
-                return
-            if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-                await read_answer(outcomes, replica, resp, timeouts, settings.service.max_response_bytes)
-                raise BackendError(f"{label(replica)} did not answer with an event stream")
-            try:
-                async for chunk in sse_data(resp, timeouts, label(replica)):
-                    yield _Piece(_text_of_chunk(chunk), _numbers(chunk.get("usage")),
-                                 _numbers(chunk.get("timings")) if own_timings else None)
-            except ConnectionResetError:
-                raise  # the client left (aiohttp's reset error is a ClientConnectionError too)
-            except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-                resp.close()
-                outcomes.report_outcome(replica, exc.message if isinstance(exc, PoolError) else type(exc).__name__)
-                raise
-            outcomes.report_outcome(replica, None)
-            timer.mark("received")
-
-
-def _chat_completion(raw: bytes) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None] | None:
-    """A chat completion's text, usage and timings; None when it cannot be read as one."""
-    try:
-        answer = json.loads(raw)
-        text = answer["choices"][0]["message"].get("content") or ""
-        if not isinstance(text, str):
-            return None
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):
-        return None
-    return text, _numbers(answer.get("usage")), _numbers(answer.get("timings"))
-
-
-async def _as_json(request: web.Request, relay: AsyncGenerator[_Piece, None], timer: response_metrics.Timer,
+async def _as_json(request: web.Request, relay: AsyncGenerator[Piece, None], timer: response_metrics.Timer,
                    runtime: ModelRuntime, response_id: str, model: str, headers: Mapping[str, str]) -> web.Response:
     async with contextlib.aclosing(relay):
         pieces = [piece async for piece in relay]
@@ -176,7 +79,7 @@ async def _as_json(request: web.Request, relay: AsyncGenerator[_Piece, None], ti
                              headers={**headers, REPLICA_HEADER: str(request[REPLICA].index)})
 
 
-async def _as_events(request: web.Request, relay: AsyncGenerator[_Piece, None], timer: response_metrics.Timer,
+async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], timer: response_metrics.Timer,
                      queued: Any, runtime: ModelRuntime, response_id: str, model: str,
                      headers: Mapping[str, str]) -> web.StreamResponse:
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})

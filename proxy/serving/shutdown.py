@@ -150,7 +150,7 @@ async def shutdown_middleware(request: web.Request, handler: Handler) -> web.Str
     if request.method not in READS and (shutdown.started or shutdown.handed_over and
                                          request.path.startswith(ADMIN_PREFIX)):
         # Handed over, an admin's action is the successor's to take: this process changes nothing now.
-        response = error_response(handed_over_error() if shutdown.handed_over else stopping_error())
+        response = error_response(handed_over_error() if shutdown.handed_over else stopping_error(), request.path)
         response.force_close()
         return response
     shutdown.enter()

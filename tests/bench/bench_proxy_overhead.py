@@ -11,7 +11,8 @@ forwarder (tests/bench/forwarder.py, its own process; `fwd-uvloop` is the same o
 through llm-pool, in an order that rotates every round so that drift hits all alike. Blocks:
 pass-through JSON and streams (chat completions; a stream is `--events` SSE chunks `--gap-ms`
 apart, then usage and [DONE]) at concurrency 1 and 32; /v1/responses (translated both ways) JSON
-and stream beside the same chat completion through llm-pool and through the forwarder; the remote
+and stream beside the same chat completion through llm-pool and through the forwarder; /v1/messages
+(Anthropic's, translated onto chat for the sim) the same way; the remote
 path (an `openai_remote` model pointing at a second FastUpstream) beside the forwarder to it.
 
 Per target: p50 and p99 latency and what the hop adds to direct's p50 (for streams, to the first
@@ -53,7 +54,8 @@ REMOTE_MODEL = "bench-upstream"
 RESPONSES = {"model": "m", "input": "Hi", "decoding": {"max_tokens": 4, "temperature": 0}}
 FAST_UPSTREAM = (f"import sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
                  "from fakes import serve_fast_upstream; serve_fast_upstream(sys.argv[1:])")
-BLOCKS = ("pass-through", "responses", "remote")
+ANTHROPIC = {"model": "m", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+BLOCKS = ("pass-through", "responses", "messages", "remote")
 GOALS = {"cpu": ("<=", 1.15), "p50": ("<=", 1.15), "rps": (">=", 0.9)}
 
 
@@ -264,6 +266,21 @@ async def bench(args: argparse.Namespace, proxy: ProxyProcess, direct: str, remo
                 await block(session, f"/v1/responses {kind}", targets, args.requests if not stream else n_stream,
                             concurrency, args.rounds, args.events if stream else None,
                             figures.setdefault((f"responses {kind}", concurrency), {}))
+        for kind, body in kinds(args) if "messages" in args.blocks else ():
+            # Anthropic Messages on a replica that does not speak it: translated onto chat and back.
+            # (The routes passed through as they are, rerank, infill, tokenize, count_tokens and
+            # Messages at llama-server, take chat's own path: forward() with one more check.)
+            stream = kind == "stream"
+            targets = [Target("direct", direct + chat, body),
+                       Target("forwarder", fwd["forwarder"][1] + chat, body, pid=fwd["forwarder"][0]),
+                       Target("llm-pool chat", proxy.url + chat, body, pid=pid),
+                       Target("llm-pool msgs", proxy.url + "/v1/messages", {**ANTHROPIC, "stream": stream}, pid=pid)]
+            for t in targets:
+                await _timed_round(session, t, 20, 4, Tally())
+            for concurrency in (1, 32):
+                await block(session, f"/v1/messages {kind}", targets, args.requests if not stream else n_stream,
+                            concurrency, args.rounds, args.events if stream else None,
+                            figures.setdefault((f"messages {kind}", concurrency), {}))
         for kind, body in kinds(args) if "remote" in args.blocks else ():
             stream = kind == "stream"
             mapped = {**body, **remote_body}
@@ -284,6 +301,8 @@ async def bench(args: argparse.Namespace, proxy: ProxyProcess, direct: str, remo
     ratios("pass-through stream", figures, "stream", "llm-pool", "forwarder")
     ratios("/v1/responses JSON", figures, "responses json", "llm-pool resp", "forwarder")
     ratios("/v1/responses stream", figures, "responses stream", "llm-pool resp", "forwarder")
+    ratios("/v1/messages JSON", figures, "messages json", "llm-pool msgs", "forwarder")
+    ratios("/v1/messages stream", figures, "messages stream", "llm-pool msgs", "forwarder")
     ratios("remote JSON", figures, "remote json", "llm-pool remote", "forwarder")
     ratios("remote stream", figures, "remote stream", "llm-pool remote", "forwarder")
 

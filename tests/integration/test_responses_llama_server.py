@@ -186,7 +186,9 @@ def test_validation_rules_over_http(proxy: ProxyProcess, body: dict[str, Any], s
 def test_capabilities_are_advertised(proxy: ProxyProcess) -> None:
     assert proxy.admin_model("tiny")["capabilities"] == {
         "modalities": ["text"], "multi_turn": True, "file_inputs": False,
-        "thinking_modes": ["default", "enabled", "disabled"], "embeddings": False}
+        "thinking_modes": ["default", "enabled", "disabled"], "embeddings": False,
+        "endpoints": ["/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/messages",
+                      "/v1/messages/count_tokens", "/infill", "/tokenize", "/detokenize"]}
     assert proxy.admin_model("single")["capabilities"]["thinking_modes"] == ["default"]
 
 

@@ -56,6 +56,21 @@ def test_fields_that_switch_a_capability_on() -> None:
     assert caps("ct2", thinking_modes=["default", "disabled"])["thinking_modes"] == ["default", "disabled"]
 
 
+CHAT_ROUTES = ["/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/messages"]
+
+
+@pytest.mark.parametrize("backend", ["sim", "ct2", "exllamav3", "llama_cpp", "vllm_serve", "openai_remote"])
+def test_a_backend_that_chats_is_served_messages_translated_and_nothing_it_does_not_speak(backend: str) -> None:
+    assert caps(backend)["endpoints"] == CHAT_ROUTES
+
+
+def test_llama_server_serves_every_api_it_speaks_and_what_its_settings_switch_on() -> None:
+    native = [*CHAT_ROUTES, "/v1/messages/count_tokens", "/infill", "/tokenize", "/detokenize"]
+    assert sorted(caps("llama_server")["endpoints"]) == sorted(native)  # type: ignore[arg-type]
+    both = caps("llama_server", llama_server_embeddings=True, llama_server_reranking=True)["endpoints"]
+    assert sorted(both) == sorted([*native, "/v1/embeddings", "/v1/rerank"])  # type: ignore[arg-type]
+
+
 def _string_literals(path: Path) -> set[str]:
     return {node.value for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.Constant) and isinstance(node.value, str)}

@@ -28,6 +28,15 @@ def test_messages_that_are_objects_pass() -> None:
     (CHAT, {"messages": []}, "messages", "invalid_type"),
     ("/v1/completions", {"prompt": 5}, "prompt", "invalid_type"),
     ("/v1/embeddings", {"input": [None]}, None, None),   # items of other endpoints are the backend's to judge
+    ("/v1/rerank", {"query": "q"}, "documents", "missing_required_parameter"),
+    ("/v1/rerank", {"query": "q", "documents": ["a", 1]}, "documents.1", "invalid_type"),
+    ("/v1/rerank", {"query": 1, "documents": ["a"]}, "query", "invalid_type"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"]}, None, None),
+    ("/infill", {"input_suffix": ")"}, "input_prefix", "missing_required_parameter"),
+    ("/tokenize", {"content": ["x"]}, "content", "invalid_type"),
+    ("/detokenize", {"tokens": [1, True]}, "tokens.1", "invalid_type"),   # a bool is no token id
+    ("/detokenize", {"tokens": [1, 2]}, None, None),
+    ("/v1/messages/count_tokens", {"messages": [None]}, "messages.0", "invalid_type"),
 ])
 def test_the_required_field(path: str, body: dict[str, object], param: str | None, code: str | None) -> None:
     if code is None:

@@ -18,10 +18,11 @@ from proxy.config.checks import override_rule
 from proxy.config.files import SCHEMA_PATH
 from proxy.config.loading import load_settings
 from proxy.config.settings import Settings
-from proxy.errors import CODES
+from proxy.errors import CODES, BadRequest
 from proxy.upstream.reach import PROXY_ONLY_FIELDS
 from proxy.serving import openapi
 from proxy.serving.app import create_app
+from proxy.serving.anthropic import check_request
 from proxy.serving.body import REQUIRED
 from proxy.serving.keys import SETTINGS
 from proxy.serving.responses import REQUEST_SCHEMA
@@ -73,11 +74,22 @@ def test_the_responses_request_is_the_schema_the_route_validates_with() -> None:
 
 def test_pass_through_bodies_name_what_the_proxy_requires_and_reads() -> None:
     doc = openapi.build()
-    for path, (name, _, _) in REQUIRED.items():
+    for path, required in REQUIRED.items():
         schema = _body(doc, "post", path)
-        assert set(schema["required"]) == {"model", name}
+        assert set(schema["required"]) == {"model", *(name for name, *_ in required)}
         assert set(PROXY_ONLY_FIELDS) <= set(schema["properties"])
         assert schema["additionalProperties"] is True   # OpenAI's fields pass on to the backend
+
+
+def test_the_messages_route_documents_anthropics_errors_and_what_check_request_refuses() -> None:
+    doc = openapi.build()
+    op = doc["paths"]["/v1/messages"]["post"]
+    assert {r["content"]["application/json"]["schema"]["$ref"] for s, r in op["responses"].items() if s != "200"} \
+        == {"#/components/schemas/AnthropicError"}
+    assert set(_body(doc, "post", "/v1/messages")["required"]) == {"model", "messages", "max_tokens"}
+    with pytest.raises(BadRequest):
+        check_request({"model": "m", "messages": [{"role": "user", "content": "x"}]})   # no max_tokens
+    assert "/v1/rerank" in doc["paths"] and "/v1/messages/count_tokens" in doc["paths"]
 
 
 def test_load_overrides_are_each_backends_with_the_config_schemas_rule() -> None:

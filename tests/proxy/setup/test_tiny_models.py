@@ -37,7 +37,7 @@ def test_the_reranker_is_the_same_small_file_every_time_and_pools_by_rank(tmp_pa
 
 
 def test_the_demo_models_fim_tokens_come_after_its_vocabulary_and_change_nothing_else(tmp_path: Path) -> None:
-    plain = GGUFReader(write_tiny_gguf(tmp_path / "plain.gguf"))
+    plain = GGUFReader(write_tiny_gguf(tmp_path / "plain.gguf", fim=False))
     fim = GGUFReader(write_tiny_gguf(tmp_path / "fim.gguf", fim=True))
     tokens = field(plain, "tokenizer.ggml.tokens")
     assert isinstance(tokens, list)

@@ -1,0 +1,216 @@
+"""Anthropic's Messages API beside OpenAI's chat completions: the check of a request, the translation
+both ways, and Anthropic's error shape.
+
+llama-server speaks Messages itself and gets a request as it is; the shims and remote chat
+providers do not, so for them a request becomes a chat completion and the answer (JSON, or a chat
+stream chunk by chunk) becomes Anthropic's. Pure: no I/O. Whatever a replica sends is untrusted:
+a field missing or of the wrong type reads as empty, never as an exception.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from proxy.errors import BadRequest, PoolError
+
+ROLES = ("user", "assistant")
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+# Anthropic's error type for each status its SDK maps to an exception (RateLimitError, ...).
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error", 529: "overloaded_error"}
+# Chat's finish reasons as Anthropic's stop reasons; anything else ended the turn.
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+NUMBERS = (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", (int,)))
+
+
+def _bad(message: str, param: str) -> BadRequest:
+    return BadRequest(message, code="invalid_request", param=param)
+
+
+def check_request(body: Mapping[str, Any]) -> None:
+    """Refuse what Anthropic's API would refuse, naming where; nothing is sent to a replica then."""
+    max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise _bad("`max_tokens` is required: an integer of at least 1", "max_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("`messages` is required: a non-empty array of user and assistant turns", "messages")
+    for i, message in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(message, dict):
+            raise _bad(f"`{where}` must be an object", where)
+        if message.get("role") not in ROLES:
+            raise _bad(f"`{where}.role` must be one of {', '.join(ROLES)}", f"{where}.role")
+        _check_content(message.get("content"), f"{where}.content")
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        if not isinstance(system, list) or not all(isinstance(b, dict) and b.get("type") == "text"
+                                                   and isinstance(b.get("text"), str) for b in system):
+            raise _bad("`system` must be a string or an array of text blocks", "system")
+    stops = body.get("stop_sequences")
+    if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise _bad("`stop_sequences` must be an array of strings", "stop_sequences")
+    for name, types in NUMBERS:
+        value = body.get(name)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            raise _bad(f"`{name}` must be a number", name)
+    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
+        raise _bad("`stream` must be a boolean", "stream")
+    if body.get("tools"):
+        raise _bad("`tools` is not supported by llm-pool's Messages route", "tools")
+
+
+def _check_content(content: Any, where: str) -> None:
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list) or not content:
+        raise _bad(f"`{where}` must be a string or a non-empty array of content blocks", where)
+    for j, block in enumerate(content):
+        at = f"{where}.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            if not isinstance(block.get("text"), str):
+                raise _bad(f"`{at}.text` must be a string", f"{at}.text")
+        elif kind == "image":
+            _check_image(block.get("source"), f"{at}.source")
+        else:
+            raise _bad(f"`{at}` must be a text or an image block (the types supported here)", at)
+
+
+def _check_image(source: Any, where: str) -> None:
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        if source.get("media_type") not in IMAGE_TYPES:
+            raise _bad(f"`{where}.media_type` must be one of {', '.join(IMAGE_TYPES)}", f"{where}.media_type")
+        if not isinstance(source.get("data"), str):
+            raise _bad(f"`{where}.data` must be a base64 string", f"{where}.data")
+    elif kind == "url":
+        if not isinstance(source.get("url"), str):
+            raise _bad(f"`{where}.url` must be a string", f"{where}.url")
+    else:
+        raise _bad(f"`{where}` must be an image source of type base64 or url", where)
+
+
+def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A checked Messages request as a chat completions request (the proxy's own fields kept)."""
+    messages: list[dict[str, Any]] = []
+    system = body.get("system")
+    if isinstance(system, list):
+        system = "\n".join(block["text"] for block in system)
+    if system:
+        messages.append({"role": "system", "content": system})
+    messages += [{"role": m["role"], "content": _chat_content(m["content"])} for m in body["messages"]]
+    chat: dict[str, Any] = {"model": body["model"], "messages": messages, "max_tokens": body["max_tokens"]}
+    for name in ("temperature", "top_p", "top_k", "fairness_key", "allow_remote", "prompt_cache_key"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("stop_sequences"):
+        chat["stop"] = list(body["stop_sequences"])
+    if body.get("stream"):
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    return chat
+
+
+def _chat_content(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Blocks as chat's content parts; text alone as one string, which every text-only engine takes."""
+    if isinstance(content, str):
+        return content
+    if all(block["type"] == "text" for block in content):
+        return "".join(block["text"] for block in content)
+    parts: list[dict[str, Any]] = []
+    for block in content:
+        if block["type"] == "text":
+            parts.append({"type": "text", "text": block["text"]})
+            continue
+        source = block["source"]
+        url = source["url"] if source["type"] == "url" else f"data:{source['media_type']};base64,{source['data']}"
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
+def _usage(usage: Any) -> dict[str, int]:
+    usage = usage if isinstance(usage, dict) else {}
+    prompt, output = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return {"input_tokens": prompt if isinstance(prompt, int) else 0,
+            "output_tokens": output if isinstance(output, int) else 0}
+
+
+def stop_reason(finish_reason: Any) -> str:
+    return STOP_REASONS.get(finish_reason, "end_turn") if isinstance(finish_reason, str) else "end_turn"
+
+
+def to_message(chat: Mapping[str, Any], model: str, message_id: str) -> dict[str, Any]:
+    """A chat completion (untrusted) as an Anthropic message."""
+    choices = chat.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else None
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": text if isinstance(text, str) else ""}],
+            "stop_reason": stop_reason(choice.get("finish_reason")), "stop_sequence": None,
+            "usage": _usage(chat.get("usage"))}
+
+
+def _event(name: str, data: Mapping[str, Any]) -> bytes:
+    return f"event: {name}\ndata: ".encode() + json.dumps({"type": name, **data}).encode() + b"\n\n"
+
+
+class MessageStream:
+    """A chat stream, chunk by chunk (untrusted), as Anthropic's events: message_start and one text
+    block's start at once, a content_block_delta per piece of text, then the block's stop,
+    message_delta (stop reason, output tokens) and message_stop."""
+
+    def __init__(self, model: str, message_id: str) -> None:
+        self.model, self.message_id = model, message_id
+        self.text = ""
+        self.input_tokens = self.output_tokens = 0
+        self.finish_reason: str | None = None
+
+    def start(self) -> bytes:
+        message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                   "content": [], "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": 0, "output_tokens": 0}}
+        return (_event("message_start", {"message": message})
+                + _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
+
+    def feed(self, chunk: Mapping[str, Any]) -> bytes:
+        """The events for one chat chunk: b"" for one without text (its finish reason and usage are kept)."""
+        if isinstance(chunk.get("usage"), dict):
+            usage = _usage(chunk["usage"])
+            self.input_tokens, self.output_tokens = usage["input_tokens"], usage["output_tokens"]
+        choices = chunk.get("choices")
+        pieces = []
+        for choice in choices if isinstance(choices, list) else []:
+            if not isinstance(choice, dict):
+                continue
+            if isinstance(choice.get("finish_reason"), str):
+                self.finish_reason = choice["finish_reason"]
+            delta = choice.get("delta")
+            content = delta.get("content") if isinstance(delta, dict) else None
+            if isinstance(content, str) and content:
+                pieces.append(content)
+        if not pieces:
+            return b""
+        piece = "".join(pieces)
+        self.text += piece
+        return _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})
+
+    def end(self) -> bytes:
+        return (_event("content_block_stop", {"index": 0})
+                + _event("message_delta", {"delta": {"stop_reason": stop_reason(self.finish_reason),
+                                                     "stop_sequence": None},
+                                           "usage": {"output_tokens": self.output_tokens}})
+                + _event("message_stop", {}))
+
+
+def error_body(err: PoolError) -> dict[str, Any]:
+    """Anthropic's error shape for one of the pool's errors, its type read from the status."""
+    kind = ANTHROPIC_ERROR_TYPES.get(err.status) or ("api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def error_event(err: PoolError) -> bytes:
+    """The `error` event that ends a stream broken off after it began."""
+    return _event("error", {"error": error_body(err)["error"]})
