@@ -3,7 +3,7 @@ own GET /openapi.json: generated requests, valid and invalid, on every operation
 walks over the admin links (load, scale, unload, load again).
 
 What must hold for every response: no 500 of the proxy's own; every 4xx/5xx the OpenAI envelope
-with a documented code (errors.CODES; a backend's own code only on an answer that names its replica
+(Anthropic's error shape on /v1/messages and its count_tokens) with a documented code (errors.CODES; a backend's own code only on an answer that names its replica
 in X-Replica); Retry-After on every 429 and 503; the status, content type, headers and body as the
 document describes them; a request the document calls invalid is refused with a 4xx (never sent
 on to a replica, whose answer to it was a 500 once: `messages: [null]`). After the stateful walks the pool can still load and serve the model.
@@ -27,6 +27,8 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
 
 from helpers import ProxyProcess, http, wait_for
 from proxy.errors import CODES
+from proxy.serving.anthropic import ANTHROPIC_ERROR_TYPES
+from proxy.serving.errors_http import anthropic_route
 from proxy.serving import openapi
 
 pytestmark = pytest.mark.integration
@@ -86,6 +88,11 @@ def errors_are_the_envelope_with_a_documented_code(ctx: Any, response: Any, case
     assert isinstance(body, dict) and isinstance(body.get("error"), dict), \
         f"{response.status_code} is not the OpenAI envelope: {response.content[:300]!r}"
     error = body["error"]
+    if anthropic_route(case.path):
+        # Anthropic's shape, with the type its SDK maps to an exception (a replica's error too).
+        assert body["type"] == "error" and set(error) == {"type", "message"}, body
+        assert error["type"] in {*ANTHROPIC_ERROR_TYPES.values(), "api_error", "invalid_request_error"}, error
+        return
     assert set(error) == {"message", "type", "code", "param"}, error
     assert error["code"] in CODES or "X-Replica" in response.headers, f"undocumented code {error['code']!r}"
 

@@ -12,6 +12,7 @@ from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any, Iterator
 
+import anthropic
 import pytest
 
 from fakes import FakeProvider
@@ -474,3 +475,43 @@ def test_files_extract_needs_file_data(proxy: ProxyProcess, fake: FakeProvider) 
         "frontier-large", messages=[{"role": "user", "content": [{"type": "file", "file": {"file_id": "x"}}]}]))
     assert status == 400 and answer["error"]["code"] == "invalid_file"
     assert fake.received() == []
+
+
+# -- Anthropic Messages, translated onto the provider's chat completions ---------------------------
+
+def claude(proxy: ProxyProcess, **headers: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=proxy.url, api_key="not-the-providers-key", max_retries=0,
+                               default_headers=headers)
+
+
+def test_messages_to_a_remote_chat_provider_are_translated_both_ways(proxy: ProxyProcess, fake: FakeProvider) -> None:
+    client = claude(proxy, **{"X-Allow-Remote": "true"})
+    message = client.messages.create(
+        model="openai-like", max_tokens=16, system="Be brief.", stop_sequences=["END"], extra_body={"temperature": 0.2},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    assert (message.content[0].text, message.stop_reason, message.model) == \
+        ("Hello from the fake provider", "end_turn", "openai-like")
+    assert message.usage.output_tokens == 5 and message.usage.input_tokens > 0
+    sent = upstream_chats(fake)[-1]
+    assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert {k: sent[k] for k in ("model", "max_tokens", "temperature", "stop")} == \
+        {"model": "gpt-fake", "max_tokens": 16, "temperature": 0.2, "stop": ["END"]}
+    assert {r["authorization"] for r in fake.received()} == {f"Bearer {KEY}"}   # the provider's key, not the client's
+    with client.messages.stream(model="openai-like", max_tokens=16, messages=[{"role": "user", "content": "Hi"}]) \
+            as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert pieces == ["Hello", " from", " the", " fake", " provider"]
+    assert final.content[0].text == "Hello from the fake provider" and final.usage.output_tokens == 5
+
+
+def test_messages_keep_the_remote_gate_and_a_providers_429(proxy: ProxyProcess, fake: FakeProvider) -> None:
+    with pytest.raises(anthropic.PermissionDeniedError, match="allow_remote"):
+        claude(proxy).messages.create(model="no-retry", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert fake.received() == []
+    fake.script("gpt-no-retry", "429:7")
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        claude(proxy, **{"X-Allow-Remote": "true"}).messages.create(
+            model="no-retry", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert refused.value.response.headers["Retry-After"] == "7"
+    assert refused.value.body["error"]["type"] == "rate_limit_error"
