@@ -53,7 +53,9 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3
                    "nvfp4_ds_mla", "turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                    "turboquant_k8v4", "ultraquant_4bit")
 # What the backend can do (proxy/capabilities.py reads it; nothing else names the backend).
-TRAITS = Traits(multi_turn=True, thinking="template", model_field="vllm_model")
+# The pinned build serves Anthropic's Messages and count_tokens itself (vllm/entrypoints/anthropic/).
+TRAITS = Traits(multi_turn=True, thinking="template", model_field="vllm_model",
+                apis=frozenset({"chat", "completions", "messages", "count_tokens"}))
 # Runtime knobs an admin may change for one load without editing files (seed: "Live admin overrides").
 # vllm_speculative_model names a checkpoint (a path or a repository): a load may only remove it
 # (null, as for a load without speculation), never name one (conf/schema.json: readOnly).

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
+import anthropic
 import openai
 import pytest
 
@@ -163,6 +164,18 @@ def test_loads_and_serves_chat_streaming_and_responses(proxy: ProxyProcess) -> N
         urllib.request.urlopen(direct, timeout=30)
     assert refused.value.code == 401
     assert API_KEY not in proxy.log_path.read_text()
+
+
+def test_the_anthropic_sdk_is_answered_by_vllm_itself(proxy: ProxyProcess) -> None:
+    claude = anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0)
+    message = claude.messages.create(model=MODEL, max_tokens=8, messages=CHAT)
+    assert message.type == "message" and message.content[0].type == "text"
+    assert 0 < message.usage.output_tokens <= 8 and message.usage.input_tokens > 0
+    with claude.messages.stream(model=MODEL, max_tokens=8, messages=CHAT) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(pieces) == final.content[0].text and 0 < final.usage.output_tokens <= 8
+    assert claude.messages.count_tokens(model=MODEL, messages=CHAT).input_tokens > 0
 
 
 def test_streamed_responses_api(proxy: ProxyProcess) -> None:

@@ -59,9 +59,13 @@ def test_fields_that_switch_a_capability_on() -> None:
 CHAT_ROUTES = ["/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/messages"]
 
 
-@pytest.mark.parametrize("backend", ["sim", "ct2", "exllamav3", "llama_cpp", "vllm_serve", "openai_remote"])
+@pytest.mark.parametrize("backend", ["sim", "ct2", "exllamav3", "llama_cpp", "openai_remote"])
 def test_a_backend_that_chats_is_served_messages_translated_and_nothing_it_does_not_speak(backend: str) -> None:
     assert caps(backend)["endpoints"] == CHAT_ROUTES
+
+
+def test_vllm_serves_messages_and_count_tokens_itself() -> None:
+    assert caps("vllm_serve")["endpoints"] == [*CHAT_ROUTES, "/v1/messages/count_tokens"]
 
 
 def test_llama_server_serves_every_api_it_speaks_and_what_its_settings_switch_on() -> None:
