@@ -54,10 +54,14 @@ def claude(proxy: ProxyProcess) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0)
 
 
-def output_tokens(proxy: ProxyProcess, model: str) -> float:
+def metrics_lines(proxy: ProxyProcess) -> list[str]:
     status, _, text = http("GET", proxy.url + "/metrics")
     assert status == 200
-    line = next((line for line in text.decode().splitlines()
+    return list(text.decode().splitlines())
+
+
+def output_tokens(proxy: ProxyProcess, model: str) -> float:
+    line = next((line for line in metrics_lines(proxy)
                  if line.startswith(f'llm_pool_output_tokens_total{{key="other",model="{model}"}}')), None)
     return float(line.split()[1]) if line else 0.0
 
@@ -76,6 +80,9 @@ def test_the_anthropic_sdk_creates_a_message_that_llama_server_answered(proxy: P
     assert message.usage.input_tokens > 0
     # The pool read Anthropic's usage: its token counters moved by what the answer says.
     assert output_tokens(proxy, "tiny") - before == 6
+    counted = [line for line in metrics_lines(proxy) if line.startswith("llm_pool_requests_total{")
+               and 'model="tiny"' in line and 'endpoint="/v1/messages"' in line and 'status="200"' in line]
+    assert counted and float(counted[0].split()[1]) >= 1
 
 
 def test_the_anthropic_sdk_streams_event_by_event(proxy: ProxyProcess, claude: anthropic.Anthropic) -> None:
