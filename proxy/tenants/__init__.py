@@ -1,6 +1,11 @@
-"""Tenants: who calls the data plane (`keys`), what each may still spend (`limits`) and what each
-spent (`ledger`, a SQLite file). Without `tenants` in the settings none of it runs.
+"""The tenants wing: who calls the data plane, what each may use, and what each spent.
 
-May import the config's records, the root vocabulary (errors) and the standard library; never
-aiohttp, serving/ or lifecycle/.
+`keys` (a key, looked up by its digest, names its tenant; keys are never held in clear), `limits`
+(pure: the per-minute limits, the budget's period, what a request costs), `spending` (each tenant's
+sums in memory, read from the ledger at start), `ledger` (the usage ledger and the minted keys: the
+`Ledger` protocol and its SQLite store) and `schema` (the ledger file's tables and the migration
+steps between their versions). Without `tenants` in the settings none of it runs.
+It may import the config's records, the root vocabulary (`proxy.errors` and the like) and the
+standard library; never aiohttp, never `serving/` or `lifecycle/`: the HTTP edge reads this wing,
+not the other way round (`.importlinter` checks it).
 """

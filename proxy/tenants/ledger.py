@@ -1,0 +1,434 @@
+"""The usage ledger: one row per finished request, and the keys minted for tenants.
+
+A row says when a request finished, for which tenant and key (a short id, never the key), on which
+model, backend and host, how it ended (the HTTP status), its prompt, cached and output tokens, its
+cost, and how long it queued and ran. Budgets and per-minute limits are sums over these rows
+(`spent`), so they survive a restart; the admin's usage report groups them (`usage`). The keys an
+admin mints are kept beside them as digests (`add_key`, `revoke_key`, `keys`).
+
+Why SQLite, and one writer thread: the ledger must outlive the process and be queried by time range
+and group, and the standard library's sqlite3 does both in one local file with no server to run.
+The proxy records from its event loop, where a disk write would stall every request in flight, so
+`record()` only appends to a queue in memory; one background thread, on its own connection, writes
+what is queued in one transaction every `flush_interval_s` (or as soon as BATCH_ROWS are waiting).
+Reads run on their own connection; the file is in WAL mode, so they never wait for the writer. A
+row still queued is counted by `spent` and `usage` all the same: each row's id is its place in the
+order of `record()` calls, and a query that reads the highest id on disk in the same snapshot as its
+sums adds exactly the queued rows above it.
+
+What a crash loses: a process killed at any moment (SIGKILL, the OOM killer) loses the rows queued
+since the last write, at most `flush_interval_s` plus one write's time (well under a second by
+default); every committed transaction is in the file. With `synchronous=NORMAL` a power cut may also
+lose the last transactions since a checkpoint, but never leaves the file inconsistent.
+
+One `SqliteLedger` writes a file: the ids it hands out continue from the highest on disk when it
+opens, so two proxies must not share one file (each has its own state_dir).
+
+Where one proxy is not enough: proxies that share budgets need one store they all write to, and the
+`Ledger` protocol is what they would share. A `PostgresLedger` would implement it with a writer
+thread batching `INSERT`s (or `COPY`) into a shared `usage` table as this one does; `spent` would
+sum that table (with an index on (tenant, time), or a per-tenant, per-period rollup table updated in
+the same transaction, so a month's budget is one row read), plus this proxy's own queued rows, and
+accept that other proxies' last second of rows is not yet seen; `keys`/`revoke_key` would live in a
+shared `keys` table, and each proxy would learn of a revocation at once through `LISTEN`/`NOTIFY`
+(or by re-reading the table every second), since a revoked key must fail on its next request
+whichever proxy it reaches.
+"""
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+from proxy.tenants.schema import connect, migrate
+
+log = logging.getLogger(__name__)
+
+# The writer does not wait for the interval once this many rows are queued; it is also the most rows
+# one transaction takes, so the event loop never waits long for the queue's lock.
+BATCH_ROWS = 1000
+# (tenant, since) pairs whose sums `spent` keeps: a budget's period start recurs on every request,
+# so its sum is read from disk once and then only the rows added since.
+SPENT_CACHE_SIZE = 256
+# What `usage` may group by, and how each is read from a row on disk.
+GROUP_FIELDS = ("tenant", "model", "day", "key_id", "backend", "host")
+_GROUP_SQL = {"tenant": "tenant", "model": "model", "day": "strftime('%Y-%m-%d', CAST(time AS INTEGER), 'unixepoch')",
+              "key_id": "key_id", "backend": "backend", "host": "host"}
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    time: float            # unix seconds, when the request finished
+    tenant: str            # "" when tenants are off
+    key_id: str            # a short id of the key, never the key
+    model: str
+    backend: str
+    host: str
+    status: int
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    cost: float
+    queue_wait_ms: float
+    duration_ms: float
+
+
+@dataclass(frozen=True)
+class Spent:
+    """What a tenant used in a window: the figures budgets and limits compare."""
+
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    cost: float
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class MintedKey:
+    """A key an admin minted: its digest only; the key itself was shown once and never kept."""
+
+    tenant: str
+    key_id: str
+    sha256: str
+    created: float
+    revoked: float | None
+
+
+class Ledger(Protocol):
+    """Where usage and minted keys are kept. Times are passed in, never read from a clock here."""
+
+    def record(self, row: UsageRow) -> None:
+        """Queue one row; never blocks (called on the event loop)."""
+
+    def spent(self, tenant: str, since: float) -> Spent:
+        """The tenant's rows with time >= since, those still queued included."""
+
+    def usage(self, start: float | None, end: float | None, group_by: Sequence[str]) -> list[dict[str, Any]]:
+        """Rows with start <= time < end (None: unbounded), summed by the `group_by` fields (a subset
+        of GROUP_FIELDS; "day" is the UTC date "YYYY-MM-DD"), ordered by them. Each dict holds the
+        grouped fields and requests, prompt_tokens, cached_tokens, output_tokens, cost, errors
+        (status >= 400), queue_wait_ms and duration_ms (sums). ValueError for an unknown field."""
+
+    def add_key(self, tenant: str, key_id: str, sha256: str, created: float) -> None:
+        """Keep a minted key's digest; ValueError when the id or the digest is taken."""
+
+    def revoke_key(self, tenant: str, key_id: str, revoked: float) -> bool:
+        """Revoke a live key; False when the tenant has no such live key."""
+
+    def keys(self) -> list[MintedKey]:
+        """Every minted key, revoked ones with `revoked` set."""
+
+    def flush(self) -> None:
+        """Wait until every row recorded so far is on disk."""
+
+    def close(self) -> None:
+        """Flush and stop writing."""
+
+
+_Totals = tuple[int, int, int, int, float]   # requests, prompt, cached, output tokens, cost
+_ZERO: _Totals = (0, 0, 0, 0, 0.0)
+_Queued = tuple[int, UsageRow]                # (id, row)
+
+_SPENT_SQL = """
+    SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0),
+           COALESCE(SUM(output_tokens), 0), COALESCE(SUM(cost), 0.0),
+           (SELECT COALESCE(MAX(id), 0) FROM usage)
+    FROM usage WHERE tenant = ? AND time >= ?"""
+# Only the rows added since a cached sum: a range of the rowid (the unary + keeps the planner off the
+# tenant index, whose range would be the whole period again).
+_SPENT_SINCE_SQL = """
+    SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0),
+           COALESCE(SUM(output_tokens), 0), COALESCE(SUM(cost), 0.0),
+           (SELECT COALESCE(MAX(id), 0) FROM usage)
+    FROM usage WHERE id > ? AND +tenant = ? AND +time >= ?"""
+_INSERT_SQL = """
+    INSERT INTO usage (id, time, tenant, key_id, model, backend, host, status, prompt_tokens,
+                       cached_tokens, output_tokens, cost, queue_wait_ms, duration_ms)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+
+
+def _plus(totals: _Totals, rows: Iterable[UsageRow]) -> _Totals:
+    requests, prompt, cached, output, cost = totals
+    for row in rows:
+        requests += 1
+        prompt += row.prompt_tokens
+        cached += row.cached_tokens
+        output += row.output_tokens
+        cost += row.cost
+    return requests, prompt, cached, output, cost
+
+
+def _day(t: float) -> str:
+    # Whole seconds, as the SQL above reads them, so a row falls on the same day queued or on disk.
+    return datetime.fromtimestamp(int(t), timezone.utc).strftime("%Y-%m-%d")
+
+
+def _group_fields(group_by: Sequence[str]) -> list[str]:
+    unknown = [field for field in group_by if field not in GROUP_FIELDS]
+    if unknown:
+        raise ValueError(f"group_by: unknown field(s) {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(GROUP_FIELDS)}")
+    return list(dict.fromkeys(group_by))
+
+
+class SqliteLedger:
+    """The ledger in one SQLite file, written by one background thread (see the module docstring)."""
+
+    def __init__(self, path: Path, flush_interval_s: float = 0.5) -> None:
+        if not flush_interval_s > 0:
+            raise ValueError(f"flush_interval_s: must be > 0, not {flush_interval_s!r}")
+        self._path = path
+        self._flush_interval_s = flush_interval_s
+        conn = connect(path)
+        try:
+            migrate(conn, path)
+            last_id: int = conn.execute("SELECT COALESCE(MAX(id), 0) FROM usage").fetchone()[0]
+        finally:
+            conn.close()
+        # Everything below `_lock` is shared by the callers' thread(s) and the writer; it is held
+        # only to move rows in memory, never across I/O.
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)      # the writer waits on it
+        self._written_cond = threading.Condition(self._lock)   # flush() waits on it
+        self._last_id = last_id                           # the id the last recorded row got
+        self._written = last_id                           # the highest id on disk
+        self._queue: deque[_Queued] = deque()             # not yet taken by the writer
+        self._unwritten: dict[str, deque[_Queued]] = {}   # not yet on disk, by tenant, in id order
+        self._flush_wanted = 0
+        self._attempts = 0
+        self._failure: sqlite3.Error | None = None
+        self._closing = False
+        self._writer_done = False
+        # `spent` is per request: one connection kept open for it (and its cache), under its own lock.
+        self._read_lock = threading.Lock()
+        self._reader = connect(path, check_same_thread=False)
+        self._cache: OrderedDict[tuple[str, float], tuple[int, _Totals]] = OrderedDict()
+        writer_conn = connect(path, check_same_thread=False)
+        self._writer = threading.Thread(target=self._write_loop, args=(writer_conn,),
+                                        name=f"usage-ledger-writer {path.name}", daemon=True)
+        self._writer.start()
+
+    # -- recording (the event loop) ------------------------------------------------------------
+
+    def record(self, row: UsageRow) -> None:
+        with self._lock:
+            if self._closing:
+                raise RuntimeError(f"usage ledger {self._path} is closed")
+            self._last_id += 1
+            item = (self._last_id, row)
+            self._queue.append(item)
+            unwritten = self._unwritten.get(row.tenant)
+            if unwritten is None:
+                unwritten = self._unwritten[row.tenant] = deque()
+            unwritten.append(item)
+            # The first row starts the writer's interval; a full batch ends it early.
+            if len(self._queue) == 1 or len(self._queue) >= BATCH_ROWS:
+                self._wake.notify()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def spent(self, tenant: str, since: float) -> Spent:
+        with self._lock:
+            unwritten = tuple(self._unwritten.get(tenant, ()))
+        key = (tenant, since)
+        with self._read_lock:
+            cached = self._cache.get(key)
+            if cached is None:
+                found = self._reader.execute(_SPENT_SQL, (tenant, since)).fetchall()[0]
+                base = _ZERO
+            else:
+                watermark, base = cached
+                found = self._reader.execute(_SPENT_SINCE_SQL, (watermark, tenant, since)).fetchall()[0]
+            on_disk: _Totals = (base[0] + found[0], base[1] + found[1], base[2] + found[2],
+                                base[3] + found[3], base[4] + found[4])
+            top: int = found[5]
+            self._cache[key] = (top, on_disk)
+            self._cache.move_to_end(key)
+            if len(self._cache) > SPENT_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        # Taken before the query: every row above `top` in it was not on disk when the query ran.
+        totals = _plus(on_disk, (row for id_, row in unwritten if id_ > top and row.time >= since))
+        return Spent(*totals)
+
+    def usage(self, start: float | None, end: float | None, group_by: Sequence[str]) -> list[dict[str, Any]]:
+        fields = _group_fields(group_by)
+        exprs = [_GROUP_SQL[field] for field in fields]
+        where: list[str] = []
+        params: list[float] = []
+        if start is not None:
+            where.append("time >= ?")
+            params.append(start)
+        if end is not None:
+            where.append("time < ?")
+            params.append(end)
+        sql = ("SELECT " + "".join(e + ", " for e in exprs)
+               + "COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
+                 "COALESCE(SUM(output_tokens), 0), COALESCE(SUM(cost), 0.0), COALESCE(SUM(status >= 400), 0), "
+                 "COALESCE(SUM(queue_wait_ms), 0.0), COALESCE(SUM(duration_ms), 0.0) FROM usage"
+               + (" WHERE " + " AND ".join(where) if where else "")
+               + (" GROUP BY " + ", ".join(exprs) if exprs else ""))
+        with self._lock:
+            unwritten = [item for rows in self._unwritten.values() for item in rows]
+        conn = connect(self._path)
+        try:
+            # One read transaction: the highest id and the sums from the same snapshot.
+            conn.execute("BEGIN")
+            top: int = conn.execute("SELECT COALESCE(MAX(id), 0) FROM usage").fetchone()[0]
+            found = conn.execute(sql, params).fetchall()
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+        n = len(fields)
+        groups: dict[tuple[str, ...], list[Any]] = {}
+        for values in found:
+            if values[n]:   # without GROUP BY an empty range still gives one row, of zeros
+                groups[tuple(values[:n])] = list(values[n:])
+        for id_, row in unwritten:
+            if id_ <= top or (start is not None and row.time < start) or (end is not None and row.time >= end):
+                continue
+            group = tuple(_day(row.time) if field == "day" else getattr(row, field) for field in fields)
+            sums = groups.setdefault(group, [0, 0, 0, 0, 0.0, 0, 0.0, 0.0])
+            for i, value in enumerate((1, row.prompt_tokens, row.cached_tokens, row.output_tokens, row.cost,
+                                       int(row.status >= 400), row.queue_wait_ms, row.duration_ms)):
+                sums[i] += value
+        # All grouped fields are text: Python's order of str is SQLite's BINARY collation on UTF-8.
+        return [{**dict(zip(fields, group)), "requests": sums[0], "prompt_tokens": sums[1],
+                 "cached_tokens": sums[2], "output_tokens": sums[3], "cost": float(sums[4]),
+                 "errors": sums[5], "queue_wait_ms": float(sums[6]), "duration_ms": float(sums[7])}
+                for group, sums in sorted(groups.items())]
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def add_key(self, tenant: str, key_id: str, sha256: str, created: float) -> None:
+        conn = connect(self._path)
+        try:
+            conn.execute("INSERT INTO keys (tenant, key_id, sha256, created, revoked) VALUES (?, ?, ?, ?, NULL)",
+                         (tenant, key_id, sha256, created))
+        except sqlite3.IntegrityError:
+            raise ValueError(f"tenant {tenant!r}: key id {key_id!r} or its digest is already minted") from None
+        finally:
+            conn.close()
+
+    def revoke_key(self, tenant: str, key_id: str, revoked: float) -> bool:
+        conn = connect(self._path)
+        try:
+            cursor = conn.execute("UPDATE keys SET revoked = ? WHERE tenant = ? AND key_id = ? AND revoked IS NULL",
+                                  (revoked, tenant, key_id))
+            return cursor.rowcount == 1
+        finally:
+            conn.close()
+
+    def keys(self) -> list[MintedKey]:
+        conn = connect(self._path)
+        try:
+            found = conn.execute("SELECT tenant, key_id, sha256, created, revoked FROM keys "
+                                 "ORDER BY tenant, created, key_id").fetchall()
+        finally:
+            conn.close()
+        return [MintedKey(*values) for values in found]
+
+    # -- writing (the writer thread) -----------------------------------------------------------
+
+    def flush(self) -> None:
+        with self._lock:
+            target = self._last_id
+            attempts = self._attempts
+            self._flush_wanted = max(self._flush_wanted, target)
+            self._wake.notify()
+            self._written_cond.wait_for(lambda: self._written >= target or self._writer_done
+                                        or (self._failure is not None and self._attempts > attempts))
+            if self._written < target:
+                raise RuntimeError(f"usage ledger {self._path}: {target - self._written} row(s) not written: "
+                                   f"{self._failure or 'the writer stopped'}") from self._failure
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._wake.notify()
+        self._writer.join()
+        with self._read_lock:
+            self._reader.close()
+        with self._lock:
+            if self._queue:
+                raise RuntimeError(f"usage ledger {self._path}: {len(self._queue)} row(s) not written: "
+                                   f"{self._failure}") from self._failure
+
+    def _write_now(self) -> bool:
+        return (len(self._queue) >= BATCH_ROWS or self._closing
+                or (self._flush_wanted > self._written and bool(self._queue)))
+
+    def _write_loop(self, conn: sqlite3.Connection) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._queue and not self._closing:
+                        self._wake.wait()
+                    if self._failure is not None:
+                        # Pause after a failed write rather than spin on a full disk; close() still
+                        # gets its last attempt.
+                        self._wake.wait_for(lambda: self._closing, timeout=self._flush_interval_s)
+                    elif not self._write_now():
+                        self._wake.wait_for(self._write_now, timeout=self._flush_interval_s)
+                    batch = [self._queue.popleft() for _ in range(min(len(self._queue), BATCH_ROWS))]
+                    closing = self._closing
+                if batch:
+                    failure = self._insert(conn, batch)
+                    self._written_back(batch, failure)
+                    if failure is not None and closing:
+                        log.error("usage ledger %s: giving up on %d unwritten row(s) at close: %s",
+                                  self._path, len(self._queue), failure)
+                        return
+                with self._lock:
+                    if self._closing and not self._queue:
+                        return
+        finally:
+            conn.close()
+            with self._lock:
+                self._writer_done = True
+                self._written_cond.notify_all()
+
+    def _insert(self, conn: sqlite3.Connection, batch: list[_Queued]) -> sqlite3.Error | None:
+        params = [(id_, r.time, r.tenant, r.key_id, r.model, r.backend, r.host, r.status, r.prompt_tokens,
+                   r.cached_tokens, r.output_tokens, r.cost, r.queue_wait_ms, r.duration_ms) for id_, r in batch]
+        try:
+            conn.execute("BEGIN")
+            try:
+                conn.executemany(_INSERT_SQL, params)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:   # SQLite rolls some failures back itself (a full disk)
+                    conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            log.error("usage ledger %s: could not write %d row(s), will retry: %s", self._path, len(batch), exc)
+            return exc
+        return None
+
+    def _written_back(self, batch: list[_Queued], failure: sqlite3.Error | None) -> None:
+        last = batch[-1][0]
+        tenants = {row.tenant for _, row in batch}
+        with self._lock:
+            self._attempts += 1
+            self._failure = failure
+            if failure is not None:
+                self._queue.extendleft(reversed(batch))
+            else:
+                self._written = last
+                for tenant in tenants:
+                    unwritten = self._unwritten[tenant]
+                    while unwritten and unwritten[0][0] <= last:
+                        unwritten.popleft()
+                    if not unwritten:
+                        del self._unwritten[tenant]
+            self._written_cond.notify_all()
