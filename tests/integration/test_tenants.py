@@ -47,6 +47,7 @@ def start(state_dir: Path | None = None) -> ProxyProcess:
     proxy.config["tenants"] = TENANTS
     proxy.config_path.write_text(yaml.safe_dump(proxy.config))
     proxy.env = {**KEYS, "ADMIN_TOKEN_VAR": ADMIN_TOKEN}
+    proxy.admin_headers = bearer(ADMIN_TOKEN)
     proxy.start()
     for name in ("sim-a", "sim-slow", "private", "remote"):
         proxy.wait_state(name, "loaded")
