@@ -1,7 +1,7 @@
 """Anthropic's Messages API beside OpenAI's chat completions: the check of a request, the translation
 both ways, and Anthropic's error shape.
 
-llama-server speaks Messages itself and gets a request as it is; the shims and remote chat
+llama-server and vLLM speak Messages themselves and get a request as it is; the shims and remote chat
 providers do not, so for them a request becomes a chat completion and the answer (JSON, or a chat
 stream chunk by chunk) becomes Anthropic's. Pure: no I/O. Whatever a replica sends is untrusted:
 a field missing or of the wrong type reads as empty, never as an exception.

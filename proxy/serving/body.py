@@ -18,6 +18,7 @@ from proxy.serving.keys import ADOPTING, FAIRNESS_KEY, MODEL, SETTINGS
 from proxy.serving.shutdown import SHUTDOWN, handed_over_error
 from proxy.serving.strict_json import decode
 from proxy.serving.tenancy import CALLER, TENANCY
+from proxy.tenants.keys import Caller
 
 # What each pass-through endpoint cannot do without (OpenAI's, llama-server's and Anthropic's required
 # parameters, and their JSON types): checked here, so that a client hears a clear error, not an
@@ -63,10 +64,11 @@ def requested_model(body: dict[str, Any]) -> str:
 def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
     """From the body's `fairness_key`, else the X-Fairness-Key header (for plain OpenAI clients);
     a tenant's request waits in its tenant's queue whatever it names (README: Tenants)."""
-    caller = request.get(CALLER)
+    caller: Caller | None = request.get(CALLER)
     if caller is not None:
-        request[FAIRNESS_KEY] = caller.tenant.fairness_key
-        return caller.tenant.fairness_key
+        tenant_key: str = caller.tenant.fairness_key
+        request[FAIRNESS_KEY] = tenant_key
+        return tenant_key
     key = body.get("fairness_key")
     if key is not None and not isinstance(key, str):
         raise BadRequest("`fairness_key` must be a string", code="invalid_fairness_key", param="fairness_key")

@@ -10,24 +10,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol
+from typing import Mapping
 
 from proxy.config.settings import TenantSettings
+from proxy.tenants.ledger import Ledger
 from proxy.tenants.limits import MINUTE_S, Spending, period_bounds
-
-
-class Sums(Protocol):
-    """What the ledger gives: a tenant's sums since a time (ledger.Spent)."""
-
-    requests: int
-    cost: float
-
-    @property
-    def tokens(self) -> int: ...
-
-
-class SpentSince(Protocol):
-    def spent(self, tenant: str, since: float) -> Sums: ...
 
 
 @dataclass
@@ -59,7 +46,7 @@ class _Window:
 class Spend:
     """Each tenant's spending in its current minute and budget period."""
 
-    def __init__(self, tenants: Mapping[str, TenantSettings], ledger: SpentSince, now: float) -> None:
+    def __init__(self, tenants: Mapping[str, TenantSettings], ledger: Ledger, now: float) -> None:
         self.ledger = ledger
         self._windows = {name: _Window(t.budget_period) for name, t in tenants.items()}
         for name, window in self._windows.items():
