@@ -35,7 +35,8 @@ TENANCY: web.AppKey["Tenancy"] = web.AppKey("tenancy")
 
 class TenantMetrics:
     """Per tenant: requests by status, tokens by kind, cost. Labels only ever hold configured tenant
-    names, so the label set is bounded by the settings."""
+    names, so the label set is bounded by the settings. Each child is bound once: `labels()` costs
+    more than the increment, and it runs for every request."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("llm_pool_tenant_requests", "Requests of each tenant, by final status",
@@ -44,6 +45,14 @@ class TenantMetrics:
                               ["tenant", "kind"], registry=registry)
         self.cost = Counter("llm_pool_tenant_cost", "What each tenant's requests cost (price_per_mtok)",
                             ["tenant"], registry=registry)
+        self._children: dict[tuple[Counter, str, str], Any] = {}
+
+    def inc(self, counter: Counter, tenant: str, label: str | None, value: float = 1.0) -> None:
+        key = (counter, tenant, label or "")
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = counter.labels(tenant, label) if label is not None else counter.labels(tenant)
+        child.inc(value)
 
 
 def _presented_key(request: web.Request) -> str | None:
@@ -66,6 +75,7 @@ class Tenancy:
         self.spend = Spend(settings.tenants, ledger, clock())
         self.metrics = TenantMetrics(registry)
         self.closed = False
+        self._allowed: dict[tuple[str, str], bool] = {}
 
     @classmethod
     def open(cls, settings: Settings, environ: Mapping[str, str], registry: CollectorRegistry) -> "Tenancy":
@@ -100,7 +110,10 @@ class Tenancy:
         remote one it may not use, 429 for a limit reached or a budget spent. An admitted request
         counts toward requests_per_minute at once."""
         tenant = caller.tenant
-        if not may_use(tenant, runtime.name):
+        allowed = self._allowed.get((tenant.name, runtime.name))
+        if allowed is None:   # the globs are matched once per tenant and model
+            allowed = self._allowed[(tenant.name, runtime.name)] = may_use(tenant, runtime.name)
+        if not allowed:
             raise Forbidden(f"tenant {tenant.name!r} may not use model {runtime.name!r}", code="model_not_allowed",
                             param="model")
         if runtime.traits.remote and not tenant.allow_remote:
@@ -130,12 +143,12 @@ class Tenancy:
             output_tokens=output, cost=spent, queue_wait_ms=request.get(QUEUE_WAIT, 0.0) * 1000,
             duration_ms=duration_s * 1000))
         m = self.metrics
-        m.requests.labels(name, str(status)).inc()
+        m.inc(m.requests, name, str(status))
         for kind, value in (("prompt", prompt), ("cached", cached), ("output", output)):
             if value:
-                m.tokens.labels(name, kind).inc(value)
+                m.inc(m.tokens, name, kind, value)
         if spent:
-            m.cost.labels(name).inc(spent)
+            m.inc(m.cost, name, None, spent)
 
     def allowed_models(self, request: web.Request, names: list[str]) -> list[str]:
         """The model ids of `names` the request's tenant may use (GET /v1/models shows only those)."""
