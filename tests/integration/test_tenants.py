@@ -5,6 +5,9 @@ through the admin API, and the OpenAI and Anthropic SDKs with their keys."""
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -231,3 +234,30 @@ def test_usage_budgets_and_minted_keys_survive_a_restart() -> None:
             second.cleanup()
     finally:
         assert not first.cleanup()
+
+
+# -- from a shell ----------------------------------------------------------------------------------
+
+def ctl(proxy: ProxyProcess, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "proxy.cli", "--config", str(proxy.config_path), "ctl", *argv],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "ADMIN_TOKEN_VAR": ADMIN_TOKEN,
+                               "LLM_POOL_LOCAL_SETTINGS_PATH": str(proxy.state_dir / "no-local.yaml")})
+
+
+def test_ctl_mints_lists_and_revokes_keys_and_reports_usage(proxy: ProxyProcess) -> None:
+    minted = ctl(proxy, "keys", "mint", "webui")
+    assert minted.returncode == 0, minted.stderr
+    key = minted.stdout.splitlines()[0]
+    assert key.startswith("lp-") and chat(proxy, key)[0] == 200
+    kid = minted.stdout.split("(id ")[1].split(";")[0]
+    listed = ctl(proxy, "keys")
+    assert listed.returncode == 0 and f"key {kid} minted" in listed.stdout and key not in listed.stdout
+    assert ctl(proxy, "keys", "revoke", "webui", kid).returncode == 0
+    assert chat(proxy, key)[0] == 401
+    assert ctl(proxy, "keys", "revoke", "webui").returncode == 2          # no id: a usage error
+    assert ctl(proxy, "keys", "revoke", "webui", kid).returncode == 1     # refused: 404 key_not_found
+    report = ctl(proxy, "usage", "--group-by", "tenant")
+    assert report.returncode == 0 and report.stdout.startswith("TENANT") and "webui" in report.stdout
+    as_csv = ctl(proxy, "usage", "--group-by", "tenant,model", "--csv")
+    assert as_csv.stdout.splitlines()[0].startswith("tenant,model,requests,errors,")
