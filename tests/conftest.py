@@ -7,12 +7,19 @@ import pytest
 
 from proxy.setup.demo_model import write_tiny_gguf
 from proxy.setup.llama_build import build_llama_server
+from proxy.setup.tiny_mmproj import write_tiny_mmproj
 from proxy.setup.tiny_reranker import write_tiny_reranker
 
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_mmproj_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny vision projector for the demo model: llama-server with `--mmproj` it reads images."""
+    return write_tiny_mmproj(tmp_path_factory.mktemp("models") / "tiny-mmproj.gguf")
 
 
 @pytest.fixture(scope="session")

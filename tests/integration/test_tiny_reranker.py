@@ -3,66 +3,20 @@ tiny reranker answers /v1/rerank with `llama_server_reranking: true`, and the de
 /infill (with its FIM tokens), /tokenize and /detokenize."""
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import signal
-import subprocess
-import urllib.error
 from pathlib import Path
-from typing import Any, Iterator
 
 import pytest
-import yaml
 
-from helpers import free_port, http, pid_alive, wait_for
+from direct_llama_server import configured, served
+from helpers import http
 from launchers import llama_server
-from proxy.config.loading import load_settings
-from proxy.config.model import ModelConfig
 from proxy.setup import tiny_reranker
 from proxy.setup.demo_model import FIM_TOKENS, write_tiny_gguf
 
 pytestmark = pytest.mark.integration
 
 DOCUMENTS = ["Paris is the capital of France.", "It rains in the park today.", "hello world"]
-
-
-def configured(tmp_path: Path, **fields: Any) -> ModelConfig:
-    """The model as `llm-pool` reads it from a config file (the schema checks every field, strictly)."""
-    path = tmp_path / "pool.yaml"
-    path.write_text(yaml.safe_dump({"engine": {"models": {"m": {"backend": "llama_server", "target_inflight": 2,
-                                                                **fields}}}}))
-    return load_settings(path, strict=True).models["m"]
-
-
-@contextlib.contextmanager
-def served(model: ModelConfig, log: Path) -> Iterator[str]:
-    """llama-server with the launcher's argv for `model` on a free loopback port, until healthy;
-    stopped by its PID after, and checked gone."""
-    assert llama_server.check(model) == []
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(llama_server.argv(model, "127.0.0.1", port), stdout=out, stderr=subprocess.STDOUT)
-    try:
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"llama-server exited {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                return http("GET", url + "/health", timeout=5)[0] == 200
-            except (urllib.error.URLError, ConnectionError):
-                return False
-
-        wait_for(healthy, what="llama-server healthy")
-        yield url
-    finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-        assert not pid_alive(proc.pid)
 
 
 def test_the_tiny_reranker_scores_every_document(tiny_reranker_gguf: Path, llama_server_bin: Path,
