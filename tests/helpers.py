@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 import xmlrpc.client
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -476,3 +478,14 @@ def status_page(browser: Any, url: str, width: int, height: int) -> Iterator[Any
     yield tab
     context.close()
     assert not errors, f"the page's script failed: {errors}"
+
+
+def tiny_png(width: int = 8, height: int = 8) -> bytes:
+    """An RGB PNG of a colour gradient, written by hand (8-bit truecolour, no filter)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = b"".join(b"\x00" + b"".join(bytes((x * 32 % 256, y * 32 % 256, 128)) for x in range(width))
+                    for y in range(height))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")

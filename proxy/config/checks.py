@@ -70,6 +70,10 @@ def schema_findings(doc: Mapping[str, Any], origins: Origins | None = None) -> t
                 else ""
             problems.append(f"{json_path(where + [missing])}: required{because}{typo}")
             continue
+        if "propertyNames" in err.absolute_schema_path and where[:1] == ["tenants"]:
+            problems.append(f"{json_path(where)}: tenant name {err.instance!r} must be 1-64 characters of "
+                            "letters, digits and ._- (it names the tenant in admin paths and metric labels)")
+            continue
         if "propertyNames" in err.absolute_schema_path:
             problems.append(f"{json_path(where)}: model id {err.instance!r} must be 1-128 characters of "
                             "letters, digits and ._:@+- (model ids are names, never paths)")

@@ -7,6 +7,7 @@ on demand, which the next request then loads.
 """
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import urllib.request
@@ -17,7 +18,7 @@ import anthropic
 import openai
 import pytest
 
-from helpers import ProxyProcess, http, wait_for
+from helpers import ProxyProcess, http, tiny_png, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +26,8 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def proxy(tiny_gguf: Path, tiny_reranker_gguf: Path, llama_server_bin: Path) -> Iterator[ProxyProcess]:
+def proxy(tiny_gguf: Path, tiny_reranker_gguf: Path, tiny_mmproj_gguf: Path,
+          llama_server_bin: Path) -> Iterator[ProxyProcess]:
     llama = {"backend": "llama_server", "model_path": str(tiny_gguf), "llama_server_binary": str(llama_server_bin),
              "llama_server_n_ctx": 8192, "target_inflight": 1, "enabled": True,
              # A stream that must keep its slot (the 429 below) would end at the training context without it.
@@ -37,10 +39,12 @@ def proxy(tiny_gguf: Path, tiny_reranker_gguf: Path, llama_server_bin: Path) -> 
         "reranker": {**llama, "model_path": str(tiny_reranker_gguf), "llama_server_reranking": True,
                      "llama_server_n_ctx": 512, "llama_server_extra_args": []},
         "shim": {"backend": "sim", "enabled": True, "target_inflight": 2},
+        "vision": {**llama, "llama_server_mmproj_path": str(tiny_mmproj_gguf), "modalities": ["text", "image"],
+                   "llama_server_extra_args": []},
     }, engine={"fairness": {"max_pending_per_key": 1}})
     try:
         started.start()
-        for name in ("tiny", "reranker", "shim"):
+        for name in ("tiny", "reranker", "shim", "vision"):
             started.wait_state(name, "loaded")
         yield started
     finally:
@@ -91,6 +95,24 @@ def test_the_anthropic_sdk_streams_event_by_event(proxy: ProxyProcess, claude: a
         final = stream.get_final_message()
     assert len(pieces) >= 2 and "".join(pieces) == final.content[0].text
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 5
+
+
+def test_an_image_block_reaches_a_model_with_a_projector(claude: anthropic.Anthropic) -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(tiny_png()).decode()}}
+    question = {"type": "text", "text": "what is in the picture?"}
+
+    def prompt_tokens(content: list[dict[str, Any]]) -> int:
+        message = claude.messages.create(model="vision", max_tokens=2, messages=[{"role": "user", "content": content}])
+        assert message.usage.output_tokens == 2
+        return message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+
+    # The projector turned the image into tokens of the prompt.
+    assert prompt_tokens([question, image]) > prompt_tokens([question])
+    with pytest.raises(anthropic.BadRequestError, match="image_url|url"):
+        # A URL the model's image rules refuse (data: only by default), checked as chat's are.
+        claude.messages.create(model="vision", max_tokens=2, messages=[{"role": "user", "content": [
+            question, {"type": "image", "source": {"type": "url", "url": "http://169.254.169.254/x.png"}}]}])
 
 
 def test_count_tokens_passes_through(claude: anthropic.Anthropic) -> None:
@@ -191,7 +213,7 @@ def test_the_model_list_shows_a_cold_model_that_the_next_request_loads(proxy: Pr
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
     listed = {m.id: m.model_dump() for m in client.models.list()}
     # `hidden` neither runs nor loads on demand: a request for it would be refused, so it is not offered.
-    assert set(listed) == {"tiny", "cold", "reranker", "shim"}
+    assert set(listed) == {"tiny", "cold", "reranker", "shim", "vision"}
     assert (listed["cold"]["status"], listed["cold"]["load_on_demand"]) == ("cold", True)
     assert listed["tiny"]["status"] == "loaded"
     assert "/v1/messages" in listed["shim"]["capabilities"]["endpoints"]

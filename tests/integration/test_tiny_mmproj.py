@@ -4,31 +4,18 @@ the image takes prompt tokens of its own."""
 from __future__ import annotations
 
 import base64
-import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from direct_llama_server import configured, served
-from helpers import http
+from helpers import http, tiny_png
 from launchers import llama_server
 
 pytestmark = pytest.mark.integration
 
 QUESTION = {"type": "text", "text": "what is in the picture?"}
-
-
-def tiny_png(width: int = 8, height: int = 8) -> bytes:
-    """An RGB PNG of a colour gradient, written by hand (8-bit truecolour, no filter)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    rows = b"".join(b"\x00" + b"".join(bytes((x * 32 % 256, y * 32 % 256, 128)) for x in range(width))
-                    for y in range(height))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
 
 
 PNG_B64 = base64.b64encode(tiny_png()).decode()

@@ -65,9 +65,10 @@ def test_without_reranking_the_tiny_reranker_refuses_rerank(tiny_reranker_gguf: 
 def test_the_demo_model_infills_with_its_fim_tokens_and_round_trips_tokens(tiny_gguf: Path, llama_server_bin: Path,
                                                                           tmp_path: Path) -> None:
     infill = {"input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 8}
-    plain = configured(tmp_path, model_path=str(tiny_gguf), llama_server_binary=str(llama_server_bin))
+    without = write_tiny_gguf(tmp_path / "no-fim.gguf", fim=False)
+    plain = configured(tmp_path, model_path=str(without), llama_server_binary=str(llama_server_bin))
     with served(plain, tmp_path / "plain.log") as url:
-        # The demo vocabulary has no FIM tokens.
+        # Without the FIM tokens llama-server cannot infill.
         status, _, body = http("POST", url + "/infill", infill)
         assert status == 501, body
         assert body["error"]["message"] == ("Infill is not supported by this model: prefix token is missing. "
@@ -78,8 +79,8 @@ def test_the_demo_model_infills_with_its_fim_tokens_and_round_trips_tokens(tiny_
         # SPM prefixes a space to the text it tokenizes (U+2581), and detokenizing keeps it.
         assert status == 200 and text["content"] == " hello world", text
 
-    fim = write_tiny_gguf(tmp_path / "fim.gguf", fim=True)
-    with served(configured(tmp_path, model_path=str(fim), llama_server_binary=str(llama_server_bin)),
+    # The demo model as setup writes it (and the tests load it) has them.
+    with served(configured(tmp_path, model_path=str(tiny_gguf), llama_server_binary=str(llama_server_bin)),
                 tmp_path / "fim.log") as url:
         status, _, body = http("POST", url + "/infill", infill)
     assert status == 200, body
