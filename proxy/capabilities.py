@@ -41,6 +41,7 @@ class Traits:
     model_field: str = "model_path"                  # the field that names the model it serves
     apis: frozenset[str] = CHAT_AND_COMPLETIONS       # what its servers speak natively (ROUTES' names)
     rerank_field: str | None = None                  # the field that makes it serve /v1/rerank
+    remote: bool = False                              # a provider's model: behind allow_remote, paid
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 
 import yaml
 
+from proxy import ctl_tenants
 from proxy.config.loading import ConfigError, load_settings
 from proxy.masking import shown_url
 
@@ -342,9 +343,30 @@ def cmd_events(client: AdminClient, args: argparse.Namespace, out: TextIO,
         pass
 
 
+def cmd_usage(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
+    query = {k: v for k, v in (("from", args.since), ("to", args.until), ("group_by", args.group_by)) if v}
+    page = client.call("GET", "/v1/admin/usage?" + urllib.parse.urlencode(query))
+    groups = args.group_by.split(",")
+    _show(page, lambda p: (ctl_tenants.usage_csv if args.csv else ctl_tenants.usage_table)(p["data"], groups),
+          args, out)
+
+
+def cmd_keys(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
+    if args.action == "mint":
+        minted = client.call("POST", f"/v1/admin/tenants/{_quote(args.tenant)}/keys", {})
+        # The key is shown this once (the pool keeps only its digest): to stdout, for a pipe.
+        _show(minted, lambda m: f"{m['key']}\n(id {m['id']}; the key is not shown again)", args, out)
+    elif args.action == "revoke":
+        _show(client.call("DELETE", f"/v1/admin/tenants/{_quote(args.tenant)}/keys/{_quote(args.id)}"),
+              lambda r: f"revoked key {r['id']}", args, out)
+    else:
+        _show(client.call("GET", "/v1/admin/tenants"), lambda d: ctl_tenants.keys_table(d["data"]), args, out)
+
+
 COMMANDS: dict[str, Callable[..., None]] = {"models": cmd_models, "load": cmd_load, "unload": cmd_unload,
                                             "scale": cmd_scale, "logs": cmd_logs, "gpu": cmd_gpu,
-                                            "hosts": cmd_hosts, "events": cmd_events}
+                                            "hosts": cmd_hosts, "events": cmd_events, "usage": cmd_usage,
+                                            "keys": cmd_keys}
 
 
 # -- wiring -----------------------------------------------------------------------------------------
@@ -385,7 +407,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     events.add_argument("--limit", type=int, default=50, help="how many of the newest to show first (1-1000, "
                         "default 50)")
     events.add_argument("--follow", "-f", action="store_true", help="keep printing new events as they come")
-    for command in (models, load, unload, scale, logs, gpu, hosts, events):
+    usage = cmds.add_parser("usage", help="what each tenant used and spent (the usage ledger)")
+    usage.add_argument("--from", dest="since", help="start: unix seconds or an ISO date or time (UTC)")
+    usage.add_argument("--to", dest="until", help="end: unix seconds or an ISO date or time (UTC)")
+    usage.add_argument("--group-by", default="tenant,model,day",
+                       help="comma-separated of tenant, model, day, key_id, backend, host (default tenant,model,day)")
+    usage.add_argument("--csv", action="store_true", help="the rows as CSV")
+    keys = cmds.add_parser("keys", help="tenants' keys by id; `keys mint TENANT`, `keys revoke TENANT ID`")
+    keys.add_argument("action", nargs="?", choices=("list", "mint", "revoke"), default="list")
+    keys.add_argument("tenant", nargs="?")
+    keys.add_argument("id", nargs="?")
+    for command in (models, load, unload, scale, logs, gpu, hosts, events, usage, keys):
         _add_common(command, defaults=False)
     ctl.set_defaults(func=run)
     return ctl
@@ -434,6 +466,10 @@ def resolve_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tupl
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout, environ: Mapping[str, str] | None = None) -> int:
+    if args.ctl_command == "keys" and args.action != "list" and not args.tenant or \
+            args.ctl_command == "keys" and args.action == "revoke" and not args.id:
+        print("llm-pool ctl keys: mint needs TENANT, revoke needs TENANT and ID", file=sys.stderr)
+        return EXIT_USAGE
     try:
         url, token = resolve_target(args, os.environ if environ is None else environ)
         COMMANDS[args.ctl_command](AdminClient(url, token, args.timeout), args, out)

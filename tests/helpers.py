@@ -132,6 +132,7 @@ class ProxyProcess:
         # After a reload (SIGUSR1), the process that took over: not a child of the test's.
         self.successor: int | None = None
         self.env: dict[str, str] = {}   # extra environment for the proxy process
+        self.admin_headers: dict[str, str] = {}   # the admin token, where service.admin_token_env sets one
         self.seen_pids: set[int] = set()
         self.log_path = self.state_dir / "proxy.log"
         self.cwd = REPO   # the source tree whose proxy runs (a benchmark may run another's beside it)
@@ -169,7 +170,7 @@ class ProxyProcess:
             self.seen_pids.add(int(pidfile.read_text().strip()))
 
     def admin_model(self, name: str) -> dict[str, Any]:
-        status, _, body = http("GET", self.url + "/v1/admin/models")
+        status, _, body = http("GET", self.url + "/v1/admin/models", headers=self.admin_headers)
         assert status == 200, body
         (model,) = [m for m in body["data"] if m["id"] == name]
         for replica in model["replicas"]:

@@ -18,7 +18,7 @@ from proxy.config.model import (DEFAULT_MODEL, DEFAULT_ROUTING, MODEL_LIFECYCLE_
 from proxy.config.origins import Key, Origin, Origins, duplicate_keys, key_origins, merge_origins
 from proxy.config.settings import (DEFAULT_LIFECYCLE, DEFAULT_MEMORY, DEFAULT_NODE_USERNAME, DEFAULT_RELIABILITY,
                                    DEFAULT_SERVICE, DEFAULT_SUPERVISOR, HostSettings, LifecycleSettings,
-                                   ServiceSettings, Settings, SupervisorSettings)
+                                   ServiceSettings, Settings, SupervisorSettings, TenantSettings)
 
 
 class ConfigError(Exception):
@@ -132,6 +132,27 @@ def _host(name: str, raw: Mapping[str, Any]) -> HostSettings:
                         cpu_budget_mib=raw.get("cpu_budget_mib"))
 
 
+def _tenant(name: str, raw: Mapping[str, Any]) -> TenantSettings:
+    limits, budget = raw.get("limits") or {}, raw.get("budget") or {}
+    return TenantSettings(name=name, fairness_key=str(raw["fairness_key"]).strip(),
+                          key_env=tuple(raw.get("key_env") or ()), key_sha256=tuple(raw.get("key_sha256") or ()),
+                          weight=raw.get("weight"), models=tuple(raw.get("models") or ("*",)),
+                          allow_remote=bool(raw.get("allow_remote", False)),
+                          requests_per_minute=limits.get("requests_per_minute"),
+                          tokens_per_minute=limits.get("tokens_per_minute"),
+                          budget_period=str(budget.get("period") or "month"), budget_tokens=budget.get("tokens"),
+                          budget_cost=budget.get("cost"))
+
+
+def _fairness(engine: Mapping[str, Any], tenants: Mapping[str, TenantSettings]) -> dict[str, Any]:
+    """engine.fairness, with each tenant's weight for its fairness key (a tenant's own wins)."""
+    fairness = dict(engine.get("fairness") or {})
+    weights = {t.fairness_key: t.weight for t in tenants.values() if t.weight is not None}
+    if weights:
+        fairness["weights"] = {**(fairness.get("weights") or {}), **weights}
+    return fairness
+
+
 def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = False) -> Settings:
     """Load, merge and validate; raise ConfigError listing every problem found (a key given twice in
     one mapping among them). Unknown keys are returned as `Settings.warnings` (the ConfigError's
@@ -154,6 +175,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                               base_dir))
     programs_dir = Path(_resolve(supervisor["programs_dir"], base_dir)) if supervisor.get("programs_dir") \
         else state_dir / "programs"
+    tenants = {name: _tenant(name, raw) for name, raw in (doc.get("tenants") or {}).items()}
     settings = Settings(
         service=ServiceSettings(host=service["host"], port=int(service["port"]),
                                 log_level=str(service["log_level"]).lower(), state_dir=state_dir,
@@ -173,7 +195,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                       pass_env=tuple(supervisor["pass_env"] or ()),
                                       hosts={n: _host(n, h) for n, h in (supervisor.get("hosts") or {}).items()}),
         decoding=dict(engine.get("decoding") or {}),
-        fairness=dict(engine.get("fairness") or {}),
+        fairness=_fairness(engine, tenants),
         models={name: _model(name, raw, engine.get("backend"), base_dir, lifecycle, engine.get("routing"))
                 for name, raw in (engine.get("models") or {}).items()},
         sources=sources,
@@ -186,6 +208,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                     footprint_percentile=float(memory["footprint_percentile"])),
         warnings=tuple(warnings),
         origins=origins,
+        tenants=tenants,
     )
     problems = semantic_problems(settings)
     if problems:

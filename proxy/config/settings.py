@@ -124,6 +124,25 @@ class LifecycleSettings:
 
 
 @dataclass(frozen=True)
+class TenantSettings:
+    """tenants.NAME: one client service of the data plane (README: Tenants). Its keys are named by
+    the variables holding them or by their digests: never a key itself."""
+
+    name: str
+    fairness_key: str
+    key_env: tuple[str, ...] = ()
+    key_sha256: tuple[str, ...] = ()
+    weight: float | None = None
+    models: tuple[str, ...] = ("*",)
+    allow_remote: bool = False
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    budget_period: str = "month"
+    budget_tokens: int | None = None
+    budget_cost: float | None = None
+
+
+@dataclass(frozen=True)
 class Settings:
     service: ServiceSettings
     supervisor: SupervisorSettings
@@ -134,6 +153,7 @@ class Settings:
     lifecycle: LifecycleSettings = field(default_factory=LifecycleSettings)
     warnings: tuple[str, ...] = ()         # unknown keys, each with the closest known name
     origins: Origins = field(default_factory=Origins, compare=False)
+    tenants: Mapping[str, TenantSettings] = field(default_factory=dict)   # none: every caller is trusted
 
     def where(self, message: str) -> str:
         """A config message with the file and line that set its key, e.g. `(conf/local.yaml:12)`."""

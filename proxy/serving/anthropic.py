@@ -1,7 +1,7 @@
 """Anthropic's Messages API beside OpenAI's chat completions: the check of a request, the translation
 both ways, and Anthropic's error shape.
 
-llama-server speaks Messages itself and gets a request as it is; the shims and remote chat
+llama-server and vLLM speak Messages themselves and get a request as it is; the shims and remote chat
 providers do not, so for them a request becomes a chat completion and the answer (JSON, or a chat
 stream chunk by chunk) becomes Anthropic's. Pure: no I/O. Whatever a replica sends is untrusted:
 a field missing or of the wrong type reads as empty, never as an exception.
@@ -21,7 +21,8 @@ ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_erro
                          503: "overloaded_error", 529: "overloaded_error"}
 # Chat's finish reasons as Anthropic's stop reasons; anything else ended the turn.
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
-NUMBERS = (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", (int,)))
+NUMBERS = (("temperature", (int, float), "a number"), ("top_p", (int, float), "a number"),
+           ("top_k", (int,), "an integer"))
 
 
 def _bad(message: str, param: str) -> BadRequest:
@@ -51,10 +52,10 @@ def check_request(body: Mapping[str, Any]) -> None:
     stops = body.get("stop_sequences")
     if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
         raise _bad("`stop_sequences` must be an array of strings", "stop_sequences")
-    for name, types in NUMBERS:
+    for name, types, what in NUMBERS:
         value = body.get(name)
         if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
-            raise _bad(f"`{name}` must be a number", name)
+            raise _bad(f"`{name}` must be {what}", name)
     if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
         raise _bad("`stream` must be a boolean", "stream")
     if body.get("tools"):
@@ -75,7 +76,9 @@ def _check_content(content: Any, where: str) -> None:
         elif kind == "image":
             _check_image(block.get("source"), f"{at}.source")
         else:
-            raise _bad(f"`{at}` must be a text or an image block (the types supported here)", at)
+            # Named, so that an agent's tool_result or document block is told apart from a typo.
+            named = f" ({kind[:40]!r})" if isinstance(kind, str) else ""
+            raise _bad(f"`{at}`{named}: the block types supported are text and image", at)
 
 
 def _check_image(source: Any, where: str) -> None:
@@ -130,11 +133,13 @@ def _chat_content(content: str | list[dict[str, Any]]) -> str | list[dict[str, A
     return parts
 
 
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
 def _usage(usage: Any) -> dict[str, int]:
     usage = usage if isinstance(usage, dict) else {}
-    prompt, output = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return {"input_tokens": prompt if isinstance(prompt, int) else 0,
-            "output_tokens": output if isinstance(output, int) else 0}
+    return {"input_tokens": _count(usage.get("prompt_tokens")), "output_tokens": _count(usage.get("completion_tokens"))}
 
 
 def stop_reason(finish_reason: Any) -> str:
@@ -143,6 +148,7 @@ def stop_reason(finish_reason: Any) -> str:
 
 def to_message(chat: Mapping[str, Any], model: str, message_id: str) -> dict[str, Any]:
     """A chat completion (untrusted) as an Anthropic message."""
+    chat = chat if isinstance(chat, Mapping) else {}
     choices = chat.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     message = choice.get("message")
@@ -169,14 +175,16 @@ class MessageStream:
         self.finish_reason: str | None = None
 
     def start(self) -> bytes:
-        message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-                   "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": 0, "output_tokens": 0}}
+        message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant",
+                                   "model": self.model, "content": [], "stop_reason": None, "stop_sequence": None,
+                                   "usage": {"input_tokens": 0, "output_tokens": 0}}
         return (_event("message_start", {"message": message})
                 + _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
 
     def feed(self, chunk: Mapping[str, Any]) -> bytes:
         """The events for one chat chunk: b"" for one without text (its finish reason and usage are kept)."""
+        if not isinstance(chunk, Mapping):
+            return b""
         if isinstance(chunk.get("usage"), dict):
             usage = _usage(chunk["usage"])
             self.input_tokens, self.output_tokens = usage["input_tokens"], usage["output_tokens"]
@@ -201,7 +209,10 @@ class MessageStream:
         return (_event("content_block_stop", {"index": 0})
                 + _event("message_delta", {"delta": {"stop_reason": stop_reason(self.finish_reason),
                                                      "stop_sequence": None},
-                                           "usage": {"output_tokens": self.output_tokens}})
+                                           # Totals, as Anthropic's are: the prompt's count is known only
+                                           # now (chat sends usage last), and the SDK takes it from here.
+                                           "usage": {"input_tokens": self.input_tokens,
+                                                     "output_tokens": self.output_tokens}})
                 + _event("message_stop", {}))
 
 

@@ -21,6 +21,7 @@ from proxy.serving import routes_admin
 from proxy.serving import routes_public
 from proxy.serving import routes_messages
 from proxy.serving import routes_responses
+from proxy.serving import routes_tenants
 from proxy.serving import ui
 from proxy.config.settings import Settings
 from proxy.errors import NotFound
@@ -31,6 +32,7 @@ from proxy.serving.handover import Inherited, Succession
 from proxy.serving.keys import (ADOPTING, FAIRNESS_KEY, HTTP, METRICS, MODEL, ON_ADMIN_LISTENER, POOL, SETTINGS,
                                 STARTED, STREAM_ERROR, VRAM)
 from proxy.serving.metrics import ProxyMetrics
+from proxy.serving.tenancy import TENANCY, Tenancy
 from proxy.serving.reload import Reloader
 from proxy.serving.sd_notify import notify
 from proxy.serving.shutdown import SHUTDOWN, STOP_SIGNALS, Shutdown, close_after_handover, shutdown_middleware
@@ -61,9 +63,13 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         model = request.get(MODEL)
         if model is not None:
             metrics = request.app[METRICS]
+            took = time.perf_counter() - started
             metrics.child(metrics.requests, model, request.path, status, _error_code(request, response),
                           metrics.key_label(request.get(FAIRNESS_KEY))).inc()
-            metrics.child(metrics.latency, model, request.path).observe(time.perf_counter() - started)
+            metrics.child(metrics.latency, model, request.path).observe(took)
+            tenancy = request.app.get(TENANCY)
+            if tenancy is not None:
+                tenancy.finished(request, request.app[POOL].models[model], response.status if response else 499, took)
 
 
 def _error_code(request: web.Request, response: web.StreamResponse | None) -> str:
@@ -119,6 +125,7 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
     app.add_routes(routes_admin.routes)
     app.add_routes(routes_responses.routes)
     app.add_routes(routes_messages.routes)
+    app.add_routes(routes_tenants.routes)
     app.add_routes(ui.routes)
     app.add_routes(openapi.routes)
 
@@ -154,7 +161,17 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
             await http.close()
 
     app.cleanup_ctx.append(pool_ctx)
+    if settings.tenants:
+        app.cleanup_ctx.append(tenancy_ctx)
     return app
+
+
+async def tenancy_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The tenants' keys and ledger (README: Tenants), for as long as the app runs."""
+    tenancy = await asyncio.to_thread(Tenancy.open, app[SETTINGS], os.environ, app[METRICS].registry)
+    app[TENANCY] = tenancy
+    yield
+    await asyncio.to_thread(tenancy.close)
 
 
 async def release_pool(app: web.Application) -> None:

@@ -17,6 +17,8 @@ from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.keys import ADOPTING, FAIRNESS_KEY, MODEL, SETTINGS
 from proxy.serving.shutdown import SHUTDOWN, handed_over_error
 from proxy.serving.strict_json import decode
+from proxy.serving.tenancy import CALLER, TENANCY
+from proxy.tenants.keys import Caller
 
 # What each pass-through endpoint cannot do without (OpenAI's, llama-server's and Anthropic's required
 # parameters, and their JSON types): checked here, so that a client hears a clear error, not an
@@ -60,7 +62,13 @@ def requested_model(body: dict[str, Any]) -> str:
 
 
 def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
-    """From the body's `fairness_key`, else the X-Fairness-Key header (for plain OpenAI clients)."""
+    """From the body's `fairness_key`, else the X-Fairness-Key header (for plain OpenAI clients);
+    a tenant's request waits in its tenant's queue whatever it names (README: Tenants)."""
+    caller: Caller | None = request.get(CALLER)
+    if caller is not None:
+        tenant_key: str = caller.tenant.fairness_key
+        request[FAIRNESS_KEY] = tenant_key
+        return tenant_key
     key = body.get("fairness_key")
     if key is not None and not isinstance(key, str):
         raise BadRequest("`fairness_key` must be a string", code="invalid_fairness_key", param="fairness_key")
@@ -73,8 +81,12 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) 
     """The model's runtime if this request may be sent to it, or queue for it, now; otherwise the
     right error. A model that loads on demand takes requests while it is not loaded: they wait in
     its queue and placement loads it (proxy/lifecycle/placement/placer.py)."""
+    tenancy = request.app.get(TENANCY)
+    caller = tenancy.caller(request) if tenancy is not None else None   # 401 before anything else
     runtime = pool.get(name)
     request[MODEL] = name
+    if tenancy is not None and caller is not None:
+        tenancy.admit(caller, runtime)
     if runtime.kind is not None:
         runtime.kind.gate(runtime.model, request.headers, body)  # e.g. allow_remote
     state = runtime.state

@@ -17,7 +17,7 @@ from proxy.errors import BackendError, PoolError
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving import response_metrics
 from proxy.serving.forward import Slot, label, read_answer, upstream
-from proxy.serving.keys import HTTP, METRICS, POOL, REPLICA, SETTINGS
+from proxy.serving.keys import HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, SETTINGS
 from proxy.serving.relay import Timeouts, sse_data
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,10 @@ async def relay_chat(request: web.Request, runtime: ModelRuntime, queued: Any, p
     async with Slot(runtime, queued):
         timer.mark("admitted")
         timer.mark("sent")
-        if cold and timer.enqueued is not None and timer.admitted is not None:
-            request.app[METRICS].load_wait.labels(runtime.name).observe(timer.admitted - timer.enqueued)
+        if timer.enqueued is not None and timer.admitted is not None:
+            request[QUEUE_WAIT] = timer.admitted - timer.enqueued
+            if cold:
+                request.app[METRICS].load_wait.labels(runtime.name).observe(timer.admitted - timer.enqueued)
         timeouts = Timeouts.of(settings.service, runtime.model)
         async with upstream(outcomes, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
                             timeouts, affinity) as (replica, resp):

@@ -20,8 +20,8 @@ from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.upstream.client import SENDING, Answer, NotingConnector, Send, UpstreamHttp
 from proxy.upstream.connection import MalformedAnswer
 from proxy.serving.errors_http import error_event
-from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STARTED,
-                                STREAM_ERROR)
+from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, REPLICA_HEADER, SETTINGS,
+                                STARTED, STREAM_ERROR, USAGE)
 from proxy.serving.metrics import usage_in
 from proxy.serving.relay import Deadline, Timeouts, backend_error, chunks, read_capped
 
@@ -237,7 +237,8 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
     queued = runtime.admission.enqueue(key)
     enqueued = time.perf_counter()
     async with Slot(runtime, queued):
-        request.app[METRICS].observe_wait(runtime.name, time.perf_counter() - enqueued, cold)
+        waited = request[QUEUE_WAIT] = time.perf_counter() - enqueued
+        request.app[METRICS].observe_wait(runtime.name, waited, cold)
         timeouts = Timeouts.of(request.app[SETTINGS].service, runtime.model)
         async with upstream(outcomes, request.app[HTTP], runtime, request.path, body, request_id,
                             timeouts, affinity, raw) as (replica, resp):
@@ -273,7 +274,8 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
     if not content_type.startswith("text/event-stream") or upstream.status != 200:
         limit = request.app[SETTINGS].service.max_response_bytes
         body = await read_answer(outcomes, replica, upstream, timeouts, limit)
-        metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(body), replica)
+        request[USAGE] = metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)),
+                                             usage_in(body), replica)
         return web.Response(status=upstream.status, body=body, headers={
             "Content-Type": content_type, "X-Request-Id": request_id, REPLICA_HEADER: str(replica.index)})
     out = web.StreamResponse(status=upstream.status, headers={
@@ -307,7 +309,7 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
             await out.write_eof()
         return out
     outcomes.report_outcome(replica, None)
-    metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage_in(oldest + older + last),
-                        replica)
+    request[USAGE] = metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)),
+                                         usage_in(oldest + older + last), replica)
     await out.write_eof()
     return out

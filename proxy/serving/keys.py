@@ -28,6 +28,10 @@ STREAM_ERROR = web.RequestKey("stream_error", str)
 # The replica that took the request, once one did: its index is every answer's X-Replica header.
 REPLICA = web.RequestKey("replica", Replica)
 REPLICA_HEADER = "X-Replica"
+# For the usage ledger: the tokens the answer's usage gave (prompt, cached, output), and how long
+# the request waited for its slot.
+USAGE = web.RequestKey("usage", tuple)
+QUEUE_WAIT = web.RequestKey("queue_wait_s", float)
 # With service.admin_port: whether the request came in on the admin listener (only it shows failure
 # reasons on /health and /ready).
 ON_ADMIN_LISTENER = web.RequestKey("on_admin_listener", bool)

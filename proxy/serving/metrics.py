@@ -223,30 +223,38 @@ class ProxyMetrics:
         return key if key is not None and key in self.named_keys else OTHER_KEY
 
     def count_usage(self, model: str, key: str, usage: Mapping[str, Any] | None,
-                    replica: Replica | None = None) -> None:
+                    replica: Replica | None = None) -> tuple[int, int, int]:
         """Add an answer's token usage (OpenAI `usage`) to the model's counters, and what it says of
-        the prefix cache to the `replica` that answered."""
+        the prefix cache to the `replica` that answered. Returns the prompt, cached and output
+        tokens it counted (0 for what the answer did not say), for the usage ledger."""
         prompt, cached, output = usage_numbers(usage)
         if replica is not None:
             replica.note_cache(prompt, cached)
+        counted = []
         for counter, value in ((self.prompt_tokens, prompt), (self.cached_tokens, cached),
                                (self.output_tokens, output)):
             if isinstance(value, (int, float)) and value > 0:
                 self.child(counter, model, key).inc(value)
+                counted.append(int(value))
+            else:
+                counted.append(0)
+        return counted[0], counted[1], counted[2]
 
     def count_response(self, model: str, key: str, metrics: Mapping[str, Any], first_text_s: float | None,
-                       replica: Replica | None = None) -> None:
+                       replica: Replica | None = None) -> tuple[int, int, int]:
         """What a /v1/responses answer measured (its `metrics`), into the counters and histograms;
-        `first_text_s`: a stream's time from the request's arrival to its first text."""
+        `first_text_s`: a stream's time from the request's arrival to its first text. Returns the
+        tokens, as count_usage does."""
         usage = {"prompt_tokens": metrics.get("engine_prompt_tokens"),
                  "cached_tokens": metrics.get("engine_cached_prompt_tokens"),
                  "completion_tokens": metrics.get("engine_output_tokens")}
-        self.count_usage(model, key, usage, replica)
+        counted = self.count_usage(model, key, usage, replica)
         wait = metrics.get("engine_queue_wait_ms")
         if wait is not None:
             self.child(self.queue_wait, model).observe(wait / 1000)
         if first_text_s is not None:
             self.child(self.ttft, model, "/v1/responses").observe(first_text_s)
+        return counted
 
 
 def usage_in(raw: bytes) -> dict[str, Any] | None:

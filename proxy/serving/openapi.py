@@ -37,12 +37,13 @@ PASS_THROUGH_SUMMARY = {
 }
 # The statuses of each kind of route's errors, each with the error envelope; 429 and 503 with
 # Retry-After (errors.PoolError.headers). A backend's own status passes on: `default`.
-MODEL_ERRORS = (400, 403, 404, 409, 413, 429, 502, 503, 504)
+MODEL_ERRORS = (400, 401, 403, 404, 409, 413, 429, 502, 503, 504)
 # Admin routes: 403 for a request from a page of another site (its Origin, or a rebinding Host),
 # 415 for a POST that is not application/json (proxy/serving/admin_guard.py).
 ADMIN_ERRORS = (400, 401, 403, 404, 409, 413, 415, 502, 503, 504)
 ADMIN_READ_ERRORS = (401, 403)
-STATUS_TEXT = {400: "the request is wrong (`param` says where)", 401: "no or a wrong admin token",
+STATUS_TEXT = {400: "the request is wrong (`param` says where)",
+               401: "no or a wrong key: the admin token, or with tenants a tenant's API key",
                403: "not allowed for this request", 404: "no such model or route",
                409: "the pool's state forbids it now",
                415: "an admin POST without `Content-Type: application/json` (even with no body)",
@@ -85,6 +86,8 @@ def operations() -> tuple[Operation, ...]:
                   error_schema="AnthropicError" if path.startswith("/v1/messages") else "Error")
         for path in PASS_THROUGH_SUMMARY)
     state = _json(schemas.model_state())
+    tenant_name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
+                   "description": "a configured tenant"}
     by_name = ({"name": "name", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
                 "description": "a configured model id"},)
     return (*pass_through,
@@ -101,8 +104,9 @@ def operations() -> tuple[Operation, ...]:
                       {**_json({"type": "object"}), SSE: {"schema": schemas.sse_event([*MESSAGE_EVENTS, "error"])}},
                       body=schemas.messages_request(), errors=MODEL_ERRORS, error_schema="AnthropicError"),
             Operation("get", "/v1/models", "every model a request may use now: the loaded ones and those that "
-                      "load on demand (status: loaded, loading or cold), with what each serves",
-                      _json(schemas.models_list())),
+                      "load on demand (status: loaded, loading or cold), with what each serves; with tenants, "
+                      "those the key's tenant may use",
+                      _json(schemas.models_list()), errors=(401,)),
             Operation("get", "/health", "liveness, with every model's state", _json(schemas.health())),
             Operation("get", "/ready", "readiness: 503 until the startup loads are done, and while stopping",
                       _json(schemas.ready(["ready"])),
@@ -147,6 +151,29 @@ def operations() -> tuple[Operation, ...]:
                                    "description": "only this model's events"},
                                   {"name": "kind", "in": "query", "required": False, "schema": {"type": "string"},
                                    "description": f"comma-separated kinds of {', '.join(EVENT_KINDS)}"})),
+            Operation("get", "/v1/admin/usage", "the usage ledger summed per group_by (tenant, model, day, key_id, "
+                      "backend, host) between from and to; JSON or format=csv",
+                      {**_json(schemas.usage()), "text/csv": {"schema": {"type": "string"}}},
+                      errors=(400, *ADMIN_READ_ERRORS, 409), admin=True,
+                      parameters=({"name": "from", "in": "query", "required": False, "schema": {"type": "string"},
+                                   "description": "unix seconds or an ISO 8601 date or time"},
+                                  {"name": "to", "in": "query", "required": False, "schema": {"type": "string"},
+                                   "description": "unix seconds or an ISO 8601 date or time"},
+                                  {"name": "group_by", "in": "query", "required": False,
+                                   "schema": {"type": "string"}, "description": "comma-separated fields"},
+                                  {"name": "format", "in": "query", "required": False,
+                                   "schema": {"enum": ["json", "csv"]}})),
+            Operation("get", "/v1/admin/tenants", "each tenant: its settings and its keys by id (never a key)",
+                      _json(schemas.any_object("the tenants")), errors=(*ADMIN_READ_ERRORS, 409), admin=True),
+            Operation("post", "/v1/admin/tenants/{name}/keys", "mint a key for the tenant: {id, key}, the key shown "
+                      "once", _json({"type": "object", "required": ["id", "key"],
+                                     "properties": {"id": {"type": "string"}, "key": {"type": "string"}}}),
+                      body={"type": "object", "additionalProperties": False, "maxProperties": 0},
+                      errors=ADMIN_ERRORS, admin=True, parameters=(tenant_name,)),
+            Operation("delete", "/v1/admin/tenants/{name}/keys/{id}", "revoke a minted key: its next request is 401",
+                      _json({"type": "object"}), errors=(*ADMIN_READ_ERRORS, 404, 409), admin=True,
+                      parameters=(tenant_name, {"name": "id", "in": "path", "required": True,
+                                                "schema": {"type": "string", "minLength": 1}})),
             Operation("get", "/v1/admin/traffic", "the proxy's request counters per model (requests by status, "
                       "latency, time-to-first-token and queue-wait histograms), with the reading's time",
                       _json(schemas.any_object("the counters")), errors=ADMIN_READ_ERRORS, admin=True),

@@ -61,6 +61,18 @@ def anthropic_error_schema() -> dict[str, Any]:
                                "message": {"type": "string"}}}}}
 
 
+def usage() -> dict[str, Any]:
+    """GET /v1/admin/usage: one row per group, with the grouped fields present and the sums."""
+    number = {"type": "number"}
+    return {"type": "object", "required": ["object", "data"],
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
+                "type": "object", "required": ["requests", "prompt_tokens", "cached_tokens", "output_tokens", "cost"],
+                "properties": {"requests": {"type": "integer"}, "prompt_tokens": {"type": "integer"},
+                               "cached_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"},
+                               "cost": number, "tenant": {"type": "string"}, "model": {"type": "string"},
+                               "day": {"type": "string"}}}}}}
+
+
 def messages_request() -> dict[str, Any]:
     """POST /v1/messages: what the route checks before anything is sent (anthropic.check_request)."""
     return {"type": "object", "required": ["model", "messages", "max_tokens"], "additionalProperties": True,

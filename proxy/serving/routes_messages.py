@@ -28,7 +28,7 @@ from proxy.serving.chat_relay import CHAT_PATH, Piece, relay_chat
 from proxy.serving.errors_http import MESSAGES_PATH
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
-from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, STREAM_ERROR
+from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, STREAM_ERROR, USAGE
 from proxy.serving.routes_public import check_endpoint
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ def _completion(text: str, last: Piece) -> dict[str, Any]:
 
 def _count(request: web.Request, runtime: ModelRuntime, last: Piece | None) -> None:
     metrics = request.app[METRICS]
-    metrics.count_usage(runtime.name, metrics.key_label(request.get(FAIRNESS_KEY)),
-                        last.usage if last is not None else None, request.get(REPLICA))
+    request[USAGE] = metrics.count_usage(runtime.name, metrics.key_label(request.get(FAIRNESS_KEY)),
+                                         last.usage if last is not None else None, request.get(REPLICA))
 
 
 async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], queued: Any, runtime: ModelRuntime,

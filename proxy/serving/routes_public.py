@@ -15,6 +15,7 @@ from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import METRICS, ON_ADMIN_LISTENER, POOL, SETTINGS
 from proxy.serving.shutdown import SHUTDOWN, stopping_error
+from proxy.serving.tenancy import TENANCY
 
 routes = web.RouteTableDef()
 
@@ -67,9 +68,14 @@ for _path in PASS_THROUGH:
 async def list_models(request: web.Request) -> web.Response:
     """Every model a request may use now: the loaded ones and those that load on demand (a chat UI
     that picks from this list offers a cold model, and the request it sends loads it). A model that is
-    neither stays unlisted: a load by an admin brings it."""
-    data = [model_entry(name, runtime) for name, runtime in request.app[POOL].models.items() if listed(runtime)]
-    return web.json_response({"object": "list", "data": data})
+    neither stays unlisted: a load by an admin brings it. With tenants, the key's tenant sees the
+    models its globs allow."""
+    models = request.app[POOL].models
+    names = [name for name, runtime in models.items() if listed(runtime)]
+    tenancy = request.app.get(TENANCY)
+    if tenancy is not None:
+        names = tenancy.allowed_models(request, names)   # a tenant sees the models it may use
+    return web.json_response({"object": "list", "data": [model_entry(name, models[name]) for name in names]})
 
 
 def listed(runtime: ModelRuntime) -> bool:

@@ -25,7 +25,7 @@ from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_json, servable
 from proxy.serving.chat_relay import Piece, relay_chat
 from proxy.serving.image_urls import check_image_urls
-from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STREAM_ERROR
+from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STREAM_ERROR, USAGE
 from proxy.serving.responses import IGNORED_HEADER, backend_request, parse, validate_for_model
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,8 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], t
 
 def _count(request: web.Request, model: str, metrics: Mapping[str, Any], first_text_s: float | None) -> None:
     counters = request.app[METRICS]
-    counters.count_response(model, counters.key_label(request.get(FAIRNESS_KEY)), metrics, first_text_s,
-                            request.get(REPLICA))
+    request[USAGE] = counters.count_response(model, counters.key_label(request.get(FAIRNESS_KEY)), metrics,
+                                             first_text_s, request.get(REPLICA))
 
 
 async def _end_with(out: web.StreamResponse, err: PoolError) -> web.StreamResponse:

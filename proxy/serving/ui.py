@@ -18,8 +18,8 @@ routes = web.RouteTableDef()
 
 PAGE = "ui.html"
 ASSETS = {"ui-dom.js": "text/javascript", "ui-api.js": "text/javascript", "ui-form.js": "text/javascript",
-          "ui-cards.js": "text/javascript", "ui-feed.js": "text/javascript", "ui.js": "text/javascript",
-          "ui.css": "text/css"}
+          "ui-cards.js": "text/javascript", "ui-feed.js": "text/javascript", "ui-usage.js": "text/javascript",
+          "ui.js": "text/javascript", "ui.css": "text/css"}
 # The page may run only its own script and style and talk only to this origin: a model id or a log
 # line rendered into it can never load or run anything, and no other site may frame it (the admin
 # token is typed into it).

@@ -2,8 +2,7 @@
 
 It is real in every way that matters to the pool (llama-server loads it, tokenizes, applies the
 chat template, streams tokens, reports usage) and tiny in every way that matters to a CPU: about
-0.5 MB, loads at once, thousands of tokens a second. Its output is gibberish by design, and under
-greedy decoding it never ends by itself: an answer runs to max_tokens or a stop string (below).
+0.5 MB, loads at once, thousands of tokens a second. Its output is gibberish by design.
 """
 from __future__ import annotations
 
@@ -116,11 +115,9 @@ def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str = CHAT_TEMPLAT
     writer.add_tensor("token_embd.weight", vocab_rows())
     writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
     output = vocab_rows()
-    # The end token's row is zero, so its logit is always 0 while hundreds of random ones spread
-    # around it: greedy decoding never picks it. Otherwise where greedy meets it depends on the
-    # CPU's float rounding, and a test's answer could end on one machine after a few tokens. The
-    # FIM tokens' rows too: they are control tokens, which an answer's text never shows.
-    output[EOS_ID] = 0.0
+    # The FIM tokens' rows are zero, so their logit is always 0 while hundreds of random ones spread
+    # around it: greedy decoding never picks them, and sampling seldom. They are control tokens,
+    # which an answer's text would not show.
     output[n_base:] = 0.0
     writer.add_tensor("output.weight", output)
     for i in range(N_LAYER):

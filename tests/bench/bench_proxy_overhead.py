@@ -13,7 +13,9 @@ pass-through JSON and streams (chat completions; a stream is `--events` SSE chun
 apart, then usage and [DONE]) at concurrency 1 and 32; /v1/responses (translated both ways) JSON
 and stream beside the same chat completion through llm-pool and through the forwarder; /v1/messages
 (Anthropic's, translated onto chat for the sim) the same way; the remote
-path (an `openai_remote` model pointing at a second FastUpstream) beside the forwarder to it.
+path (an `openai_remote` model pointing at a second FastUpstream) beside the forwarder to it; and
+the same hop with tenants on (a second llm-pool with one tenant: key, limits, budget, ledger) beside
+it off.
 
 Per target: p50 and p99 latency and what the hop adds to direct's p50 (for streams, to the first
 byte too), requests/s, and the hop process's CPU per request (from /proc) and per relayed event.
@@ -55,7 +57,12 @@ RESPONSES = {"model": "m", "input": "Hi", "decoding": {"max_tokens": 4, "tempera
 FAST_UPSTREAM = (f"import sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
                  "from fakes import serve_fast_upstream; serve_fast_upstream(sys.argv[1:])")
 ANTHROPIC = {"model": "m", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
-BLOCKS = ("pass-through", "responses", "messages", "remote")
+BLOCKS = ("pass-through", "responses", "messages", "remote", "tenants")
+# The tenants block: one tenant, with limits and a budget that never refuse, so every check runs.
+TENANT_KEY = "sk-bench-tenant-not-a-real-key"
+TENANTS = {"bench": {"key_env": ["BENCH_TENANT_KEY"], "fairness_key": "bench",
+                     "limits": {"requests_per_minute": 10 ** 9, "tokens_per_minute": 10 ** 12},
+                     "budget": {"period": "month", "cost": 10.0 ** 9}}}
 GOALS = {"cpu": ("<=", 1.15), "p50": ("<=", 1.15), "rps": (">=", 0.9)}
 
 
@@ -231,7 +238,8 @@ def kinds(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 
 
 async def bench(args: argparse.Namespace, proxy: ProxyProcess, direct: str, remote: str,
-                fwd: dict[str, tuple[int, str]], remote_fwd: tuple[int, str], baseline: ProxyProcess | None) -> None:
+                fwd: dict[str, tuple[int, str]], remote_fwd: tuple[int, str], baseline: ProxyProcess | None,
+                tenanted: ProxyProcess | None) -> None:
     assert proxy.proc is not None
     pid = proxy.proc.pid
     # --baseline: the same llm-pool from another source tree, as one more target beside this one.
@@ -296,6 +304,22 @@ async def bench(args: argparse.Namespace, proxy: ProxyProcess, direct: str, remo
                 await block(session, f"remote {kind}", targets, args.requests if not stream else n_stream,
                             concurrency, args.rounds, args.events if stream else None,
                             figures.setdefault((f"remote {kind}", concurrency), {}))
+        for kind, body in kinds(args) if tenanted is not None and tenanted.proc is not None else ():
+            # The same hop with tenants on (a key looked up, limits and budget checked, a ledger row
+            # per request) beside it off: the ratio issue 32 asks for.
+            # Both in the same fairness key's queue (off: named by the header, as a client service
+            # names its own), so that the tenancy is the only difference: a named key costs more
+            # than the anonymous queue in the scheduler itself, tenants or not.
+            targets = [Target("direct", direct + chat, body),
+                       Target("llm-pool", proxy.url + chat, body, pid=pid, headers={"X-Fairness-Key": "bench"}),
+                       Target("llm-pool+tenants", tenanted.url + chat, body, pid=tenanted.proc.pid,
+                              headers={"Authorization": f"Bearer {TENANT_KEY}"})]
+            for t in targets:
+                await _timed_round(session, t, 20, 4, Tally())
+            for concurrency in (1, 32):
+                await block(session, f"tenants {kind}", targets, args.requests if kind == "json" else n_stream,
+                            concurrency, args.rounds, args.events if kind == "stream" else None,
+                            figures.setdefault((f"tenants {kind}", concurrency), {}))
     print("\nllm-pool / bare forwarder (from the tables above; goals from issue 19):")
     ratios("pass-through JSON", figures, "json", "llm-pool", "forwarder")
     ratios("pass-through stream", figures, "stream", "llm-pool", "forwarder")
@@ -305,6 +329,10 @@ async def bench(args: argparse.Namespace, proxy: ProxyProcess, direct: str, remo
     ratios("/v1/messages stream", figures, "messages stream", "llm-pool msgs", "forwarder")
     ratios("remote JSON", figures, "remote json", "llm-pool remote", "forwarder")
     ratios("remote stream", figures, "remote stream", "llm-pool remote", "forwarder")
+    if tenanted is not None:
+        print("\nllm-pool with tenants / without (goal from issue 32: CPU per request <= 1.1x):")
+        ratios("tenants JSON", figures, "tenants json", "llm-pool+tenants", "llm-pool")
+        ratios("tenants stream", figures, "tenants stream", "llm-pool+tenants", "llm-pool")
 
 
 def main() -> None:
@@ -330,6 +358,7 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     proxy: ProxyProcess | None = None
     baseline: ProxyProcess | None = None
+    tenanted: ProxyProcess | None = None
     try:
         procs.append(start_process([str(wrapper), "--port", str(remote_port), "--model", REMOTE_MODEL], remote_port,
                                    "the remote fast upstream to listen"))
@@ -347,6 +376,13 @@ def main() -> None:
             baseline.start()
             baseline.wait_state("m", "loaded")
             baseline.wait_state("remote", "loaded")
+        if "tenants" in args.blocks:
+            tenanted = ProxyProcess({"m": models["m"]}, service={"log_level": "warning"})
+            tenanted.config["tenants"] = TENANTS
+            tenanted = at_defaults(tenanted)
+            tenanted.env = {"BENCH_TENANT_KEY": TENANT_KEY}
+            tenanted.start()
+            tenanted.wait_state("m", "loaded")
         direct = f"http://127.0.0.1:{proxy.wait_state('m', 'loaded')['replicas'][0]['port']}"
         proxy.wait_state("remote", "loaded")
         fwd: dict[str, tuple[int, str]] = {}
@@ -360,12 +396,12 @@ def main() -> None:
         procs.append(proc)
         print(f"upstream: FastUpstream; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}; "
               f"llm-pool's event loop: {'uvloop' if has_uvloop() else 'asyncio'}", flush=True)
-        asyncio.run(bench(args, proxy, direct, remote, fwd, (proc.pid, url), baseline))
+        asyncio.run(bench(args, proxy, direct, remote, fwd, (proc.pid, url), baseline, tenanted))
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(30)
-        for each in (proxy, baseline):
+        for each in (proxy, baseline, tenanted):
             survivors = each.cleanup() if each is not None else []
             if survivors:
                 print(f"killed leftover processes {survivors}", file=sys.stderr)

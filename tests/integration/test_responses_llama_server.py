@@ -61,7 +61,10 @@ def proxy(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path, llama_serve
     common = {"backend": "llama_server", "llama_server_binary": str(llama_server_bin), "llama_server_n_ctx": 8192,
               "target_inflight": 2, "enabled": True}
     proxy = ProxyProcess({
-        "tiny": {**common, "model_path": str(tiny_gguf)},
+        # --ignore-eos: an answer runs to its max_tokens. Where the random-weight model meets its end
+        # token depends on the CPU's float rounding, and the streaming test below needs an answer
+        # that is still being generated after its first delta, on every machine.
+        "tiny": {**common, "model_path": str(tiny_gguf), "llama_server_extra_args": ["--ignore-eos"]},
         "translate": {**common, "model_path": str(translate), "prompt_format": "translategemma_template"},
         "single": {"backend": "sim", "enabled": True, "thinking_modes": ["default"]},
     }, engine={"decoding": {"temperature": 0.7, "max_tokens": 64}})
@@ -139,8 +142,7 @@ def test_streamed_inference_example_sends_every_event(proxy: ProxyProcess) -> No
 
 def test_first_delta_arrives_while_the_backend_still_generates(proxy: ProxyProcess) -> None:
     port = proxy.admin_model("tiny")["replicas"][0]["port"]
-    # Greedy: with the engine's default temperature the random-weight model could sample its end
-    # token within the first few, and the answer be over before the check below.
+    # 3000 tokens, all of them (the model runs with --ignore-eos): the answer is far from over at the check below.
     body = {"model": "tiny", "input": "Go on.", "stream": True, "decoding": {"max_tokens": 3000, "temperature": 0}}
     req = urllib.request.Request(proxy.url + "/v1/responses", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})

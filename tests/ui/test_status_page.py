@@ -85,6 +85,7 @@ def test_a_wrong_admin_token_shows_the_401_message_and_the_right_one_lists_the_m
     expect(banner).to_be_hidden()
     expect(overview_cell(page, "sim", 1)).to_have_text("loaded")
     expect(overview_cell(page, "demo", 1)).to_have_text("unloaded")
+    expect(page.locator("#usage")).to_be_hidden()   # no tenants: no usage view
     # The token is kept for the tab: a reload needs no typing.
     page.reload()
     expect(overview_cell(page, "sim", 1)).to_have_text("loaded")

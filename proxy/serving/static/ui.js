@@ -22,7 +22,7 @@
   window.LlmPool.token = state.token;
 
   const {el, setText, newId, syncRows, cells, fmtValue, fmtMiB, fmtBytes, fmtSeconds, fmtRate, stateBadge, isGpu,
-         api, modelPath, renderCards, refusing, readEvents, noteModels, renderHosts} = window.LlmPool;
+         api, modelPath, renderCards, refusing, readEvents, noteModels, renderHosts, readUsage} = window.LlmPool;
 
   // -- polling ----------------------------------------------------------------------------------
 
@@ -57,6 +57,7 @@
       renderDetails();
       noteModels(models.data);
       await readEvents();
+      if (withGpu) await readUsage();   // the ledger's sums change slowly: every few polls
       setText(document.getElementById("updated"), `updated ${new Date().toLocaleTimeString()}` +
         (models.supervisord && models.supervisord.answering === false ? " · supervisord is not answering" : ""));
     } catch (err) {

@@ -1,6 +1,7 @@
 """The Messages translation, checked against the Anthropic SDK's own reading of it: what the SDK
 makes of a translated answer, a translated stream and an error is what a client of ours gets. The
-SDK reads the bytes through its HTTP client's in-process transport (no server: this module does no I/O)."""
+SDK reads the bytes through its HTTP client's in-process transport (no server: this module does no I/O).
+Beside it, the check's rules one by one, and properties over generated requests and streams."""
 from __future__ import annotations
 
 import json
@@ -133,3 +134,264 @@ def test_a_stream_broken_off_ends_with_an_error_event_the_sdk_raises() -> None:
     with pytest.raises(anthropic.APIStatusError, match="broke off"):
         with sdk(200, events, "text/event-stream").messages.stream(model="m", max_tokens=2, messages=CHAT) as s:  # type: ignore[arg-type]
             list(s.text_stream)
+
+
+# -- the check: more of what Anthropic refuses, and what it takes -------------------------------
+
+def image(source: Any) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "image", "source": source}]}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": 4}, "messages"),
+    ({"messages": {"role": "user", "content": "hi"}, "max_tokens": 4}, "messages"),
+    ({"messages": [{"content": "hi"}], "max_tokens": 4}, "messages.0.role"),
+    ({"messages": [*CHAT, {"role": "tool", "content": "x"}], "max_tokens": 4}, "messages.1.role"),
+    ({"messages": [{"role": "user", "content": 7}], "max_tokens": 4}, "messages.0.content"),
+    ({"messages": [{"role": "user"}], "max_tokens": 4}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": ["hi"]}], "max_tokens": 4}, "messages.0.content.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b"}]}], "max_tokens": 4},
+     "messages.0.content.1"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}], "max_tokens": 4},
+     "messages.0.content.0.text"),
+    ({"messages": [{"role": "user", "content": [{"type": "document"}]}], "max_tokens": 4}, "messages.0.content.0"),
+    ({"messages": [image(None)], "max_tokens": 4}, "messages.0.content.0.source"),
+    ({"messages": [image({"type": "file", "file_id": "f"})], "max_tokens": 4}, "messages.0.content.0.source"),
+    ({"messages": [image({"type": "base64", "media_type": "image/png", "data": 1})], "max_tokens": 4},
+     "messages.0.content.0.source.data"),
+    ({"messages": [image({"type": "base64", "data": PNG})], "max_tokens": 4},
+     "messages.0.content.0.source.media_type"),
+    ({"messages": [image({"type": "url"})], "max_tokens": 4}, "messages.0.content.0.source.url"),
+    ({"messages": CHAT, "max_tokens": 1.5}, "max_tokens"),
+    ({"messages": CHAT, "max_tokens": "8"}, "max_tokens"),
+    ({"messages": CHAT, "max_tokens": -3}, "max_tokens"),
+    ({"messages": CHAT, "max_tokens": 4, "system": 3}, "system"),
+    ({"messages": CHAT, "max_tokens": 4, "system": [{"type": "text", "text": None}]}, "system"),
+    ({"messages": CHAT, "max_tokens": 4, "system": ["be brief"]}, "system"),
+    ({"messages": CHAT, "max_tokens": 4, "stop_sequences": ["END", 1]}, "stop_sequences"),
+    ({"messages": CHAT, "max_tokens": 4, "temperature": True}, "temperature"),
+    ({"messages": CHAT, "max_tokens": 4, "top_p": "0.9"}, "top_p"),
+    ({"messages": CHAT, "max_tokens": 4, "top_k": 1.5}, "top_k"),
+    ({"messages": CHAT, "max_tokens": 4, "top_k": False}, "top_k"),
+    ({"messages": CHAT, "max_tokens": 4, "stream": 1}, "stream"),
+])
+def test_more_that_anthropic_refuses_is_refused_naming_where(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadRequest) as refused:
+        check_request({"model": "m", **body})
+    assert (refused.value.status, refused.value.code, refused.value.param) == (400, "invalid_request", param)
+    assert f"`{param}`" in refused.value.message   # the message names the field as the param does
+
+
+def test_an_unsupported_block_is_named_with_the_types_that_are_supported() -> None:
+    with pytest.raises(BadRequest) as refused:
+        check_request({"max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "42"}]}]})
+    assert "'tool_result'" in refused.value.message and "text and image" in refused.value.message
+
+
+def test_the_messages_say_what_the_field_must_be() -> None:
+    def message(**fields: Any) -> str:
+        with pytest.raises(BadRequest) as refused:
+            check_request({"max_tokens": 4, "messages": CHAT, **fields})
+        return refused.value.message
+    assert "integer" in message(top_k=0.5) and "number" in message(top_p="x")
+    assert "image/png, image/jpeg, image/gif, image/webp" in message(
+        messages=[image({"type": "base64", "media_type": "image/tiff", "data": PNG})])
+    assert "not supported" in message(tools=[{"name": "search", "input_schema": {}}])
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"tools": []}, {"tools": None}, {"system": "be brief"}, {"system": []}, {"stream": False},
+    {"stop_sequences": []}, {"temperature": 0}, {"temperature": 1.0}, {"top_p": 1}, {"top_k": 40},
+    {"metadata": {"user_id": "u"}, "tool_choice": {"type": "auto"}, "thinking": {"type": "disabled"}},
+    {"messages": [image({"type": "url", "url": "https://example.com/a.gif"})]},
+    {"messages": [image({"type": "base64", "media_type": "image/webp", "data": PNG}), {"role": "assistant",
+                                                                                      "content": "a"}]},
+])
+def test_what_anthropic_takes_passes(extra: dict[str, Any]) -> None:
+    check_request({"model": "m", "max_tokens": 1, "messages": CHAT, **extra})
+
+
+# -- the request: chat's body -------------------------------------------------------------------
+
+def test_the_fields_chat_has_no_use_for_are_dropped_and_off_is_left_out() -> None:
+    body = {"model": "m", "max_tokens": 3, "messages": CHAT, "system": "", "stream": False, "stop_sequences": [],
+            "metadata": {"user_id": "u"}, "tool_choice": {"type": "auto"}, "thinking": {"type": "disabled"},
+            "tools": [], "top_p": 0.9}
+    check_request(body)
+    assert to_chat(body) == {"model": "m", "max_tokens": 3, "top_p": 0.9, "messages": [{"role": "user",
+                                                                                        "content": "hi"}]}
+
+
+def test_a_system_string_is_the_first_message_and_the_request_is_left_as_it_was() -> None:
+    body = {"model": "m", "max_tokens": 3, "system": "Be brief", "stop_sequences": ["a", "b"],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}
+    before = json.loads(json.dumps(body))
+    chat = to_chat(body)
+    assert chat["messages"] == [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "x"}]
+    chat["stop"].append("c")
+    assert body == before   # the chat body shares no list with the request
+
+
+TEXT = st.text(max_size=12)
+BLOCK = st.one_of(
+    st.builds(lambda t: {"type": "text", "text": t}, TEXT),
+    st.builds(lambda m, d: {"type": "image", "source": {"type": "base64", "media_type": m, "data": d}},
+              st.sampled_from(["image/png", "image/jpeg", "image/gif", "image/webp"]), TEXT),
+    st.builds(lambda u: {"type": "image", "source": {"type": "url", "url": u}}, TEXT))
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                 "content": TEXT | st.lists(BLOCK, min_size=1, max_size=4)})
+REQUEST = st.fixed_dictionaries(
+    {"model": st.just("m"), "max_tokens": st.integers(1, 10**6), "messages": st.lists(MESSAGE, min_size=1, max_size=4)},
+    optional={"system": TEXT | st.lists(st.builds(lambda t: {"type": "text", "text": t}, TEXT), max_size=3),
+              "temperature": st.floats(0, 1), "top_p": st.floats(0, 1), "top_k": st.integers(0, 100),
+              "stop_sequences": st.lists(TEXT, max_size=3), "stream": st.booleans(), "fairness_key": TEXT})
+
+
+@given(REQUEST)
+def test_every_well_formed_request_passes_and_keeps_its_turns_in_order(body: dict[str, Any]) -> None:
+    check_request(body)
+    chat = to_chat(body)
+    assert json.loads(json.dumps(chat)) == chat
+    turns = chat["messages"][1:] if chat["messages"][0]["role"] == "system" else chat["messages"]
+    assert [t["role"] for t in turns] == [m["role"] for m in body["messages"]]
+    for turn, message in zip(turns, body["messages"]):
+        blocks = message["content"] if isinstance(message["content"], list) else [
+            {"type": "text", "text": message["content"]}]
+        if all(b["type"] == "text" for b in blocks):
+            assert turn["content"] == "".join(b["text"] for b in blocks)   # text-only engines take a string
+        else:
+            assert [p["type"] for p in turn["content"]] == [
+                "text" if b["type"] == "text" else "image_url" for b in blocks]
+    assert chat["max_tokens"] == body["max_tokens"] and chat.get("fairness_key") == body.get("fairness_key")
+    assert ("stream_options" in chat) == bool(body.get("stream")) == chat.get("stream", False)
+
+
+# -- the answer ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("finish, reason", [
+    ("stop", "end_turn"), ("length", "max_tokens"), (None, "end_turn"), ("tool_calls", "end_turn"),
+    ("content_filter", "end_turn"), (3, "end_turn"), (["length"], "end_turn")])
+def test_a_finish_reason_is_a_stop_reason(finish: Any, reason: str) -> None:
+    message = to_message({"choices": [{"message": {"content": "x"}, "finish_reason": finish}]}, "m", "msg")
+    assert (message["stop_reason"], message["stop_sequence"]) == (reason, None)
+
+
+@pytest.mark.parametrize("chat", [
+    {}, {"choices": []}, {"choices": [None]}, {"choices": [{"message": None}]},
+    {"choices": [{"message": {"content": None}}]}, {"choices": [{"message": {"content": ["x"]}}]},
+    {"choices": "x", "usage": {"prompt_tokens": True, "completion_tokens": -4}},
+    {"usage": {"prompt_tokens": "7", "completion_tokens": 2.5}}, [], None])
+def test_a_malformed_answer_reads_as_an_empty_message(chat: Any) -> None:
+    assert to_message(chat, "m", "msg_9") == {
+        "id": "msg_9", "type": "message", "role": "assistant", "model": "m",
+        "content": [{"type": "text", "text": ""}], "stop_reason": "end_turn", "stop_sequence": None,
+        "usage": {"input_tokens": 0, "output_tokens": 0}}
+
+
+# -- the stream ---------------------------------------------------------------------------------
+
+def events_of(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """SSE bytes as (event, data) pairs, each block exactly `event: ...\\ndata: ...`."""
+    assert raw.endswith(b"\n\n")
+    pairs = []
+    for block in raw.decode().split("\n\n")[:-1]:
+        event, data = block.split("\n")
+        assert event.startswith("event: ") and data.startswith("data: ")
+        pairs.append((event.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return pairs
+
+
+def test_each_event_carries_its_type_in_its_data_in_anthropics_order() -> None:
+    stream = MessageStream("m", "msg_4")
+    raw = stream.start() + stream.feed({"choices": [{"delta": {"content": "a"}}]}) + \
+        stream.feed({"choices": [{"delta": {}, "finish_reason": "length"}]}) + \
+        stream.feed({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}}) + stream.end()
+    events = events_of(raw)
+    assert all(name == data["type"] for name, data in events)
+    assert [name for name, _ in events] == ["message_start", "content_block_start", "content_block_delta",
+                                            "content_block_stop", "message_delta", "message_stop"]
+    start = events[0][1]["message"]
+    assert (start["id"], start["model"], start["content"], start["usage"]) == \
+        ("msg_4", "m", [], {"input_tokens": 0, "output_tokens": 0})
+    assert events[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    assert events[2][1] == {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "a"}}
+    assert events[4][1]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert (stream.input_tokens, stream.output_tokens) == (9, 1)
+
+
+def test_the_sdk_reads_the_raw_events_and_the_prompts_count_from_the_end() -> None:
+    stream = MessageStream("m", "msg_5")
+    raw = stream.start() + stream.feed({"choices": [{"delta": {"content": "Hi"}, "finish_reason": "length"}],
+                                        "usage": {"prompt_tokens": 11, "completion_tokens": 1}}) + stream.end()
+    client = sdk(200, raw, "text/event-stream")
+    kinds = [event.type for event in client.messages.create(model="m", max_tokens=1, messages=CHAT,  # type: ignore[arg-type]
+                                                             stream=True)]
+    assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                     "message_delta", "message_stop"]
+    with client.messages.stream(model="m", max_tokens=1, messages=CHAT) as s:  # type: ignore[arg-type]
+        final = s.get_final_message()
+    assert (final.stop_reason, final.usage.input_tokens, final.usage.output_tokens) == ("max_tokens", 11, 1)
+
+
+def test_a_stream_without_text_is_an_empty_message_to_the_sdk() -> None:
+    stream = MessageStream("m", "msg_6")
+    assert stream.feed({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 0}}) == b""
+    assert stream.feed([1, 2]) == b""  # type: ignore[arg-type]  # untrusted: not even an object
+    with sdk(200, stream.start() + stream.end(), "text/event-stream").messages.stream(
+            model="m", max_tokens=1, messages=CHAT) as s:  # type: ignore[arg-type]
+        final = s.get_final_message()
+    assert [(b.type, getattr(b, "text", None)) for b in final.content] == [("text", "")] and stream.text == ""
+    assert (final.stop_reason, final.usage.input_tokens) == ("end_turn", 3)
+
+
+@given(st.lists(st.text(), max_size=8))
+def test_the_sdk_reads_back_exactly_the_text_that_was_streamed(pieces: list[str]) -> None:
+    stream = MessageStream("m", "msg_7")
+    raw = stream.start() + b"".join(stream.feed({"choices": [{"delta": {"content": p}}]}) for p in pieces)
+    raw += stream.end()
+    assert raw.count(b"event: content_block_delta") == sum(1 for p in pieces if p)
+    with sdk(200, raw, "text/event-stream").messages.stream(model="m", max_tokens=1, messages=CHAT) as s:  # type: ignore[arg-type]
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == final.content[0].text == stream.text == "".join(pieces)  # type: ignore[union-attr]
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("status, kind, exception", [
+    (400, "invalid_request_error", anthropic.BadRequestError),
+    (401, "authentication_error", anthropic.AuthenticationError),
+    (403, "permission_error", anthropic.PermissionDeniedError),
+    (404, "not_found_error", anthropic.NotFoundError),
+    (409, "invalid_request_error", anthropic.ConflictError),
+    (413, "request_too_large", anthropic.ContentTooLargeError),
+    (415, "invalid_request_error", anthropic.APIStatusError),
+    (422, "invalid_request_error", anthropic.UnprocessableEntityError),
+    (429, "rate_limit_error", anthropic.RateLimitError),
+    (500, "api_error", anthropic.InternalServerError),
+    (502, "api_error", anthropic.InternalServerError),
+    (503, "overloaded_error", anthropic.ServiceUnavailableError),
+    (504, "api_error", anthropic.GatewayTimeoutError),
+    (529, "overloaded_error", anthropic.OverloadedError),
+])
+def test_every_status_has_the_type_and_the_sdk_exception_anthropic_gives_it(
+        status: int, kind: str, exception: type[anthropic.APIStatusError]) -> None:
+    err = PoolError("why", status=status)
+    assert error_body(err) == {"type": "error", "error": {"type": kind, "message": "why"}}
+    with pytest.raises(exception) as raised:
+        sdk(status, json.dumps(error_body(err)).encode()).messages.create(
+            model="m", max_tokens=2, messages=CHAT)  # type: ignore[arg-type]
+    assert raised.value.status_code == status and raised.value.body == error_body(err)
+
+
+def test_an_error_event_is_one_sse_event_in_anthropics_shape() -> None:
+    err = TooManyRequests("queue is full")
+    assert events_of(error_event(err)) == [
+        ("error", {"type": "error", "error": {"type": "rate_limit_error", "message": "queue is full"}})]
+    stream = MessageStream("m", "msg_8")
+    with pytest.raises(anthropic.APIStatusError) as raised:
+        with sdk(200, stream.start() + error_event(err), "text/event-stream").messages.stream(
+                model="m", max_tokens=2, messages=CHAT) as s:  # type: ignore[arg-type]
+            s.get_final_message()
+    assert raised.value.body == error_body(err)
