@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -47,15 +47,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from proxy.tenants.schema import connect, migrate
+from proxy.tenants.sums import DiskSums, Totals
 
 log = logging.getLogger(__name__)
 
 # The writer does not wait for the interval once this many rows are queued; it is also the most rows
 # one transaction takes, so the event loop never waits long for the queue's lock.
 BATCH_ROWS = 1000
-# (tenant, since) pairs whose sums `spent` keeps: a budget's period start recurs on every request,
-# so its sum is read from disk once and then only the rows added since.
-SPENT_CACHE_SIZE = 256
 # What `usage` may group by, and how each is read from a row on disk.
 GROUP_FIELDS = ("tenant", "model", "day", "key_id", "backend", "host")
 _GROUP_SQL = {"tenant": "tenant", "model": "model", "day": "strftime('%Y-%m-%d', CAST(time AS INTEGER), 'unixepoch')",
@@ -136,36 +134,26 @@ class Ledger(Protocol):
         """Flush and stop writing."""
 
 
-_Totals = tuple[int, int, int, int, float]   # requests, prompt, cached, output tokens, cost
-_ZERO: _Totals = (0, 0, 0, 0, 0.0)
-_Queued = tuple[int, UsageRow]                # (id, row)
-
-_SPENT_SQL = """
-    SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0),
-           COALESCE(SUM(output_tokens), 0), COALESCE(SUM(cost), 0.0),
-           (SELECT COALESCE(MAX(id), 0) FROM usage)
-    FROM usage WHERE tenant = ? AND time >= ?"""
-# Only the rows added since a cached sum: a range of the rowid (the unary + keeps the planner off the
-# tenant index, whose range would be the whole period again).
-_SPENT_SINCE_SQL = """
-    SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0),
-           COALESCE(SUM(output_tokens), 0), COALESCE(SUM(cost), 0.0),
-           (SELECT COALESCE(MAX(id), 0) FROM usage)
-    FROM usage WHERE id > ? AND +tenant = ? AND +time >= ?"""
+# A recorded row as it waits to be written: the INSERT's parameters, id first. Plain values only: a
+# tuple of them is left alone by the garbage collector, however many are queued.
+_Params = tuple[Any, ...]
+_ID, _TIME, _TENANT = 0, 1, 2
+_COLUMN = {"tenant": 2, "key_id": 3, "model": 4, "backend": 5, "host": 6}
+_PROMPT, _CACHED, _OUTPUT, _COST, _STATUS, _QUEUE_WAIT, _DURATION = 8, 9, 10, 11, 7, 12, 13
 _INSERT_SQL = """
     INSERT INTO usage (id, time, tenant, key_id, model, backend, host, status, prompt_tokens,
                        cached_tokens, output_tokens, cost, queue_wait_ms, duration_ms)
     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
 
 
-def _plus(totals: _Totals, rows: Iterable[UsageRow]) -> _Totals:
+def _plus(totals: Totals, rows: Iterable[_Params]) -> Totals:
     requests, prompt, cached, output, cost = totals
-    for row in rows:
+    for params in rows:
         requests += 1
-        prompt += row.prompt_tokens
-        cached += row.cached_tokens
-        output += row.output_tokens
-        cost += row.cost
+        prompt += params[_PROMPT]
+        cached += params[_CACHED]
+        output += params[_OUTPUT]
+        cost += params[_COST]
     return requests, prompt, cached, output, cost
 
 
@@ -183,7 +171,13 @@ def _group_fields(group_by: Sequence[str]) -> list[str]:
 
 
 class SqliteLedger:
-    """The ledger in one SQLite file, written by one background thread (see the module docstring)."""
+    """The ledger in one SQLite file, written by one background thread (see the module docstring).
+
+    On the caller's thread: `record()` does no I/O; `spent()` reads the file with one or two indexed
+    queries over the rows that changed since its last call (tens of microseconds: fine on the event
+    loop, per request); `usage()`, `keys()`, `add_key()` and `revoke_key()` open a connection per
+    call, and `flush()` and `close()` wait for the writer: on a busy loop, call those in a thread.
+    """
 
     def __init__(self, path: Path, flush_interval_s: float = 0.5) -> None:
         if not flush_interval_s > 0:
@@ -193,7 +187,8 @@ class SqliteLedger:
         conn = connect(path)
         try:
             migrate(conn, path)
-            last_id: int = conn.execute("SELECT COALESCE(MAX(id), 0) FROM usage").fetchone()[0]
+            last_id, latest = conn.execute("SELECT COALESCE(MAX(id), 0), COALESCE(MAX(time), 0.0) "
+                                           "FROM usage").fetchone()
         finally:
             conn.close()
         # Everything below `_lock` is shared by the callers' thread(s) and the writer; it is held
@@ -201,19 +196,18 @@ class SqliteLedger:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)      # the writer waits on it
         self._written_cond = threading.Condition(self._lock)   # flush() waits on it
-        self._last_id = last_id                           # the id the last recorded row got
+        self._last_id: int = last_id                      # the id the last recorded row got
+        self._latest: float = latest                      # the latest row time recorded
         self._written = last_id                           # the highest id on disk
-        self._queue: deque[_Queued] = deque()             # not yet taken by the writer
-        self._unwritten: dict[str, deque[_Queued]] = {}   # not yet on disk, by tenant, in id order
+        self._queue: deque[_Params] = deque()             # not yet taken by the writer: INSERT parameters
+        self._unwritten: dict[str, deque[_Params]] = {}   # not yet on disk, by tenant, in id order
         self._flush_wanted = 0
         self._attempts = 0
         self._failure: sqlite3.Error | None = None
         self._closing = False
         self._writer_done = False
-        # `spent` is per request: one connection kept open for it (and its cache), under its own lock.
-        self._read_lock = threading.Lock()
-        self._reader = connect(path, check_same_thread=False)
-        self._cache: OrderedDict[tuple[str, float], tuple[int, _Totals]] = OrderedDict()
+        # `spent` is per request: one connection kept open for it, and the sums it keeps.
+        self._sums = DiskSums(connect(path, check_same_thread=False))
         writer_conn = connect(path, check_same_thread=False)
         self._writer = threading.Thread(target=self._write_loop, args=(writer_conn,),
                                         name=f"usage-ledger-writer {path.name}", daemon=True)
@@ -226,12 +220,18 @@ class SqliteLedger:
             if self._closing:
                 raise RuntimeError(f"usage ledger {self._path} is closed")
             self._last_id += 1
-            item = (self._last_id, row)
-            self._queue.append(item)
+            # The row's parameters are built here, not in the writer: the writer's Python code holds
+            # the GIL, and a thread waiting for the GIL waits up to the switch interval (5 ms).
+            params = (self._last_id, row.time, row.tenant, row.key_id, row.model, row.backend, row.host,
+                      row.status, row.prompt_tokens, row.cached_tokens, row.output_tokens, row.cost,
+                      row.queue_wait_ms, row.duration_ms)
+            self._queue.append(params)
             unwritten = self._unwritten.get(row.tenant)
             if unwritten is None:
                 unwritten = self._unwritten[row.tenant] = deque()
-            unwritten.append(item)
+            unwritten.append(params)
+            if row.time > self._latest:
+                self._latest = row.time
             # The first row starts the writer's interval; a full batch ends it early.
             if len(self._queue) == 1 or len(self._queue) >= BATCH_ROWS:
                 self._wake.notify()
@@ -241,24 +241,9 @@ class SqliteLedger:
     def spent(self, tenant: str, since: float) -> Spent:
         with self._lock:
             unwritten = tuple(self._unwritten.get(tenant, ()))
-        key = (tenant, since)
-        with self._read_lock:
-            cached = self._cache.get(key)
-            if cached is None:
-                found = self._reader.execute(_SPENT_SQL, (tenant, since)).fetchall()[0]
-                base = _ZERO
-            else:
-                watermark, base = cached
-                found = self._reader.execute(_SPENT_SINCE_SQL, (watermark, tenant, since)).fetchall()[0]
-            on_disk: _Totals = (base[0] + found[0], base[1] + found[1], base[2] + found[2],
-                                base[3] + found[3], base[4] + found[4])
-            top: int = found[5]
-            self._cache[key] = (top, on_disk)
-            self._cache.move_to_end(key)
-            if len(self._cache) > SPENT_CACHE_SIZE:
-                self._cache.popitem(last=False)
+        top, on_disk = self._sums.totals(tenant, since, self._latest)
         # Taken before the query: every row above `top` in it was not on disk when the query ran.
-        totals = _plus(on_disk, (row for id_, row in unwritten if id_ > top and row.time >= since))
+        totals = _plus(on_disk, (p for p in unwritten if p[_ID] > top and p[_TIME] >= since))
         return Spent(*totals)
 
     def usage(self, start: float | None, end: float | None, group_by: Sequence[str]) -> list[dict[str, Any]]:
@@ -294,13 +279,14 @@ class SqliteLedger:
         for values in found:
             if values[n]:   # without GROUP BY an empty range still gives one row, of zeros
                 groups[tuple(values[:n])] = list(values[n:])
-        for id_, row in unwritten:
-            if id_ <= top or (start is not None and row.time < start) or (end is not None and row.time >= end):
+        for p in unwritten:
+            t = p[_TIME]
+            if p[_ID] <= top or (start is not None and t < start) or (end is not None and t >= end):
                 continue
-            group = tuple(_day(row.time) if field == "day" else getattr(row, field) for field in fields)
+            group = tuple(_day(t) if field == "day" else p[_COLUMN[field]] for field in fields)
             sums = groups.setdefault(group, [0, 0, 0, 0, 0.0, 0, 0.0, 0.0])
-            for i, value in enumerate((1, row.prompt_tokens, row.cached_tokens, row.output_tokens, row.cost,
-                                       int(row.status >= 400), row.queue_wait_ms, row.duration_ms)):
+            for i, value in enumerate((1, p[_PROMPT], p[_CACHED], p[_OUTPUT], p[_COST], int(p[_STATUS] >= 400),
+                                       p[_QUEUE_WAIT], p[_DURATION])):
                 sums[i] += value
         # All grouped fields are text: Python's order of str is SQLite's BINARY collation on UTF-8.
         return [{**dict(zip(fields, group)), "requests": sums[0], "prompt_tokens": sums[1],
@@ -357,8 +343,7 @@ class SqliteLedger:
             self._closing = True
             self._wake.notify()
         self._writer.join()
-        with self._read_lock:
-            self._reader.close()
+        self._sums.close()
         with self._lock:
             if self._queue:
                 raise RuntimeError(f"usage ledger {self._path}: {len(self._queue)} row(s) not written: "
@@ -380,7 +365,11 @@ class SqliteLedger:
                         self._wake.wait_for(lambda: self._closing, timeout=self._flush_interval_s)
                     elif not self._write_now():
                         self._wake.wait_for(self._write_now, timeout=self._flush_interval_s)
-                    batch = [self._queue.popleft() for _ in range(min(len(self._queue), BATCH_ROWS))]
+                    if len(self._queue) <= BATCH_ROWS:
+                        batch = list(self._queue)
+                        self._queue.clear()
+                    else:
+                        batch = [self._queue.popleft() for _ in range(BATCH_ROWS)]
                     closing = self._closing
                 if batch:
                     failure = self._insert(conn, batch)
@@ -398,13 +387,11 @@ class SqliteLedger:
                 self._writer_done = True
                 self._written_cond.notify_all()
 
-    def _insert(self, conn: sqlite3.Connection, batch: list[_Queued]) -> sqlite3.Error | None:
-        params = [(id_, r.time, r.tenant, r.key_id, r.model, r.backend, r.host, r.status, r.prompt_tokens,
-                   r.cached_tokens, r.output_tokens, r.cost, r.queue_wait_ms, r.duration_ms) for id_, r in batch]
+    def _insert(self, conn: sqlite3.Connection, batch: list[_Params]) -> sqlite3.Error | None:
         try:
             conn.execute("BEGIN")
             try:
-                conn.executemany(_INSERT_SQL, params)
+                conn.executemany(_INSERT_SQL, batch)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:   # SQLite rolls some failures back itself (a full disk)
@@ -415,9 +402,9 @@ class SqliteLedger:
             return exc
         return None
 
-    def _written_back(self, batch: list[_Queued], failure: sqlite3.Error | None) -> None:
-        last = batch[-1][0]
-        tenants = {row.tenant for _, row in batch}
+    def _written_back(self, batch: list[_Params], failure: sqlite3.Error | None) -> None:
+        last: int = batch[-1][0]
+        tenants = {params[_TENANT] for params in batch}
         with self._lock:
             self._attempts += 1
             self._failure = failure
@@ -427,7 +414,7 @@ class SqliteLedger:
                 self._written = last
                 for tenant in tenants:
                     unwritten = self._unwritten[tenant]
-                    while unwritten and unwritten[0][0] <= last:
+                    while unwritten and unwritten[0][_ID] <= last:
                         unwritten.popleft()
                     if not unwritten:
                         del self._unwritten[tenant]

@@ -3,6 +3,7 @@ groups and bounds, minted keys, a restart, the schema's migration and refusal, a
 from __future__ import annotations
 
 import os
+import random
 import selectors
 import signal
 import sqlite3
@@ -85,6 +86,46 @@ def test_spent_adds_rows_recorded_after_an_earlier_sum_of_the_same_window(ledger
     ledger.flush()
     assert ledger.spent("webui", DAY1) == Spent(3, 30, 0, 7, 0.0)
     assert ledger.spent("webui", DAY1 - 10) == Spent(4, 40, 0, 107, 0.0)
+
+
+@pytest.mark.parametrize("flush_interval_s", [NEVER_S, 0.001], ids=["flushed_by_the_test", "writer_racing"])
+def test_spent_of_budgets_and_sliding_windows_matches_a_plain_sum(path: Path, flush_interval_s: float) -> None:
+    # The edge's pattern, requests interleaved with writes: a budget's period (a fixed start) and a
+    # per-minute window (a start moving forward, now and then back) for each of two tenants, some
+    # rows arriving late. Each answer is checked against the sum of every row recorded; with the
+    # writer writing all the while, rows go to disk between (and during) the reads.
+    ledger = SqliteLedger(path, flush_interval_s=flush_interval_s)
+    try:
+        _match_plain_sums(ledger)
+    finally:
+        ledger.close()
+
+
+def _match_plain_sums(ledger: SqliteLedger) -> None:
+    rng = random.Random(32)
+    recorded: list[UsageRow] = []
+    now = DAY1
+    for step in range(3000):
+        now += rng.uniform(0.0, 0.5)
+        tenant = rng.choice(["webui", "batch"])
+        late = rng.random() < 0.05
+        recorded.append(row(now - (rng.uniform(0, 120) if late else 0), tenant, prompt=rng.randrange(100),
+                            cached=rng.randrange(10), output=rng.randrange(100), cost=rng.randrange(8) / 8))
+        ledger.record(recorded[-1])
+        if rng.random() < 0.1:
+            ledger.flush()
+        window = now - 60 - (rng.uniform(0, 30) if rng.random() < 0.05 else 0)
+        for since in (DAY1, window):
+            rows_in = [r for r in recorded if r.tenant == tenant and r.time >= since]
+            expected = Spent(len(rows_in), sum(r.prompt_tokens for r in rows_in),
+                             sum(r.cached_tokens for r in rows_in), sum(r.output_tokens for r in rows_in),
+                             sum(r.cost for r in rows_in))
+            assert ledger.spent(tenant, since) == expected, (step, since)
+        if step % 250 == 0:
+            by_tenant = {g["tenant"]: (g["requests"], g["output_tokens"]) for g in ledger.usage(None, None, ["tenant"])}
+            assert by_tenant == {t: (sum(1 for r in recorded if r.tenant == t),
+                                     sum(r.output_tokens for r in recorded if r.tenant == t))
+                                 for t in {r.tenant for r in recorded}}, step
 
 
 def test_a_full_batch_is_written_without_waiting_for_the_interval(ledger: SqliteLedger, path: Path) -> None:
