@@ -89,10 +89,11 @@ def schema_problems(doc: Mapping[str, Any], origins: Origins | None = None) -> l
 
 
 def secret_env_names(settings: Settings) -> set[str]:
-    """Variables that hold the proxy's secrets: the admin token's, and every variable a model names
-    in a `*_env` field (provider API keys). Model servers never see them."""
+    """Variables that hold the proxy's secrets: the admin token's, the tenants' keys, and every
+    variable a model names in a `*_env` field (provider API keys). Model servers never see them."""
     names = {settings.service.admin_token_env} if settings.service.admin_token_env else set()
     names.update(h.password_env for h in settings.supervisor.hosts.values())
+    names.update(var for tenant in settings.tenants.values() for var in tenant.key_env)
     for model in settings.models.values():
         names.update(v for k, v in model.options.items() if k.endswith("_env") and isinstance(v, str) and v)
     return names

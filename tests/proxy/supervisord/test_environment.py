@@ -36,3 +36,14 @@ def test_passing_a_secret_on_purpose_is_a_config_error(tmp_path: Path) -> None:
     line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if "pass_env" in text)
     assert info.value.problems == ["supervisor.pass_env: PROVIDER_KEY holds a secret of the proxy (named by "
                                    f"admin_token_env or a *_env field); model servers never get it ({path}:{line})"]
+
+
+def test_a_tenants_key_variable_is_a_secret_too(tmp_path: Path) -> None:
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump({
+        "service": {"state_dir": str(tmp_path)}, "supervisor": {"pass_env": ["WEBUI_KEY"]},
+        "tenants": {"webui": {"key_env": ["WEBUI_KEY"], "fairness_key": "ui"}},
+        "engine": {"models": {"m": {"backend": "sim"}}}}))
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    assert "WEBUI_KEY holds a secret of the proxy" in info.value.problems[0]
