@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 # The writer does not wait for the interval once this many rows are queued; it is also the most rows
 # one transaction takes, so the event loop never waits long for the queue's lock.
 BATCH_ROWS = 1000
+# How far a newly opened ledger's ids start past the highest on disk (see SqliteLedger.__init__).
+PROCESS_ID_GAP = 2 ** 32
 # What `usage` may group by, and how each is read from a row on disk.
 GROUP_FIELDS = ("tenant", "model", "day", "key_id", "backend", "host")
 _GROUP_SQL = {"tenant": "tenant", "model": "model", "day": "strftime('%Y-%m-%d', CAST(time AS INTEGER), 'unixepoch')",
@@ -196,7 +198,10 @@ class SqliteLedger:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)      # the writer waits on it
         self._written_cond = threading.Condition(self._lock)   # flush() waits on it
-        self._last_id: int = last_id                      # the id the last recorded row got
+        # Past every id on disk by a gap no proxy's rows fill: during a reload the old process still
+        # records the requests it finishes, on its own sequence, while this one records from here,
+        # and neither's ids can meet the other's.
+        self._last_id: int = last_id + PROCESS_ID_GAP     # the id the last recorded row got
         self._latest: float = latest                      # the latest row time recorded
         self._written = last_id                           # the highest id on disk
         self._queue: deque[_Params] = deque()             # not yet taken by the writer: INSERT parameters

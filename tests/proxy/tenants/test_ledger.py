@@ -347,3 +347,22 @@ def test_a_sigkill_loses_at_most_the_last_second(path: Path) -> None:
         assert ledger.spent("webui", 0.0).requests >= len(older)
     finally:
         ledger.close()
+
+
+def test_two_processes_on_one_file_during_a_reload_lose_no_row(path: Path) -> None:
+    # A reload: the old proxy still records the requests it finishes while its successor, which
+    # opened the same file, records the new ones.
+    old = SqliteLedger(path)
+    old.record(row(1.0))
+    old.flush()
+    new = SqliteLedger(path)
+    try:
+        for i in range(50):
+            old.record(row(2.0 + i, tenant="old"))
+            new.record(row(2.0 + i, tenant="new"))
+        old.close()
+        new.flush()
+        assert rows_on_disk(path) == 101
+        assert new.spent("old", 0.0).requests == 50 and new.spent("new", 0.0).requests == 50
+    finally:
+        new.close()
