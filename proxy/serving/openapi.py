@@ -86,7 +86,7 @@ def operations() -> tuple[Operation, ...]:
                   error_schema="AnthropicError" if path.startswith("/v1/messages") else "Error")
         for path in PASS_THROUGH_SUMMARY)
     state = _json(schemas.model_state())
-    tenant_name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
+    tenant_name = {"name": "tenant", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
                    "description": "a configured tenant"}
     by_name = ({"name": "name", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
                 "description": "a configured model id"},)
@@ -165,14 +165,15 @@ def operations() -> tuple[Operation, ...]:
                                    "schema": {"enum": ["json", "csv"]}})),
             Operation("get", "/v1/admin/tenants", "each tenant: its settings and its keys by id (never a key)",
                       _json(schemas.any_object("the tenants")), errors=(*ADMIN_READ_ERRORS, 409), admin=True),
-            Operation("post", "/v1/admin/tenants/{name}/keys", "mint a key for the tenant: {id, key}, the key shown "
+            Operation("post", "/v1/admin/tenants/{tenant}/keys", "mint a key for the tenant: {id, key}, the key shown "
                       "once", _json({"type": "object", "required": ["id", "key"],
                                      "properties": {"id": {"type": "string"}, "key": {"type": "string"}}}),
                       body={"type": "object", "additionalProperties": False, "maxProperties": 0},
                       errors=ADMIN_ERRORS, admin=True, parameters=(tenant_name,)),
-            Operation("delete", "/v1/admin/tenants/{name}/keys/{id}", "revoke a minted key: its next request is 401",
+            Operation("delete", "/v1/admin/tenants/{tenant}/keys/{key_id}",
+                      "revoke a minted key: its next request is 401",
                       _json({"type": "object"}), errors=(*ADMIN_READ_ERRORS, 404, 409), admin=True,
-                      parameters=(tenant_name, {"name": "id", "in": "path", "required": True,
+                      parameters=(tenant_name, {"name": "key_id", "in": "path", "required": True,
                                                 "schema": {"type": "string", "minLength": 1}})),
             Operation("get", "/v1/admin/traffic", "the proxy's request counters per model (requests by status, "
                       "latency, time-to-first-token and queue-wait histograms), with the reading's time",

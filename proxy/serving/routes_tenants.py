@@ -79,18 +79,18 @@ async def admin_tenants(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": await asyncio.to_thread(tenancy.describe)})
 
 
-@routes.post("/v1/admin/tenants/{name}/keys")
+@routes.post("/v1/admin/tenants/{tenant}/keys")
 async def mint_key(request: web.Request) -> web.Response:
     """A new key for the tenant: `{"id", "key"}`, the key shown this once (the ledger keeps its digest)."""
     tenancy = _tenancy(request)
     if request.can_read_body and (await request.read()).strip() not in (b"", b"{}"):
         raise BadRequest("a key is minted from an empty body or {}", code="invalid_key_request")
-    return web.json_response(await asyncio.to_thread(tenancy.mint, request.match_info["name"]))
+    return web.json_response(await asyncio.to_thread(tenancy.mint, request.match_info["tenant"]))
 
 
-@routes.delete("/v1/admin/tenants/{name}/keys/{id}")
+@routes.delete("/v1/admin/tenants/{tenant}/keys/{key_id}")
 async def revoke_key(request: web.Request) -> web.Response:
     """Revoke a minted key: its next request is refused (401)."""
     tenancy = _tenancy(request)
-    await asyncio.to_thread(tenancy.revoke, request.match_info["name"], request.match_info["id"])
-    return web.json_response({"id": request.match_info["id"], "revoked": True})
+    await asyncio.to_thread(tenancy.revoke, request.match_info["tenant"], request.match_info["key_id"])
+    return web.json_response({"id": request.match_info["key_id"], "revoked": True})

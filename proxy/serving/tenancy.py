@@ -160,7 +160,7 @@ class Tenancy:
     def mint(self, tenant: str) -> dict[str, str]:
         """A new key for `tenant`, usable at once: its id and the key, shown this once."""
         if tenant not in self.settings.tenants:
-            raise NotFound(f"tenant {tenant!r} is not configured", code="tenant_not_found", param="name")
+            raise NotFound(f"tenant {tenant!r} is not configured", code="tenant_not_found", param="tenant")
         key = new_key()
         sha = digest(key)
         self.ledger.add_key(tenant, key_id(sha), sha, self.clock())
@@ -171,11 +171,11 @@ class Tenancy:
     def revoke(self, tenant: str, kid: str) -> None:
         """Revoke a minted key of `tenant`: its next request is refused."""
         if tenant not in self.settings.tenants:
-            raise NotFound(f"tenant {tenant!r} is not configured", code="tenant_not_found", param="name")
+            raise NotFound(f"tenant {tenant!r} is not configured", code="tenant_not_found", param="tenant")
         minted = {k.key_id: k for k in self.ledger.keys() if k.tenant == tenant and k.revoked is None}
         if kid not in minted or not self.ledger.revoke_key(tenant, kid, self.clock()):
             raise NotFound(f"tenant {tenant!r} has no live minted key {kid!r} (configured keys are revoked in the "
-                           "settings)", code="key_not_found", param="id")
+                           "settings)", code="key_not_found", param="key_id")
         self.keys.remove(minted[kid].sha256)
         log.info("revoked key %s of tenant %r", kid, tenant)
 

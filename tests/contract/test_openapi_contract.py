@@ -142,7 +142,10 @@ def test_every_operation_holds_to_the_document(api: Any, method: str, path: str,
 
 
 def test_stateful_admin_walks_leave_a_pool_that_can_load_and_serve(api: Any, proxy: ProxyProcess) -> None:
-    machine = api.as_state_machine()
+    # The walk is over the models' admin links; the tenants' key routes (409 here: the pool has no
+    # tenants) are fuzzed one by one above. Inside the walk, schemathesis' link inference between
+    # minting and revoking made hypothesis draw one parameter two ways (FlakyStrategyDefinition).
+    machine = api.exclude(path_regex="^/v1/admin/tenants/").as_state_machine()
 
     class Walk(machine):  # type: ignore[misc, valid-type]
         def validate_response(self, response: Any, case: Any, additional_checks: Any = None, **kwargs: Any) -> None:
