@@ -69,7 +69,12 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
             metrics.child(metrics.latency, model, request.path).observe(took)
             tenancy = request.app.get(TENANCY)
             if tenancy is not None:
-                tenancy.finished(request, request.app[POOL].models[model], response.status if response else 499, took)
+                try:
+                    tenancy.finished(request, request.app[POOL].models[model], response.status if response else 499,
+                                     took)
+                except Exception:
+                    # The answer went out: a failure of the bookkeeping must not replace it.
+                    log.exception("the usage of %s %s was not recorded", request.method, request.path)
 
 
 def _error_code(request: web.Request, response: web.StreamResponse | None) -> str:
