@@ -6,8 +6,9 @@ chat template, streams tokens, reports usage) and tiny in every way that matters
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from proxy.setup.gguf_file import gguf_writer
 
 N_EMBD = 64
 N_FF = 128
@@ -66,10 +67,9 @@ def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str = CHAT_TEMPLAT
     Every other token id and weight is the same either way (the new rows come from a generator of
     their own)."""
     import numpy as np
-    from gguf import GGUFWriter, TokenType
+    from gguf import TokenType
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tokens, scores, types = _vocab()
     n_base = len(tokens)
     if fim:
@@ -87,52 +87,45 @@ def write_tiny_gguf(path: Path, seed: int = 0, chat_template: str = CHAT_TEMPLAT
         extra = (extra_rng.standard_normal((len(tokens) - n_base, N_EMBD)) * 0.2).astype(np.float32)
         return np.concatenate([base, extra]) if len(extra) else base
 
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    writer = GGUFWriter(str(tmp), "llama")
-    writer.add_name("llm-pool tiny demo")
-    writer.add_context_length(N_CTX)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_HEAD)
-    writer.add_rope_dimension_count(N_EMBD // N_HEAD)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(0)  # all F32
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(EOS_ID)
-    writer.add_add_bos_token(True)
-    if fim:
-        for i, (_, key) in enumerate(FIM_TOKENS):
-            writer.add_uint32(key, n_base + i)
-    writer.add_chat_template(chat_template)
+    with gguf_writer(path, "llama") as writer:
+        writer.add_name("llm-pool tiny demo")
+        writer.add_context_length(N_CTX)
+        writer.add_embedding_length(N_EMBD)
+        writer.add_block_count(N_LAYER)
+        writer.add_feed_forward_length(N_FF)
+        writer.add_head_count(N_HEAD)
+        writer.add_head_count_kv(N_HEAD)
+        writer.add_rope_dimension_count(N_EMBD // N_HEAD)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_file_type(0)  # all F32
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(EOS_ID)
+        writer.add_add_bos_token(True)
+        if fim:
+            for i, (_, key) in enumerate(FIM_TOKENS):
+                writer.add_uint32(key, n_base + i)
+        writer.add_chat_template(chat_template)
 
-    writer.add_tensor("token_embd.weight", vocab_rows())
-    writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-    output = vocab_rows()
-    # The FIM tokens' rows are zero, so their logit is always 0 while hundreds of random ones spread
-    # around it: greedy decoding never picks them, and sampling seldom. They are control tokens,
-    # which an answer's text would not show.
-    output[n_base:] = 0.0
-    writer.add_tensor("output.weight", output)
-    for i in range(N_LAYER):
-        blk = f"blk.{i}."
-        writer.add_tensor(blk + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            writer.add_tensor(blk + name + ".weight", weights(N_EMBD, N_EMBD))
-        writer.add_tensor(blk + "ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        writer.add_tensor(blk + "ffn_gate.weight", weights(N_FF, N_EMBD))
-        writer.add_tensor(blk + "ffn_up.weight", weights(N_FF, N_EMBD))
-        writer.add_tensor(blk + "ffn_down.weight", weights(N_EMBD, N_FF))
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(path)
+        writer.add_tensor("token_embd.weight", vocab_rows())
+        writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        output = vocab_rows()
+        # The FIM tokens' rows are zero, so their logit is always 0 while hundreds of random ones spread
+        # around it: greedy decoding never picks them, and sampling seldom. They are control tokens,
+        # which an answer's text would not show.
+        output[n_base:] = 0.0
+        writer.add_tensor("output.weight", output)
+        for i in range(N_LAYER):
+            blk = f"blk.{i}."
+            writer.add_tensor(blk + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+            for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+                writer.add_tensor(blk + name + ".weight", weights(N_EMBD, N_EMBD))
+            writer.add_tensor(blk + "ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+            writer.add_tensor(blk + "ffn_gate.weight", weights(N_FF, N_EMBD))
+            writer.add_tensor(blk + "ffn_up.weight", weights(N_FF, N_EMBD))
+            writer.add_tensor(blk + "ffn_down.weight", weights(N_EMBD, N_FF))
     return path

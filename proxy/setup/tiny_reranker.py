@@ -9,9 +9,10 @@ vocabulary is fixed, so the file is byte-identical on every machine; its scores 
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from proxy.setup.gguf_file import gguf_writer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,10 +54,9 @@ def _vocab() -> tuple[list[str], list[int]]:
 def write_tiny_reranker(path: Path, seed: int = 0) -> Path:
     """Write the tiny reranker to `path` atomically (a half-written model never loads) and return it."""
     import numpy as np
-    from gguf import GGUFWriter, PoolingType
+    from gguf import PoolingType
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tokens, types = _vocab()
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
@@ -70,60 +70,53 @@ def write_tiny_reranker(path: Path, seed: int = 0) -> Path:
     def zeros(n: int = N_EMBD) -> np.ndarray:
         return np.zeros(n, dtype=np.float32)
 
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    writer = GGUFWriter(str(tmp), "bert")
-    writer.add_name("llm-pool tiny reranker")
-    writer.add_context_length(N_CTX)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
-    writer.add_head_count(N_HEAD)
-    writer.add_layer_norm_eps(1e-12)
-    writer.add_causal_attention(False)
-    # Declared by the file, so llama-server pools by rank even before --reranking forces it.
-    writer.add_pooling_type(PoolingType.RANK)
-    # One label: the head's single output is the score llama-server answers (embd[0]).
-    writer.add_classifier_output_labels(["LABEL_0"])
-    writer.add_file_type(0)  # all F32
-    writer.add_tokenizer_model("bert")
-    writer.add_token_type_count(N_TOKEN_TYPES)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(CLS)
-    writer.add_sep_token_id(SEP)
-    writer.add_unk_token_id(UNK)
-    writer.add_pad_token_id(PAD)
-    writer.add_mask_token_id(MASK)
-    writer.add_add_bos_token(True)
-    writer.add_add_sep_token(True)
+    with gguf_writer(path, "bert") as writer:
+        writer.add_name("llm-pool tiny reranker")
+        writer.add_context_length(N_CTX)
+        writer.add_embedding_length(N_EMBD)
+        writer.add_block_count(N_LAYER)
+        writer.add_feed_forward_length(N_FF)
+        writer.add_head_count(N_HEAD)
+        writer.add_layer_norm_eps(1e-12)
+        writer.add_causal_attention(False)
+        # Declared by the file, so llama-server pools by rank even before --reranking forces it.
+        writer.add_pooling_type(PoolingType.RANK)
+        # One label: the head's single output is the score llama-server answers (embd[0]).
+        writer.add_classifier_output_labels(["LABEL_0"])
+        writer.add_file_type(0)  # all F32
+        writer.add_tokenizer_model("bert")
+        writer.add_token_type_count(N_TOKEN_TYPES)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(CLS)
+        writer.add_sep_token_id(SEP)
+        writer.add_unk_token_id(UNK)
+        writer.add_pad_token_id(PAD)
+        writer.add_mask_token_id(MASK)
+        writer.add_add_bos_token(True)
+        writer.add_add_sep_token(True)
 
-    writer.add_tensor("token_embd.weight", weights(n_vocab, N_EMBD))
-    writer.add_tensor("token_types.weight", weights(N_TOKEN_TYPES, N_EMBD))
-    writer.add_tensor("position_embd.weight", weights(N_CTX, N_EMBD))
-    writer.add_tensor("token_embd_norm.weight", ones())
-    writer.add_tensor("token_embd_norm.bias", zeros())
-    for i in range(N_LAYER):
-        blk = f"blk.{i}."
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            writer.add_tensor(blk + name + ".weight", weights(N_EMBD, N_EMBD))
-            writer.add_tensor(blk + name + ".bias", zeros())
-        writer.add_tensor(blk + "attn_output_norm.weight", ones())
-        writer.add_tensor(blk + "attn_output_norm.bias", zeros())
-        writer.add_tensor(blk + "ffn_up.weight", weights(N_FF, N_EMBD))
-        writer.add_tensor(blk + "ffn_up.bias", zeros(N_FF))
-        writer.add_tensor(blk + "ffn_down.weight", weights(N_EMBD, N_FF))
-        writer.add_tensor(blk + "ffn_down.bias", zeros())
-        writer.add_tensor(blk + "layer_output_norm.weight", ones())
-        writer.add_tensor(blk + "layer_output_norm.bias", zeros())
-    # The classification head: dense + tanh, then the one-label projection.
-    writer.add_tensor("cls.weight", weights(N_EMBD, N_EMBD))
-    writer.add_tensor("cls.bias", zeros())
-    writer.add_tensor("cls.output.weight", weights(1, N_EMBD))
-    writer.add_tensor("cls.output.bias", zeros(1))
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(path)
+        writer.add_tensor("token_embd.weight", weights(n_vocab, N_EMBD))
+        writer.add_tensor("token_types.weight", weights(N_TOKEN_TYPES, N_EMBD))
+        writer.add_tensor("position_embd.weight", weights(N_CTX, N_EMBD))
+        writer.add_tensor("token_embd_norm.weight", ones())
+        writer.add_tensor("token_embd_norm.bias", zeros())
+        for i in range(N_LAYER):
+            blk = f"blk.{i}."
+            for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+                writer.add_tensor(blk + name + ".weight", weights(N_EMBD, N_EMBD))
+                writer.add_tensor(blk + name + ".bias", zeros())
+            writer.add_tensor(blk + "attn_output_norm.weight", ones())
+            writer.add_tensor(blk + "attn_output_norm.bias", zeros())
+            writer.add_tensor(blk + "ffn_up.weight", weights(N_FF, N_EMBD))
+            writer.add_tensor(blk + "ffn_up.bias", zeros(N_FF))
+            writer.add_tensor(blk + "ffn_down.weight", weights(N_EMBD, N_FF))
+            writer.add_tensor(blk + "ffn_down.bias", zeros())
+            writer.add_tensor(blk + "layer_output_norm.weight", ones())
+            writer.add_tensor(blk + "layer_output_norm.bias", zeros())
+        # The classification head: dense + tanh, then the one-label projection.
+        writer.add_tensor("cls.weight", weights(N_EMBD, N_EMBD))
+        writer.add_tensor("cls.bias", zeros())
+        writer.add_tensor("cls.output.weight", weights(1, N_EMBD))
+        writer.add_tensor("cls.output.bias", zeros(1))
     return path
