@@ -44,7 +44,7 @@ async def test_the_page_and_every_file_it_links_are_served_with_their_types_and_
         assert "script-src 'self'" in policy and "connect-src 'self'" in policy and "frame-ancestors 'none'" in policy
         linked = re.findall(r'(?:src|href)="(ui/[^"]+)"', html)
         assert sorted(linked) == ["ui/ui-api.js", "ui/ui-cards.js", "ui/ui-dom.js", "ui/ui-feed.js", "ui/ui-form.js",
-                                  "ui/ui.css", "ui/ui.js"]
+                                  "ui/ui-usage.js", "ui/ui.css", "ui/ui.js"]
         for path in linked:
             kind = "text/css" if path.endswith(".css") else "text/javascript"
             async with session.get(f"{url}/{path}") as resp:
