@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.capabilities import ROUTES
 from proxy.errors import BadRequest, Conflict, TooLarge, Unavailable
 from proxy.fairness import normalize_key
 from proxy.lifecycle.pool import Pool
@@ -77,14 +78,18 @@ def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
     return key
 
 
-def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any]) -> ModelRuntime:
+def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any],
+             endpoint: str | None = None) -> ModelRuntime:
     """The model's runtime if this request may be sent to it, or queue for it, now; otherwise the
     right error. A model that loads on demand takes requests while it is not loaded: they wait in
-    its queue and placement loads it (proxy/lifecycle/placement/placer.py)."""
+    its queue and placement loads it (proxy/lifecycle/placement/placer.py). `endpoint`: the route,
+    refused for a model not served on it before anything loads or counts."""
     tenancy = request.app.get(TENANCY)
     caller = tenancy.caller(request) if tenancy is not None else None   # 401 before anything else
     runtime = pool.get(name)
     request[MODEL] = name
+    if endpoint is not None:
+        check_endpoint(runtime, endpoint)
     if tenancy is not None and caller is not None:
         tenancy.admit(caller, runtime)
     if runtime.kind is not None:
@@ -129,3 +134,29 @@ def check_required(path: str, body: dict[str, Any]) -> None:
                 if not isinstance(item, item_type) or (item_type is int and isinstance(item, bool)):
                     raise BadRequest(f"'{name}.{i}' must be {ITEM_WHAT[item_type]}", code="invalid_type",
                                      param=f"{name}.{i}")
+
+
+def embeddings_unsupported(runtime: ModelRuntime) -> BadRequest:
+    """The refusal of /v1/embeddings, saying what applies to the model's backend (its traits)."""
+    field = runtime.traits.embeddings_field
+    how = f"set {field}: true to serve them" if field else f"backend {runtime.model.backend!r} serves none"
+    return BadRequest(f"model {runtime.name!r} does not serve embeddings (capabilities.embeddings is false; "
+                      f"{how})", code="embeddings_unsupported", param="model")
+
+
+def check_endpoint(runtime: ModelRuntime, path: str) -> None:
+    """Refuse, before any slot is taken, a route the model is not served on; otherwise the backend's
+    own 404 or 501 would reach the client after a wait in the queue."""
+    endpoints = runtime.capabilities().endpoints
+    if path in endpoints:
+        return
+    if path == "/v1/embeddings":
+        raise embeddings_unsupported(runtime)
+    switch = runtime.traits.rerank_field if path == "/v1/rerank" else None
+    how = f"; set {switch}: true to serve it" if switch and path in endpoint_paths(runtime.traits.apis) else ""
+    raise BadRequest(f"model {runtime.name!r} (backend {runtime.model.backend!r}) does not serve {path}{how}; "
+                     f"it serves {', '.join(endpoints)}", code="endpoint_unsupported", param="model")
+
+
+def endpoint_paths(apis: frozenset[str]) -> list[str]:
+    return [path for path, api in ROUTES.items() if api in apis]

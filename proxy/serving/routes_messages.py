@@ -29,7 +29,6 @@ from proxy.serving.errors_http import MESSAGES_PATH
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, STREAM_ERROR, USAGE
-from proxy.serving.routes_public import check_endpoint
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -39,8 +38,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body, raw = await read_body(request)
     name = requested_model(body)
     anthropic.check_request(body)   # before servable: a malformed request loads nothing on demand
-    runtime = servable(request, request.app[POOL], name, body)
-    check_endpoint(runtime, request.path)
+    runtime = servable(request, request.app[POOL], name, body, endpoint=request.path)
     chat = anthropic.to_chat(body)
     await check_image_urls(chat, runtime.model)   # the same URLs as the body's image blocks
     affinity = affinity_key(runtime, CHAT_PATH, request.headers, body, chat)

@@ -4,9 +4,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proxy.capabilities import ROUTES
 from proxy.config.settings import LOCAL_HOST
-from proxy.errors import BadRequest
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.affinity_key import affinity_key
@@ -26,38 +24,11 @@ PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
     body, raw = await read_body(request)
-    runtime = servable(request, request.app[POOL], requested_model(body), body)
+    runtime = servable(request, request.app[POOL], requested_model(body), body, endpoint=request.path)
     check_required(request.path, body)
-    check_endpoint(runtime, request.path)
     await check_image_urls(body, runtime.model)
     return await forward(request, runtime, fairness_key(request, body), body,
                          affinity_key(runtime, request.path, request.headers, body), raw)
-
-
-def embeddings_unsupported(runtime: ModelRuntime) -> BadRequest:
-    """The refusal of /v1/embeddings, saying what applies to the model's backend (its traits)."""
-    field = runtime.traits.embeddings_field
-    how = f"set {field}: true to serve them" if field else f"backend {runtime.model.backend!r} serves none"
-    return BadRequest(f"model {runtime.name!r} does not serve embeddings (capabilities.embeddings is false; "
-                      f"{how})", code="embeddings_unsupported", param="model")
-
-
-def check_endpoint(runtime: ModelRuntime, path: str) -> None:
-    """Refuse, before any slot is taken, a route the model is not served on; otherwise the backend's
-    own 404 or 501 would reach the client after a wait in the queue."""
-    endpoints = runtime.capabilities().endpoints
-    if path in endpoints:
-        return
-    if path == "/v1/embeddings":
-        raise embeddings_unsupported(runtime)
-    switch = runtime.traits.rerank_field if path == "/v1/rerank" else None
-    how = f"; set {switch}: true to serve it" if switch and path in endpoint_paths(runtime.traits.apis) else ""
-    raise BadRequest(f"model {runtime.name!r} (backend {runtime.model.backend!r}) does not serve {path}{how}; "
-                     f"it serves {', '.join(endpoints)}", code="endpoint_unsupported", param="model")
-
-
-def endpoint_paths(apis: frozenset[str]) -> list[str]:
-    return [path for path, api in ROUTES.items() if api in apis]
 
 
 for _path in PASS_THROUGH:

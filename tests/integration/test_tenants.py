@@ -116,6 +116,11 @@ def test_a_tenant_without_allow_remote_gets_no_remote_model_whatever_the_body_sa
 
 
 def test_a_limit_reached_is_429_rate_limited_with_retry_after(proxy: ProxyProcess) -> None:
+    # A route the model is not served on is refused before it counts toward the limit.
+    for _ in range(2):
+        status, _, body = http("POST", proxy.url + "/infill", {"model": "sim-a", "input_prefix": "x"},
+                               headers=bearer(KEYS["LIMITED_KEY"]))
+        assert (status, body["error"]["code"]) == (400, "endpoint_unsupported")
     assert [chat(proxy, KEYS["LIMITED_KEY"])[0] for _ in range(2)] == [200, 200]
     status, headers, body = chat(proxy, KEYS["LIMITED_KEY"])
     assert (status, body["error"]["code"]) == (429, "rate_limited")

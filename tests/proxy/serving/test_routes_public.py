@@ -7,7 +7,7 @@ from proxy.lifecycle.state.runtime import ModelRuntime
 import pytest
 
 from proxy.errors import BadRequest
-from proxy.serving.routes_public import check_endpoint, embeddings_unsupported
+from proxy.serving.body import check_endpoint, embeddings_unsupported
 
 
 def runtime(backend: str, **options: object) -> ModelRuntime:
