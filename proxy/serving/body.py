@@ -88,12 +88,14 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any],
     caller = tenancy.caller(request) if tenancy is not None else None   # 401 before anything else
     runtime = pool.get(name)
     request[MODEL] = name
+    if tenancy is not None and caller is not None:
+        tenancy.allow(caller, runtime)   # 403: never this model, whatever the request says
+    if runtime.kind is not None:
+        runtime.kind.gate(runtime.model, request.headers, body)  # e.g. allow_remote
     if endpoint is not None:
         check_endpoint(runtime, endpoint)
     if tenancy is not None and caller is not None:
-        tenancy.admit(caller, runtime)
-    if runtime.kind is not None:
-        runtime.kind.gate(runtime.model, request.headers, body)  # e.g. allow_remote
+        tenancy.admit(caller)   # 429 for a limit or the budget; what passes here counts
     state = runtime.state
     if state == ModelState.LOADED:
         if not runtime.ready():

@@ -105,10 +105,9 @@ class Tenancy:
         request[CALLER] = caller
         return caller
 
-    def admit(self, caller: Caller, runtime: ModelRuntime) -> None:
-        """What the tenant may not do with this model now: 403 for a model outside its globs or a
-        remote one it may not use, 429 for a limit reached or a budget spent. An admitted request
-        counts toward requests_per_minute at once."""
+    def allow(self, caller: Caller, runtime: ModelRuntime) -> None:
+        """What the tenant may never do with this model: 403 for a model outside its globs or a
+        remote one it may not use."""
         tenant = caller.tenant
         allowed = self._allowed.get((tenant.name, runtime.name))
         if allowed is None:   # the globs are matched once per tenant and model
@@ -119,6 +118,11 @@ class Tenancy:
         if runtime.traits.remote and not tenant.allow_remote:
             raise Forbidden(f"tenant {tenant.name!r} may not use remote models (tenants.{tenant.name}.allow_remote)",
                             code="remote_not_allowed", param="model")
+
+    def admit(self, caller: Caller) -> None:
+        """What the tenant may not do now: 429 for a limit reached or a budget spent. An admitted
+        request counts toward requests_per_minute at once."""
+        tenant = caller.tenant
         now = self.clock()
         minute, oldest = self.spend.minute(tenant.name, now)
         refused = refusal(tenant, minute, self.spend.period(tenant.name, now), now, oldest)
