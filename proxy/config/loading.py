@@ -202,6 +202,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
         lifecycle=LifecycleSettings(max_loaded_models=lifecycle["max_loaded_models"],
                                     swap_max_wait_s=float(lifecycle["swap_max_wait_s"]),
                                     min_residence_s=float(lifecycle["min_residence_s"]),
+                                    kv_store_mib=float(lifecycle["kv_store_mib"]),
                                     gpu_headroom_mib=memory["gpu_headroom_mib"],
                                     cpu_budget_mib=memory["cpu_budget_mib"],
                                     footprint_margin=float(memory["footprint_margin"]),

@@ -24,7 +24,8 @@ DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "por
 # it existed: models load only when enabled or an admin loads them, stay until unloaded, and no load
 # is refused for memory.
 DEFAULT_LIFECYCLE: dict[str, Any] = {"load_on_demand": False, "idle_unload_s": None, "pinned": False,
-                                     "max_loaded_models": None, "swap_max_wait_s": 10.0, "min_residence_s": 5.0}
+                                     "max_loaded_models": None, "swap_max_wait_s": 10.0, "min_residence_s": 5.0,
+                                     "kv_store_mib": 0}
 DEFAULT_MEMORY: dict[str, Any] = {"gpu_headroom_mib": None, "cpu_budget_mib": None, "footprint_margin": 0.1,
                                   "footprint_percentile": 90}
 
@@ -117,6 +118,8 @@ class LifecycleSettings:
     max_loaded_models: int | None = None
     swap_max_wait_s: float = DEFAULT_LIFECYCLE["swap_max_wait_s"]
     min_residence_s: float = DEFAULT_LIFECYCLE["min_residence_s"]
+    # Disk for llama-server slots kept across swaps (proxy/lifecycle/kvcache/); 0: none are kept.
+    kv_store_mib: float = DEFAULT_LIFECYCLE["kv_store_mib"]
     gpu_headroom_mib: float | None = None    # None: GPU memory does not limit loads
     cpu_budget_mib: float | None = None      # None: CPU memory does not limit loads
     footprint_margin: float = DEFAULT_MEMORY["footprint_margin"]

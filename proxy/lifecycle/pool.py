@@ -29,6 +29,7 @@ from proxy.lifecycle.kinds.program_kind import ProgramKind
 from proxy.lifecycle.kinds.programs import Programs
 from proxy.lifecycle.kinds.remote import EndpointKind
 from proxy.lifecycle.kinds.stale_programs import remove_stale_programs
+from proxy.lifecycle.kvcache.keeper import KvKeeper
 from proxy.lifecycle.loading import kind_to_start, start_model
 from proxy.lifecycle.placement.memory import Memory
 from proxy.lifecycle.placement.placer import Placer
@@ -78,9 +79,13 @@ class Pool:
         self.memory = Memory.from_settings(settings, hosts={n: h for n, h in self.hosts.items() if not h.local})
         self.placer = Placer(settings, self.models, self.memory, self, nvml_loader, events=self.events)
         wake = Wake()
+        # llama-server slots kept across the pool's unloads (proxy/lifecycle/kvcache/): its replicas
+        # save into the store's folders, the monitor restores before a replica serves.
+        self.kv = KvKeeper.under(settings.service.state_dir, settings.lifecycle.kv_store_mib, http)
         self.programs = Programs(settings, supervisor, self.environ, self.models, wake, pid_record, self.hosts,
-                                 self.placer.hosts_for, events=self.events)
-        self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, self.events, managed, wake=wake)
+                                 self.placer.hosts_for, events=self.events, launch_hook=self.kv.launch)
+        self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, self.events, managed, wake=wake,
+                               kv=self.kv)
         kinds: dict[str, Kind] = kinds_for({c.backend for c in settings.models.values()},
                                            ProgramKind(self.programs), EndpointKind(http, self.environ))
         for runtime in self.models.values():
@@ -141,7 +146,10 @@ class Pool:
 
     def describe(self, runtime: ModelRuntime) -> dict[str, object]:
         """A model's admin row: its runtime's state with its lifecycle (placement) fields."""
-        return {**runtime.describe(), **self.placer.describe_model(runtime)}
+        row = {**runtime.describe(), **self.placer.describe_model(runtime)}
+        if self.kv.applies(runtime.config):
+            row["kv_store"] = self.kv.describe(runtime.name)
+        return row
 
     def describe_hosts(self) -> list[dict[str, object]]:
         """GET /v1/admin/hosts (`llm-pool ctl hosts`): each host, with its memory and replicas."""
@@ -240,11 +248,25 @@ class Pool:
 
     async def _unload(self, name: str, drain: bool, reason: str, cause: str | None = None,
                       actor: str | None = None) -> ModelRuntime:
+        runtime = self.get(name)
+        if reason not in ("idle", "evicted"):
+            self.kv.forget(name)   # nothing of it is wanted back: it is unloaded for good, or stopping
+        save = partial(self._save_slots, cause=cause if reason == "evicted" else None) \
+            if reason in ("idle", "evicted") else None
         try:
-            return await unload_model(self.get(name), drain, reason, cause, actor, self.events, self.placer.measure,
-                                      self.settings.service.drain_timeout_s)
+            return await unload_model(runtime, drain, reason, cause, actor, self.events, self.placer.measure,
+                                      self.settings.service.drain_timeout_s, before_stop=save)
         finally:
+            self.kv.stopped()
             self._save_kept()   # an unloaded model keeps nothing: the next serve loads it as configured
+
+    async def _save_slots(self, runtime: ModelRuntime, cause: str | None) -> None:
+        """Before the pool's unload of `runtime` stops its replicas: its slots saved, for as long as
+        the load it makes room for (`cause`) may still wait by its swap bound, or that bound when
+        no load waits on it (an idle unload)."""
+        bound = self.settings.lifecycle.swap_max_wait_s
+        waiting = self.models[cause].admission.oldest_wait_s() if cause in self.models else 0.0
+        await self.kv.save(runtime, max(0.0, bound - waiting))
 
     async def scale(self, name: str, replicas: int, actor: str | None = None) -> ModelRuntime:
         """Start or stop replicas of a loaded model, leaving the others running (proxy/lifecycle/scaling.py)."""

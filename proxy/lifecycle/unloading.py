@@ -21,14 +21,18 @@ log = logging.getLogger(__name__)
 
 # Records what a model's READY replicas take on their devices now (the placer's measure).
 Measure = Callable[[ModelRuntime], Awaitable[None]]
+# Keeps what a model's replicas hold before they stop (the KV store's save, proxy/lifecycle/kvcache/).
+BeforeStop = Callable[[ModelRuntime], Awaitable[None]]
 
 
 async def unload_model(runtime: ModelRuntime, drain: bool, reason: str, cause: str | None, actor: str | None,
-                       events: Events, measure: Measure, drain_timeout_s: float) -> ModelRuntime:
+                       events: Events, measure: Measure, drain_timeout_s: float,
+                       before_stop: BeforeStop | None = None) -> ModelRuntime:
     """Unload `runtime` (`reason`: admin, idle, evicted, shutdown; `cause`: the model it made room
     for, or how long it was idle; `actor`: who asked). An unload the pool decided (idle, evicted)
     drains without a bound and keeps the waiters queued for the model's next load; it leaves a
-    model alone that is not LOADED or is pinned, and an idle one that a request came to since."""
+    model alone that is not LOADED or is pinned, and an idle one that a request came to since.
+    `before_stop` runs once what ran there has ended, before the replicas stop."""
     name = runtime.name
     if runtime.state in (ModelState.UNLOADED, ModelState.UNLOADING):
         raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
@@ -47,7 +51,8 @@ async def unload_model(runtime: ModelRuntime, drain: bool, reason: str, cause: s
         keep_waiters = reason in ("idle", "evicted")
         try:
             await teardown(runtime, drain=drain, keep_waiters=keep_waiters,
-                           measure=measure if reason != "shutdown" else None, drain_timeout_s=drain_timeout_s)
+                           measure=measure if reason != "shutdown" else None, drain_timeout_s=drain_timeout_s,
+                           before_stop=before_stop)
         except BaseException as exc:
             # Never leave UNLOADING behind: it refuses requests and a second unload alike.
             reason = "interrupted (the proxy is stopping)" if isinstance(exc, asyncio.CancelledError) else str(exc)
@@ -72,7 +77,7 @@ async def unload_model(runtime: ModelRuntime, drain: bool, reason: str, cause: s
 
 
 async def teardown(runtime: ModelRuntime, drain: bool, keep_waiters: bool = False, measure: Measure | None = None,
-                   drain_timeout_s: float = 0.0) -> None:
+                   drain_timeout_s: float = 0.0, before_stop: BeforeStop | None = None) -> None:
     """Stop serving `runtime` and stop its replicas. `keep_waiters`: its queue is held, its waiters
     wait for its next load (else they fail, model_unloading); `measure`: its footprint is recorded
     first; `drain`: what runs finishes first (bounded by `drain_timeout_s` unless `keep_waiters`)."""
@@ -88,6 +93,8 @@ async def teardown(runtime: ModelRuntime, drain: bool, keep_waiters: bool = Fals
         deadline = time.monotonic() + (math.inf if keep_waiters else drain_timeout_s)
         while runtime.admission.active > 0 and time.monotonic() < deadline:
             await runtime.wait_changed(0.05)
+    if before_stop is not None:
+        await before_stop(runtime)
     for replica in runtime.replicas:
         replica.cancel_tasks()
         runtime.set_replica_state(replica, ReplicaState.STOPPING)

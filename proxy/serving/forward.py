@@ -94,7 +94,7 @@ class upstream:
     """
 
     __slots__ = ("outcomes", "http", "runtime", "path", "payload", "request_id", "timeouts", "affinity", "raw",
-                 "replica", "resp", "send")
+                 "replica", "resp", "send", "slot")
 
     def __init__(self, outcomes: Outcomes, http: UpstreamHttp, runtime: ModelRuntime, path: str,
                  payload: dict[str, Any], request_id: str, timeouts: Timeouts, affinity: str | None = None,
@@ -135,11 +135,16 @@ class upstream:
             replica.sent += 1
             send = Send()
             taken = False
+            payload, raw, slot = self.payload, self.raw, None
+            if affinity is not None and replica.slots is not None:
+                # The conversation's own llama-server slot there, whose cache it left (or a restore put)
+                # there: proxy/lifecycle/state/slots.py.
+                slot = replica.slots.take(affinity)
+                payload, raw = {**payload, "id_slot": slot}, None
             try:
                 try:
                     with Deadline(max(0.0, deadline - loop.time())):
-                        resp = await _post(send, self.http, replica, self.path, self.payload, self.request_id,
-                                           self.raw)
+                        resp = await _post(send, self.http, replica, self.path, payload, self.request_id, raw)
                 except aiohttp.ClientConnectorError as exc:
                     outcomes.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
                     if send.second is None:
@@ -178,12 +183,12 @@ class upstream:
                     outcomes.report_connection_failure(replica, "answered 503 (not serving)")
                     failed_over = True
                     continue
-                self.replica, self.resp, self.send = replica, resp, send
+                self.replica, self.resp, self.send, self.slot = replica, resp, send, slot
                 taken = True
                 return replica, resp
             finally:
                 if not taken:
-                    await self._done(replica, send)
+                    await self._done(replica, send, slot)
         raise Unavailable(f"model {runtime.name!r} has no healthy replica right now", code="model_unavailable",
                           retry_after=2)
 
@@ -193,10 +198,12 @@ class upstream:
         try:
             await self.resp.__aexit__(exc_type, exc, tb)
         finally:
-            await self._done(self.replica, self.send)
+            await self._done(self.replica, self.send, self.slot)
 
-    async def _done(self, replica: Replica, send: Send) -> None:
+    async def _done(self, replica: Replica, send: Send, slot: int | None) -> None:
         self.runtime.release(replica)
+        if slot is not None and replica.slots is not None:
+            replica.slots.release(slot)
         if send.second is not None:
             await send.second.close()
 

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.lifecycle.kvcache.keeper import RESULTS
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import Replica, ReplicaState
 from proxy.serving.response_metrics import usage_numbers
@@ -128,8 +129,36 @@ class PoolCollector(Collector):
                     sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache, affine, spills,
                     waits, held, cached, hits, loads, unloads)
         yield from self._memory()
+        yield from self._kv_store()
         yield from self._hosts()
         yield from self._tasks()
+
+    def _kv_store(self) -> Iterator[Metric]:
+        # The slots kept across swaps (proxy/lifecycle/kvcache/), for the models that keep them.
+        kv = self.pool.kv
+        saved = CounterMetricFamily("llm_pool_kv_saved", "llama-server slots saved before the pool unloaded the "
+                                    "model (idle or evicted)", labels=["model"])
+        not_saved = CounterMetricFamily("llm_pool_kv_not_saved", "Slots holding a conversation that were not saved: "
+                                        "cut_short (the swap bound ran out) or over_budget (kv_store_mib)",
+                                        labels=["model", "reason"])
+        restored = CounterMetricFamily("llm_pool_kv_restored", "Saved slots given to a new replica: hit (restored), "
+                                       "miss (the engine refused it, or it no longer fit), stale (other settings, "
+                                       "model file or engine)", labels=["model", "result"])
+        stored = GaugeMetricFamily("llm_pool_kv_store_bytes", "Bytes of saved slots on disk", labels=["model"])
+        budget = GaugeMetricFamily("llm_pool_kv_store_budget_bytes", "The slot store's disk budget "
+                                   "(engine.lifecycle.kv_store_mib)")
+        budget.add_metric([], kv.store.budget)
+        for name, runtime in self.pool.models.items():
+            if not kv.applies(runtime.config):
+                continue
+            counts = kv.of(name)
+            saved.add_metric([name], counts.saved)
+            not_saved.add_metric([name, "cut_short"], counts.cut_short)
+            not_saved.add_metric([name, "over_budget"], counts.over_budget)
+            for result in RESULTS:
+                restored.add_metric([name, result], counts.restored.get(result, 0))
+            stored.add_metric([name], kv.store.bytes_of(name))
+        yield from (saved, not_saved, restored, stored, budget)
 
     def _hosts(self) -> Iterator[Metric]:
         # Every host the pool knows (`local` included): an alert on `llm_pool_host_up == 0` names

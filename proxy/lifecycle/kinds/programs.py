@@ -44,6 +44,9 @@ STOP_GRACE_S = 10.0
 # Chooses the host of each new replica: (model settings, replica indices, the hosts that hold a
 # program file of each index now) -> a host per index. The placer's (placer.Placer.hosts_for).
 HostChooser = Callable[[ModelConfig, list[int], Mapping[int, str]], Mapping[int, str]]
+# What the pool adds to a replica's program beyond its launcher's (the KV store's --slot-save-path):
+# (settings, spec, whether it runs on this machine) -> the spec to run.
+LaunchHook = Callable[[ModelConfig, ProgramSpec, bool], ProgramSpec]
 
 
 async def start_replica(client: SupervisorClient, replica: Replica) -> None:
@@ -63,12 +66,13 @@ class Programs:
     def __init__(self, settings: Settings, supervisor: SupervisorClient, environ: Mapping[str, str],
                  runtimes: Mapping[str, ModelRuntime], wake: Callable[[], None],
                  pid_record: PidRecord | None = None, hosts: Mapping[str, Host] | None = None,
-                 choose: HostChooser | None = None, *, events: Events) -> None:
+                 choose: HostChooser | None = None, *, events: Events, launch_hook: LaunchHook | None = None) -> None:
         self.settings = settings
         self.supervisor = supervisor
         self.hosts: dict[str, Host] = dict(hosts) if hosts is not None else \
             {LOCAL_HOST: Host(LOCAL_HOST, supervisor, settings.service.state_dir / "logs")}
         self.choose = choose
+        self.launch_hook = launch_hook
         self.environ = environ
         self.runtimes = runtimes      # every model's, for the ports their replicas hold
         self.wake = wake              # the pool's monitor: look again now, a program was started
@@ -172,8 +176,7 @@ class Programs:
         specs, hosts, texts = [], [], []
         for i in wanted:
             host = self.hosts[where.get(i, LOCAL_HOST if LOCAL_HOST in self.hosts else next(iter(self.hosts)))]
-            spec = launcher.launch(config, i, ports[i], self.settings.supervisor.stopwaitsecs, self.environ)
-            spec = on_host(spec, host.address) if host.address else spec
+            spec = self._spec(launcher, config, i, ports[i], host)
             specs.append(spec)
             hosts.append(host)
             # Rendered before anything changes: a value it refuses (launchers.spec.UnsafeProgramValue)
@@ -192,7 +195,7 @@ class Programs:
                     self._as_running(runtime, replica, launcher, found, host, log_dir)
                 log.info("model %s: adopting running replica %d (pid %d) on host %s%s", config.name, replica.index,
                          info.pid, host.name, f", out of date: {replica.outdated}" if replica.outdated else "")
-                replica.pid, replica.alive = info.pid, True
+                replica.pid, replica.alive, replica.adopted = info.pid, True, True
                 if host.local:   # an older version wrote it readable by all: the text stays, the mode tightens
                     self.replica_file(config.name, replica.index).chmod(PRIVATE_MODE)
                 runtime.set_replica_state(replica, ReplicaState.STARTING)
@@ -220,15 +223,20 @@ class Programs:
         self.wake()
         return added
 
+    def _spec(self, launcher: Launcher, config: ModelConfig, index: int, port: int, host: Host) -> ProgramSpec:
+        """Replica `index`'s program with `config` on `port` of `host`: its launcher's, reached at the
+        host's address, with what the pool adds (launch_hook)."""
+        spec = launcher.launch(config, index, port, self.settings.supervisor.stopwaitsecs, self.environ)
+        spec = on_host(spec, host.address) if host.address else spec
+        return self.launch_hook(config, spec, host.local) if self.launch_hook is not None else spec
+
     def _current(self, config: ModelConfig, launcher: Launcher, index: int, host_name: str, text: str) -> bool:
         """Whether program file `text` (replica `index`'s, on `host_name`) is what `config` gives now."""
         host = self.hosts.get(host_name)
         if host is None:
             return False
         program = program_name(config.name, index)
-        spec = launcher.launch(config, index, ports_in_file(text).get(program, 0),
-                               self.settings.supervisor.stopwaitsecs, self.environ)
-        spec = on_host(spec, host.address) if host.address else spec
+        spec = self._spec(launcher, config, index, ports_in_file(text).get(program, 0), host)
         try:
             return render_replica(config.name, spec, host.log_dir or self.settings.service.state_dir / "logs") == text
         except UnsafeProgramValue:
@@ -247,8 +255,7 @@ class Programs:
         old = runtime.kept
         if old is not None:
             try:
-                spec = launcher.launch(old, replica.index, port, self.settings.supervisor.stopwaitsecs, self.environ)
-                spec = on_host(spec, host.address) if host.address else spec
+                spec = self._spec(launcher, old, replica.index, port, host)
                 exact = render_replica(current.name, spec, log_dir) == text
             except Exception:   # kept by another version of llm-pool, say: reached as below
                 exact = False
@@ -256,8 +263,7 @@ class Programs:
                 replica.outdated = outdated_reason(what_changed(old, current), exact=True)
                 _set_spec(replica, spec)
                 return
-        spec = launcher.launch(current, replica.index, port, self.settings.supervisor.stopwaitsecs, self.environ)
-        spec = on_host(spec, host.address) if host.address else spec
+        spec = self._spec(launcher, current, replica.index, port, host)
         replica.outdated = outdated_reason(what_changed(old, current) if old is not None else [], exact=False)
         _set_spec(replica, spec)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from launchers.spec import ProgramSpec
 
 if TYPE_CHECKING:
+    from proxy.lifecycle.state.slots import SlotTable
     from proxy.upstream.reach import Reach
 
 
@@ -141,6 +142,12 @@ class Replica:
     # Adopted running a program other than what its model's settings give now (why, by setting
     # name); the pool replaces it by a current replica (proxy/lifecycle/rolling.py). None: current.
     outdated: str | None = None
+    # Which of its llama-server slots holds which conversation, while the KV store keeps its slots
+    # across swaps (proxy/lifecycle/kvcache/); None: requests go without `id_slot`.
+    slots: SlotTable | None = None
+    # Taken over running from an earlier proxy (a reload, a restart): which conversation is in which
+    # of its slots died with that proxy, so llama-server's own matching places them (no `id_slot`).
+    adopted: bool = False
 
     def note_cache(self, prompt_tokens: object, cached_tokens: object) -> None:
         """One answer's usage: a hit when the engine reused part of the prompt from its cache. An

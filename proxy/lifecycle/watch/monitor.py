@@ -28,6 +28,7 @@ from proxy.upstream.engine_metrics import read_gauges
 from proxy.lifecycle.watch.health import (HealthPolicy, ReadyChecks, note_exit, note_failure, note_success,
                                     state_after_check)
 from proxy.lifecycle.kinds.process_table import live, process_key
+from proxy.lifecycle.kvcache.keeper import KvKeeper
 from proxy.lifecycle.kinds.programs import Programs, start_replica
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.state.runtime import ModelRuntime
@@ -65,7 +66,7 @@ class Monitor:
 
     def __init__(self, settings: Settings, supervisor: SupervisorClient, http: UpstreamHttp,
                  models: Mapping[str, ModelRuntime], programs: Programs, events: Events,
-                 managed: ManagedSupervisord | None = None, *, wake: Wake) -> None:
+                 managed: ManagedSupervisord | None = None, *, wake: Wake, kv: KvKeeper | None = None) -> None:
         self.settings = settings
         self.events = events          # crashes are recorded there (and logged)
         self.supervisor = supervisor
@@ -73,6 +74,7 @@ class Monitor:
         self.models = models
         self.programs = programs
         self.managed = managed        # managed mode: the supervisord to start again should it die
+        self.kv = kv                  # restores the slots a replica's predecessor saved, before it serves
         self.health = HealthPolicy.from_settings(settings.service)
         self.checks = ReadyChecks(self.health, lambda spec, timeout_s: probe(self.http, spec, timeout_s), self.events)
         self.down: SupervisordDown | None = None
@@ -388,6 +390,11 @@ class Monitor:
                 return
             replica.warmup_s = seconds
             log.info("model %s replica %d warmed up in %.3fs", replica.model, replica.index, seconds)
+        if after == ReplicaState.READY and self.kv is not None:
+            # After the warm-up, whose request takes a slot of its own: the restored ones stay whole.
+            await self.kv.restore(runtime, replica, self.settings.lifecycle.swap_max_wait_s)
+            if replica.state != ReplicaState.STARTING or replica.pid != pid:
+                return
         runtime.set_replica_state(replica, after)
         if after == ReplicaState.READY:
             replica.last_error = None

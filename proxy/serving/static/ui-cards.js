@@ -47,7 +47,7 @@
 
   const SUMMARY = [["backend", "Backend"], ["replicas", "Replicas"], ["capacity", "Capacity"],
     ["routing", "Routing"], ["overrides", "Overrides"], ["memory", "Memory"], ["lifecycle", "Lifecycle"],
-    ["loads", "Loads / unloads"], ["error", "Last error"]];
+    ["loads", "Loads / unloads"], ["kv", "Slots kept across swaps"], ["error", "Last error"]];
   const REPLICA_COLUMNS = ["#", "Host", "State", "PID", "Port", "In flight", "Backend running / waiting", "KV cache",
     "Restarts", "Ejections", "Failures in a row", "Prefix cache hits", "Affinity keys / picks / spills",
     "Last error", "Log"];
@@ -97,6 +97,16 @@
     return card;
   }
 
+  // The slot store's figures for a llama-server model (README: KV cache across swaps); "–" for others.
+  function kvStore(kv) {
+    if (!kv) return "–";
+    const r = kv.restored || {};
+    const lost = [kv.cut_short ? `${kv.cut_short} cut short` : "", kv.over_budget ? `${kv.over_budget} over budget` : ""]
+      .filter(Boolean).join(", ");
+    return `${kv.stored_slots} stored (${fmtMiB(kv.stored_bytes / 1048576)}); saved ${kv.saved}` +
+      (lost ? ` (not saved: ${lost})` : "") + `; restored ${r.hit || 0} hit, ${r.miss || 0} missed, ${r.stale || 0} stale`;
+  }
+
   function updateCard(card, m) {
     card.model = m;
     stateBadge(card.badge, m.state);
@@ -122,6 +132,7 @@
     if (m.load_retry) life.push(`load retry ${m.load_retry.attempts}, next in ${m.load_retry.next_retry_in_s} s`);
     setText(f.lifecycle, life.join("; ") || "–");
     setText(f.loads, `${fmtOverrides(m.loads) || "0"} / ${fmtOverrides(m.unloads) || "0"}`);
+    setText(f.kv, kvStore(m.kv_store));
     setText(f.error, m.last_error || "none");
     f.error.className = m.last_error ? "error-text" : "";
 

@@ -1,0 +1,63 @@
+"""Which llama-server slot holds which conversation on one replica (the KV store, issue 33). Pure.
+
+A replica started with --parallel N has N slots, and the proxy never sends it more than N requests
+at once. A request with an affinity key goes to its key's slot (`id_slot`) when that slot is free,
+else to the free slot used least recently, which is then the key's. Without this, which slot a
+conversation sat in is known only to llama-server (its OpenAI answers do not say), so a slot saved
+before an eviction could not be given back to its conversation by name after the reload.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+
+class SlotTable:
+    def __init__(self, slots: int) -> None:
+        self.slots = max(1, slots)
+        self._key_of: dict[int, str] = {}             # slot -> the key whose cache it holds
+        self._slot_of: dict[str, int] = {}            # key -> its slot
+        self._busy: dict[int, int] = {}               # slot -> requests the proxy has there now
+        # Least recently used first: the order a new key takes a slot in.
+        self._used: OrderedDict[int, None] = OrderedDict((s, None) for s in range(self.slots))
+        self._at: dict[int, float] = {}               # slot -> when a request of ours last went there
+
+    def take(self, key: str) -> int:
+        """The slot for one request of `key`, marked busy until `release`."""
+        slot = self._slot_of.get(key)
+        if slot is None or self._busy.get(slot):
+            free = [s for s in self._used if not self._busy.get(s)]
+            # Every slot busy cannot happen while the proxy sends at most `slots` at once; should
+            # it (a request the client left, still ending there), the least recent one waits.
+            slot = free[0] if free else next(iter(self._used))
+            self.assign(key, slot)
+        self._busy[slot] = self._busy.get(slot, 0) + 1
+        self._used.move_to_end(slot)
+        self._at[slot] = time.monotonic()
+        return slot
+
+    def release(self, slot: int) -> None:
+        left = self._busy.get(slot, 0) - 1
+        if left > 0:
+            self._busy[slot] = left
+        else:
+            self._busy.pop(slot, None)
+
+    def assign(self, key: str, slot: int) -> None:
+        """`slot` holds `key`'s cache now (a request sent there, or a restore)."""
+        old_key = self._key_of.get(slot)
+        if old_key is not None:
+            self._slot_of.pop(old_key, None)
+        old_slot = self._slot_of.get(key)
+        if old_slot is not None:
+            self._key_of.pop(old_slot, None)
+        self._key_of[slot], self._slot_of[key] = key, slot
+        self._used.move_to_end(slot)
+
+    def key_of(self, slot: int) -> str | None:
+        return self._key_of.get(slot)
+
+    def last_used(self, slot: int) -> float:
+        """When a request of ours last went to `slot` (monotonic); 0 if none did (an unkeyed
+        request's slot is llama-server's choice, and then its own task ids order it)."""
+        return self._at.get(slot, 0.0)
