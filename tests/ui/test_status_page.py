@@ -32,7 +32,7 @@ def pool(tiny_gguf: Path, llama_server_bin: Path) -> Iterator[ProxyProcess]:
                 "sim": {"max_seqs": 1, "ttft_ms": 5, "decode_tokens_per_s": 40}},
         "demo": {"backend": "llama_server", "model_path": str(tiny_gguf), "llama_server_binary": str(llama_server_bin),
                  "llama_server_n_ctx": 4096, "target_inflight": 2, "enabled": False},
-    }, service={"admin_token_env": TOKEN_ENV})
+    }, service={"admin_token_env": TOKEN_ENV}, engine={"lifecycle": {"kv_store_mib": 64}})
     proxy.env[TOKEN_ENV] = TOKEN
     try:
         proxy.start()
@@ -114,6 +114,8 @@ def test_a_load_from_the_form_with_an_override_then_its_log_followed_then_an_unl
     form.get_by_role("button", name="Load demo").click()
     expect(result).to_contain_text("demo is loaded: 1 of 1 replicas ready", timeout=LOAD_S)
     expect(demo.locator('[data-field="overrides"]')).to_have_text("llama_server_n_ctx=2048")
+    expect(demo.locator('[data-field="kv"]')).to_have_text(
+        "0 stored (0.0 MiB); saved 0; restored 0 hit, 0 missed, 0 stale")   # its slot store (README: KV cache)
     expect(demo.locator("table.replicas tbody tr")).to_have_count(1)
     expect(demo.locator("table.replicas tbody tr td").nth(1)).to_have_text("local")   # its host
     expect(demo.locator("table.replicas tbody tr td").nth(2)).to_have_text("ready")

@@ -63,6 +63,9 @@ class Counts:
     cut_short: int = 0        # slots not saved because the time bound ran out
     over_budget: int = 0      # slots not saved because the budget was full of newer ones
     restored: Counter[str] = field(default_factory=Counter)   # by RESULTS
+    # How long the last unload's saves and the last replica's restores took, all told: what a swap waited.
+    last_save_s: float | None = None
+    last_restore_s: float | None = None
 
 
 class KvKeeper:
@@ -156,9 +159,10 @@ class KvKeeper:
                 break
             batch.append(entry.ident)
             counts.saved += 1
+        counts.last_save_s = round(time.monotonic() - (deadline - seconds), 4)
         if batch:
-            log.info("model %s: %d slots saved (%d bytes) before its unload", runtime.name, len(batch),
-                     sum(e.bytes for e in self.store.entries(runtime.name)))
+            log.info("model %s: %d slots saved (%d bytes) in %.3fs before its unload", runtime.name, len(batch),
+                     sum(e.bytes for e in self.store.entries(runtime.name)), counts.last_save_s)
 
     def stopped(self) -> None:
         """The replicas of an unload stopped: a file whose save was cut short, and that the engine
@@ -226,8 +230,9 @@ class KvKeeper:
             finally:
                 counts.restored[result] += 1
                 self.store.discard(entry)
-        log.info("model %s replica %d: %d saved slots restored (%s so far)", runtime.name, replica.index,
-                 len(entries), ", ".join(f"{r} {counts.restored[r]}" for r in RESULTS))
+        counts.last_restore_s = round(time.monotonic() - (deadline - seconds), 4)
+        log.info("model %s replica %d: %d saved slots given back in %.3fs (%s so far)", runtime.name, replica.index,
+                 len(entries), counts.last_restore_s, ", ".join(f"{r} {counts.restored[r]}" for r in RESULTS))
 
     def forget(self, model: str) -> None:
         """An admin unloaded `model`: what was saved of it is not wanted any more."""
@@ -238,4 +243,5 @@ class KvKeeper:
         entries = self.store.entries(model)
         return {"stored_slots": len(entries), "stored_bytes": sum(e.bytes for e in entries),
                 "saved": counts.saved, "cut_short": counts.cut_short, "over_budget": counts.over_budget,
-                "restored": {r: counts.restored.get(r, 0) for r in RESULTS}}
+                "restored": {r: counts.restored.get(r, 0) for r in RESULTS},
+                "last_save_s": counts.last_save_s, "last_restore_s": counts.last_restore_s}
