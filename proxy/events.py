@@ -25,7 +25,10 @@ HOST_DOWN = "host_down"      # a host's supervisord stopped answering
 HOST_UP = "host_up"          # it answered again
 ADMIN = "admin"              # an admin action, refused or not (actor: who)
 RELOAD = "reload"            # SIGUSR1: a new process took over (reason: took_over), or nothing changed (failed)
-KINDS = (LOAD, LOAD_FAILED, UNLOAD, EVICT, SCALE, RESTART, CRASH, EJECT, HOST_DOWN, HOST_UP, ADMIN, RELOAD)
+SLEEP = "sleep"              # an evicted model was put to sleep instead of stopped (cause: the model it made room for)
+WAKE = "wake"                # an asleep model woke (reason: on_demand, admin), or its wake failed (reason: failed)
+KINDS = (LOAD, LOAD_FAILED, UNLOAD, EVICT, SCALE, RESTART, CRASH, EJECT, HOST_DOWN, HOST_UP, ADMIN, RELOAD, SLEEP,
+         WAKE)
 
 DEFAULT_CAPACITY = 1000
 

@@ -55,6 +55,9 @@ class FakeSupervisor:
             raise BadName(fullname)
         return self.processes[fullname]
 
+    async def add_process_group(self, name: str) -> None:
+        self.calls.append(("add", name))
+
 
 class FakeManagedSupervisord:
     """FAKE of proxy.supervisord.managed.ManagedSupervisord: says whether supervisord died, and
@@ -1028,3 +1031,59 @@ class RecordingPlacerActions:
         runtime.move(ModelState.UNLOADING)
         runtime.move(ModelState.UNLOADED)
         return runtime
+
+
+class FakeSleepyVllm:
+    """FAKE `vllm serve --enable-sleep-mode` at the HTTP boundary (aiohttp on port 0): vLLM's sleep
+    mode needs CUDA, which these tests do not have (tests/gpu/vllm_sleep.sh runs the real one). It
+    serves /health and /v1/models (as `model`), POST /sleep?level=N, POST /wake_up and GET
+    /is_sleeping as vLLM's dev mode does; `sleep_status` and `wake_status` are what those answer
+    (a 500 is a sleep or wake that fails), `says_asleep` what is_sleeping says after a sleep.
+    Every call is in `calls` as (method, path with query)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.asleep = False
+        self.sleep_status = 200
+        self.wake_status = 200
+        self.says_asleep = True
+        self.calls: list[tuple[str, str]] = []
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> "FakeSleepyVllm":
+        async def health(request: web.Request) -> web.Response:
+            return web.Response()
+
+        async def models(request: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+        async def sleep(request: web.Request) -> web.Response:
+            self.calls.append(("POST", request.path_qs))
+            if self.sleep_status == 200:
+                self.asleep = self.says_asleep
+            return web.json_response({}, status=self.sleep_status)
+
+        async def wake_up(request: web.Request) -> web.Response:
+            self.calls.append(("POST", request.path_qs))
+            if self.wake_status == 200:
+                self.asleep = False
+            return web.json_response({}, status=self.wake_status)
+
+        async def is_sleeping(request: web.Request) -> web.Response:
+            self.calls.append(("GET", request.path_qs))
+            return web.json_response({"is_sleeping": self.asleep})
+
+        app = web.Application()
+        app.add_routes([web.get("/health", health), web.get("/v1/models", models), web.post("/sleep", sleep),
+                        web.post("/wake_up", wake_up), web.get("/is_sleeping", is_sleeping)])
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()

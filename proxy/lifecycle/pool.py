@@ -31,6 +31,7 @@ from proxy.lifecycle.kinds.remote import EndpointKind
 from proxy.lifecycle.kinds.stale_programs import remove_stale_programs
 from proxy.lifecycle.kvcache.keeper import KvKeeper
 from proxy.lifecycle.loading import kind_to_start, start_model
+from proxy.lifecycle import sleeping
 from proxy.lifecycle.placement.memory import Memory
 from proxy.lifecycle.placement.placer import Placer
 from proxy.lifecycle.rolling import Rolls
@@ -40,7 +41,7 @@ from proxy.lifecycle.state.outcomes import Outcomes
 from proxy.lifecycle.state.replicas import ModelState, Replica
 from proxy.lifecycle.state.runtime import Kind, ModelRuntime, runtimes_for
 from proxy.lifecycle.state.wake import Wake
-from proxy.lifecycle.unloading import unload_model
+from proxy.lifecycle.unloading import teardown, unload_model
 from proxy.lifecycle.watch.monitor import Monitor
 from proxy.upstream.client import UpstreamHttp
 from proxy.supervisord.hosts import Host, build_hosts
@@ -228,6 +229,16 @@ class Pool:
             self.placer.reserve(name, config)
         if evict:
             await self.placer.make_room(runtime, evict)
+        if runtime.state == ModelState.ASLEEP:
+            # On demand it wakes as it was loaded, as a loaded model serves its requests as it is.
+            woken = (reason == "on_demand" or config == runtime.active) and \
+                await sleeping.wake(runtime, counted, actor, self.monitor, self.http, self.events)
+            if woken:
+                self.tasks.spawn(self.placer.measure(runtime))
+                return runtime
+            # A wake that did not go through, or a load with other settings: stopped for real, and
+            # started from scratch below, as a load of a model that was never asleep.
+            await teardown(runtime, drain=False, keep_waiters=True)
         await start_model(runtime, config, kind, reason, counted, actor, self.monitor, self.events)
         self.tasks.spawn(self.placer.measure(runtime))
         return runtime
@@ -253,9 +264,14 @@ class Pool:
             self.kv.forget(name)   # nothing of it is wanted back: it is unloaded for good, or stopping
         save = partial(self._save_slots, cause=cause if reason == "evicted" else None) \
             if reason in ("idle", "evicted") else None
+        # Only an eviction sleeps (sleeping.py says why); an asleep model evicted again stops for real.
+        sleep = partial(sleeping.sleep_instead, cause=cause, may_sleep=self.placer.may_sleep,
+                        fell_asleep=self.placer.fell_asleep, http=self.http, events=self.events,
+                        measure=self.placer.measure) \
+            if reason == "evicted" and runtime.state == ModelState.LOADED and sleeping.can_sleep(runtime) else None
         try:
             return await unload_model(runtime, drain, reason, cause, actor, self.events, self.placer.measure,
-                                      self.settings.service.drain_timeout_s, before_stop=save)
+                                      self.settings.service.drain_timeout_s, before_stop=save, sleep=sleep)
         finally:
             self.kv.stopped()
             self._save_kept()   # an unloaded model keeps nothing: the next serve loads it as configured

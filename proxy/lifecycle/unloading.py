@@ -23,16 +23,19 @@ log = logging.getLogger(__name__)
 Measure = Callable[[ModelRuntime], Awaitable[None]]
 # Keeps what a model's replicas hold before they stop (the KV store's save, proxy/lifecycle/kvcache/).
 BeforeStop = Callable[[ModelRuntime], Awaitable[None]]
+# Instead of stopping it: True when the model was put to sleep (proxy/lifecycle/sleeping.py).
+Sleep = Callable[[ModelRuntime], Awaitable[bool]]
 
 
 async def unload_model(runtime: ModelRuntime, drain: bool, reason: str, cause: str | None, actor: str | None,
                        events: Events, measure: Measure, drain_timeout_s: float,
-                       before_stop: BeforeStop | None = None) -> ModelRuntime:
+                       before_stop: BeforeStop | None = None, sleep: Sleep | None = None) -> ModelRuntime:
     """Unload `runtime` (`reason`: admin, idle, evicted, shutdown; `cause`: the model it made room
     for, or how long it was idle; `actor`: who asked). An unload the pool decided (idle, evicted)
     drains without a bound and keeps the waiters queued for the model's next load; it leaves a
-    model alone that is not LOADED or is pinned, and an idle one that a request came to since.
-    `before_stop` runs once what ran there has ended, before the replicas stop."""
+    model alone that is not LOADED (or ASLEEP) or is pinned, and an idle one that a request came to
+    since. `before_stop` runs once what ran there has ended, before the replicas stop. `sleep`:
+    tried first; when it puts the model to sleep, nothing is stopped."""
     name = runtime.name
     if runtime.state in (ModelState.UNLOADED, ModelState.UNLOADING):
         raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
@@ -40,7 +43,8 @@ async def unload_model(runtime: ModelRuntime, drain: bool, reason: str, cause: s
         # It may have changed while this waited for the lock (a load that failed, a racing unload).
         if runtime.state == ModelState.UNLOADED:  # type: ignore[comparison-overlap]
             raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
-        if reason in ("idle", "evicted") and (runtime.state != ModelState.LOADED or runtime.config.pinned):
+        if reason in ("idle", "evicted") and (runtime.state not in (ModelState.LOADED, ModelState.ASLEEP)
+                                              or runtime.config.pinned):
             raise Conflict(f"model {name!r} is {runtime.state.value}: not unloaded ({reason})",
                            code="model_not_loaded")
         if reason == "idle" and (runtime.admission.active or runtime.admission.waiting):
@@ -50,6 +54,8 @@ async def unload_model(runtime: ModelRuntime, drain: bool, reason: str, cause: s
         started = time.monotonic()
         keep_waiters = reason in ("idle", "evicted")
         try:
+            if sleep is not None and await sleep(runtime):
+                return runtime
             await teardown(runtime, drain=drain, keep_waiters=keep_waiters,
                            measure=measure if reason != "shutdown" else None, drain_timeout_s=drain_timeout_s,
                            before_stop=before_stop)

@@ -128,6 +128,7 @@ class PoolCollector(Collector):
         yield from (ready, capacity, active, waiting, model_state, load_s, unload_s, state, in_rotation, inflight,
                     sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache, affine, spills,
                     waits, held, cached, hits, loads, unloads)
+        yield from self._sleep()
         yield from self._memory()
         yield from self._kv_store()
         yield from self._hosts()
@@ -159,6 +160,17 @@ class PoolCollector(Collector):
                 restored.add_metric([name, result], counts.restored.get(result, 0))
             stored.add_metric([name], kv.store.bytes_of(name))
         yield from (saved, not_saved, restored, stored, budget)
+
+    # -- sleep instead of stop (vllm_sleep_on_evict, proxy/lifecycle/sleeping.py) --------------------
+    def _sleep(self) -> Iterator[Metric]:
+        sleeps = CounterMetricFamily("llm_pool_model_sleeps", "Evictions that put the model to sleep instead of "
+                                     "stopping it", labels=["model"])
+        wakes = CounterMetricFamily("llm_pool_model_wakes", "Wakes from sleep that made the model ready",
+                                    labels=["model"])
+        for name, runtime in self.pool.models.items():
+            sleeps.add_metric([name], runtime.sleeps)
+            wakes.add_metric([name], runtime.wakes)
+        yield from (sleeps, wakes)
 
     def _hosts(self) -> Iterator[Metric]:
         # Every host the pool knows (`local` included): an alert on `llm_pool_host_up == 0` names

@@ -14,6 +14,10 @@ out what placement decides (proxy/lifecycle/placement/rules.py, where the rules 
   the higher of its estimate and its measured history): a measurement feeds the next load's charge
   and never evicts anything by itself. A charge that moved with each measurement made two models
   evict each other in turn as their figures swung (issue 29).
+- Sleep instead of stop (vllm_sleep_on_evict, proxy/lifecycle/sleeping.py): an eviction may put
+  a model to sleep when its replicas can and its host RAM has room for its weights (`may_sleep`).
+  Asleep, its GPU charge is dropped and its weights are charged to the CPU budget instead, fixed
+  when it fell asleep (`fell_asleep`); its wake is a load, admitted and charged afresh.
 - Usage times (each model's last use) are kept in the state directory, so that a restarted proxy
   that adopts a model does not count its idle time from zero (usage.py).
 
@@ -54,7 +58,8 @@ from proxy.supervisord.supervisor import SupervisorError
 log = logging.getLogger(__name__)
 
 _STATUS: dict[ModelState, Status] = {ModelState.UNLOADED: "cold", ModelState.LOADING: "loading",
-                                     ModelState.LOADED: "loaded", ModelState.UNLOADING: "unloading"}
+                                     ModelState.LOADED: "loaded", ModelState.UNLOADING: "unloading",
+                                     ModelState.ASLEEP: "asleep"}
 
 
 class Placer:
@@ -84,6 +89,9 @@ class Placer:
         # Charges fixed from an estimate alone, before any measurement of the model's settings
         # there: the first measurement raises them (below, in measure), once.
         self._estimated_only: set[tuple[str, str]] = set()
+        # What each asleep model is charged per replica, by host (its weights in host RAM): fixed when
+        # it fell asleep, dropped when it wakes or stops. While one is here it is charged this alone.
+        self._asleep: dict[str, dict[str, dict[str, int]]] = {}
 
     # -- hosts ------------------------------------------------------------------------------------
 
@@ -127,8 +135,14 @@ class Placer:
         """What a model that holds memory counts, with replica i on hosts[i], per host-qualified
         device: each replica's figure as it was when the model was admitted (fixed then, or the first
         time a host is counted for it, as for an adopted replica)."""
-        fixed = self._charges.setdefault(name, {})
         out: dict[str, int] = {}
+        asleep = self._asleep.get(name)
+        if asleep is not None:
+            for host in hosts:
+                for device, n in asleep.get(host, {}).items():
+                    out[qualify(host, device)] = out.get(qualify(host, device), 0) + n
+            return out
+        fixed = self._charges.setdefault(name, {})
         for host in hosts:
             per_replica = fixed.get(host)
             if per_replica is None:
@@ -191,16 +205,19 @@ class Placer:
                 needs = self.charge(name, config, (LOCAL_HOST,) * config.replicas)
             waiting = rt.admission.waiting
             backing_off = rt.backoff is not None and rt.backoff.until > now
+            asleep = status == "asleep"
             out.append(ModelView(
                 name=name, status=status, needs=needs, pinned=rt.config.pinned,
                 running=rt.admission.active, waiting=waiting,
                 waited_s=rt.admission.oldest_wait_s() if waiting else 0.0,
                 blocked_s=mono - self._blocked_since[name] if name in self._blocked_since else 0.0,
-                resident_s=mono - rt.loaded_at if rt.state == ModelState.LOADED else 0.0,
+                resident_s=mono - rt.loaded_at if rt.state in (ModelState.LOADED, ModelState.ASLEEP) else 0.0,
                 last_used=rt.last_used, reload_s=rt.load_s, idle_unload_s=rt.config.idle_unload_s,
-                wants_load=status == "cold" and waiting > 0 and rt.config.load_on_demand and not backing_off
-                and rt.kind is not None,
-                counted=bool(self.memory.placement(config).devices)))
+                wants_load=status in ("cold", "asleep") and waiting > 0 and rt.config.load_on_demand
+                and not backing_off and rt.kind is not None,
+                # Asleep it holds no GPU and serves nothing: not a loaded model for max_loaded_models.
+                counted=bool(self.memory.placement(config).devices) and not asleep,
+                wake_needs=self.memory.need(config).per_device if asleep else None))
         return out
 
     # -- admission of a load ----------------------------------------------------------------------
@@ -227,6 +244,7 @@ class Placer:
 
     def _drop_charge(self, name: str) -> None:
         self._charges.pop(name, None)
+        self._asleep.pop(name, None)
         self._estimated_only = {k for k in self._estimated_only if k[0] != name}
 
     def first_measured(self, name: str, config: ModelConfig, host: str) -> None:
@@ -391,6 +409,47 @@ class Placer:
             self._evicting.discard(name)
             self.wake()
 
+    # -- sleep instead of stop -------------------------------------------------------------------
+
+    def may_sleep(self, runtime: ModelRuntime) -> dict[str, dict[str, int]] | None:
+        """What `runtime` would be charged asleep, per replica by host, if an eviction may put it to
+        sleep now; None when it must stop: a replica that cannot sleep (its server was not started
+        with sleep mode) or is not READY, a model that runs on the CPU anyway (sleep frees only a
+        GPU), or host RAM without room for its weights beside what the CPU budget holds now."""
+        replicas = runtime.replicas
+        if not replicas or any(r.spec is None or r.spec.sleep is None or r.state != ReplicaState.READY
+                               for r in replicas):
+            return None
+        config = runtime.model
+        per_host: dict[str, dict[str, int]] = {}
+        for host in {r.host for r in replicas}:
+            devices = self.memory.placement(config, host).devices
+            if not devices or devices == (CPU,):
+                return None
+            weights = self.memory.estimate(config, devices).weights_bytes
+            # Weights not known from local files (a Hugging Face id): what it holds on its GPUs,
+            # which is more than its weights, never less.
+            per_host[host] = {CPU: weights or sum(self._charges.get(runtime.name, {}).get(host, {}).values())}
+        budgets = self.memory.budgets()
+        holding = [v for v in self.views() if v.status in HOLDING and v.name != runtime.name]
+        need: dict[str, int] = {}
+        for replica in replicas:
+            for device, n in per_host[replica.host].items():
+                need[qualify(replica.host, device)] = need.get(qualify(replica.host, device), 0) + n
+        for device, n in need.items():
+            if device in budgets and n > budgets[device] - sum(v.needs.get(device, 0) for v in holding):
+                log.info("model %s: no room on %s for its weights asleep (%d MiB): stopping it instead",
+                         runtime.name, device, n // (1024 * 1024))
+                return None
+        return per_host
+
+    def fell_asleep(self, name: str, charges: dict[str, dict[str, int]]) -> None:
+        """`name` is asleep: charged `charges` (per replica, by host) instead of what it held awake."""
+        self._charges.pop(name, None)
+        self._estimated_only = {k for k in self._estimated_only if k[0] != name}
+        self._asleep[name] = charges
+        self.wake()
+
     # -- footprints -------------------------------------------------------------------------------
 
     async def measure(self, runtime: ModelRuntime) -> None:
@@ -434,8 +493,9 @@ class Placer:
         """The lifecycle fields of a model's admin row (placer_view.py)."""
         holding = runtime.name in self._loading or _STATUS.get(runtime.state) in HOLDING or \
             (runtime.state == ModelState.FAILED and bool(runtime.replicas))
+        charges = self._asleep.get(runtime.name) or self._charges.get(runtime.name)
         return placer_view.model_fields(runtime, self.memory, self.waiting.get(runtime.name),
-                                        self._charges.get(runtime.name) if holding else None, self.clock.time())
+                                        charges if holding else None, self.clock.time())
 
     def describe(self) -> dict[str, Any]:
         """GET /v1/admin/memory (placer_view.py)."""

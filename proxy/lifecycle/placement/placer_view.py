@@ -49,7 +49,7 @@ def memory_report(views: Sequence[ModelView], memory: Memory, life: LifecycleSet
         for device, need in view.needs.items():
             row = devices.setdefault(device, {"used_bytes": 0, "reserved_bytes": 0, "unloading_bytes": 0,
                                               "models": []})
-            if view.status in ("loaded", "unloading"):
+            if view.status in ("loaded", "unloading", "asleep"):
                 row["used_bytes"] += need
                 row["unloading_bytes"] += need if view.status == "unloading" else 0
                 row["models"].append(view.name)

@@ -27,6 +27,10 @@ The rules (README: More models than memory):
 - Idle unload: a loaded, unpinned model with nothing running or waiting, `idle_unload_s` after its
   last use. Pinned models are never unloaded by the pool.
 - Cold models with waiters are considered oldest waiter first.
+- An asleep model (evicted into vLLM's sleep mode) holds only its weights in host RAM: it counts
+  there (not on its GPU, not toward max_loaded_models), is evicted like an idle loaded model (a real
+  stop, to free that RAM) and idle-unloaded like one; a request for it is a load that needs what
+  it holds awake (`wake_needs`), its host RAM being given back by the wake.
 """
 from __future__ import annotations
 
@@ -40,8 +44,10 @@ CLOSE = 0.1
 # The pseudo-device of the count cap (engine.lifecycle.max_loaded_models) in a Shortfall.
 COUNT = "count"
 
-Status = Literal["cold", "loading", "loaded", "unloading"]
-HOLDING: frozenset[str] = frozenset({"loading", "loaded", "unloading"})
+Status = Literal["cold", "loading", "loaded", "unloading", "asleep"]
+HOLDING: frozenset[str] = frozenset({"loading", "loaded", "unloading", "asleep"})
+# What may be evicted (and idle-unloaded): an asleep model is stopped for real.
+RESIDENT: frozenset[str] = frozenset({"loaded", "asleep"})
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,9 @@ class ModelView:
     reload_s: float | None = None     # how long its last load took
     idle_unload_s: float | None = None
     wants_load: bool = False          # cold, with waiters, loads on demand, not backing off
-    counted: bool = True              # counts toward max_loaded_models (remote endpoints do not)
+    counted: bool = True              # counts toward max_loaded_models (remote endpoints and asleep models do not)
+    # An asleep model's needs once awake (`needs` is what it holds asleep); None for any other.
+    wake_needs: Mapping[str, int] | None = None
 
     @property
     def busy(self) -> bool:
@@ -135,7 +143,7 @@ def room_for(name: str, models: Iterable[ModelView], limits: Limits, now: float,
     model loaded `resident_after_s` may be evicted; a busy one only with `may_evict_busy`, once it
     has been loaded `busy_after_s`."""
     views = {m.name: m for m in models}
-    target = views[name]
+    target = awake(views[name])
     holding = [m for m in views.values() if m.status in HOLDING and m.name != name]
     devices = [d for d in target.needs if d in limits.budgets]
     free = {d: limits.budgets[d] - sum(m.needs.get(d, 0) for m in holding) for d in devices}
@@ -155,7 +163,7 @@ def room_for(name: str, models: Iterable[ModelView], limits: Limits, now: float,
             out.append(COUNT)
         return out
 
-    evictable = [m for m in holding if m.status == "loaded" and not m.pinned and may_evict]
+    evictable = [m for m in holding if m.status in RESIDENT and not m.pinned and may_evict]
     idle = _eviction_order([m for m in evictable if not m.busy], now)
     busy = sorted((m for m in evictable if m.busy and m.resident_s >= max(busy_after_s, resident_after_s)),
                   key=lambda m: m.last_used)
@@ -198,7 +206,7 @@ def plan(models: Iterable[ModelView], limits: Limits, now: float) -> Plan:
         out.wake_in_s = after_s if out.wake_in_s is None else min(out.wake_in_s, after_s)
 
     for m in list(state.values()):
-        if m.status != "loaded" or m.pinned or m.idle_unload_s is None or m.busy:
+        if m.status not in RESIDENT or m.pinned or m.idle_unload_s is None or m.busy:
             continue
         left = m.last_used + m.idle_unload_s - now
         if left <= 0:
@@ -228,10 +236,17 @@ def plan(models: Iterable[ModelView], limits: Limits, now: float) -> Plan:
                 wake(min(young))
             continue
         out.loads.append((demand.name, room.evict))
-        state[demand.name] = replace(demand, status="loading", wants_load=False)
+        state[demand.name] = replace(awake(demand), status="loading", wants_load=False)
         for victim in room.evict:   # they hold their memory until they are gone
             state[victim] = replace(state[victim], status="unloading")
     return out
+
+
+def awake(m: ModelView) -> ModelView:
+    """`m` as a load sees it: an asleep model needs what it holds awake, and counts again."""
+    if m.status != "asleep" or m.wake_needs is None:
+        return m
+    return replace(m, needs=m.wake_needs, wake_needs=None, counted=True)
 
 
 def swap_bound(models: Iterable[ModelView], limits: Limits) -> float:
@@ -263,13 +278,13 @@ def _eviction_order(idle: list[ModelView], now: float) -> list[ModelView]:
 
 def _shortfall(device: str, target: ModelView, free: Mapping[str, int], holding: list[ModelView],
                limits: Limits) -> Shortfall:
-    freeable = sum(m.needs.get(device, 0) for m in holding if m.status == "loaded" and not m.pinned)
+    freeable = sum(m.needs.get(device, 0) for m in holding if m.status in RESIDENT and not m.pinned)
     return Shortfall(device=device, needed=target.needs[device], free=free[device], freeable=freeable,
                      budget=limits.budgets[device])
 
 
 def _count_shortfall(cap: int, holding: list[ModelView]) -> Shortfall:
-    unloadable = sum(1 for m in holding if m.counted and m.status == "loaded" and not m.pinned)
+    unloadable = sum(1 for m in holding if m.counted and m.status in RESIDENT and not m.pinned)
     return Shortfall(device=COUNT, needed=1, free=cap - sum(1 for m in holding if m.counted),
                      freeable=unloadable, budget=cap)
 

@@ -33,6 +33,10 @@ class ReplicaState(str, enum.Enum):
     # starting. Out of rotation like every state but READY; when the host answers again it goes to
     # STARTING (adopted or started again) and back to READY only through its health check.
     HOST_UNREACHABLE = "host_unreachable"
+    # Its process runs with its weights in host RAM and no KV cache (vLLM's sleep mode, level 1):
+    # out of rotation and not health-checked; a wake sends it back through STARTING, so that only
+    # a passed health check makes it READY again (proxy/lifecycle/sleeping.py).
+    ASLEEP = "asleep"
 
 
 _TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
@@ -41,7 +45,8 @@ _TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
                                       ReplicaState.STOPPED, ReplicaState.UNHEALTHY,
                                       ReplicaState.HOST_UNREACHABLE}),
     ReplicaState.READY: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED,
-                                   ReplicaState.FAILED, ReplicaState.UNHEALTHY, ReplicaState.HOST_UNREACHABLE}),
+                                   ReplicaState.FAILED, ReplicaState.UNHEALTHY, ReplicaState.HOST_UNREACHABLE,
+                                   ReplicaState.ASLEEP}),
     ReplicaState.UNHEALTHY: frozenset({ReplicaState.READY, ReplicaState.STARTING, ReplicaState.STOPPING,
                                        ReplicaState.STOPPED, ReplicaState.FAILED, ReplicaState.HOST_UNREACHABLE}),
     ReplicaState.STOPPING: frozenset({ReplicaState.STOPPED}),
@@ -51,6 +56,9 @@ _TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
     # start timeout passed first.
     ReplicaState.HOST_UNREACHABLE: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED,
                                               ReplicaState.FAILED}),
+    # STARTING: woken, its health check next; STOPPING: stopped for real (an unload, a failed wake).
+    ReplicaState.ASLEEP: frozenset({ReplicaState.STARTING, ReplicaState.STOPPING, ReplicaState.STOPPED,
+                                    ReplicaState.FAILED}),
 }
 
 
@@ -60,6 +68,9 @@ class ModelState(str, enum.Enum):
     LOADED = "loaded"
     UNLOADING = "unloading"
     FAILED = "failed"
+    # Evicted into sleep (vllm_sleep_on_evict): its processes run, its weights in host RAM; nothing
+    # is routed to it, and a request or an admin load wakes it (proxy/lifecycle/sleeping.py).
+    ASLEEP = "asleep"
 
 
 _MODEL_TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
@@ -68,8 +79,12 @@ _MODEL_TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
     ModelState.LOADING: frozenset({ModelState.LOADED, ModelState.FAILED}),
     ModelState.LOADED: frozenset({ModelState.UNLOADING, ModelState.FAILED}),
     # FAILED from UNLOADING: the unload did not finish; another unload starts over from FAILED.
-    ModelState.UNLOADING: frozenset({ModelState.UNLOADED, ModelState.FAILED}),
+    # ASLEEP from UNLOADING: an eviction that put the model to sleep instead of stopping it.
+    ModelState.UNLOADING: frozenset({ModelState.UNLOADED, ModelState.FAILED, ModelState.ASLEEP}),
     ModelState.FAILED: frozenset({ModelState.LOADING, ModelState.UNLOADING}),
+    # LOADING: a wake (or, should it fail, a load from scratch); UNLOADING: stopped for real;
+    # FAILED: a load found it cannot start (a setting): its processes stay for an unload to stop.
+    ModelState.ASLEEP: frozenset({ModelState.LOADING, ModelState.UNLOADING, ModelState.FAILED}),
 }
 
 

@@ -71,6 +71,11 @@ class ModelRuntime:
     loads: dict[str, int] = field(default_factory=dict)     # finished loads by reason
     unloads: dict[str, int] = field(default_factory=dict)   # finished unloads by reason
     loaded_at: float = 0.0                  # when it last became LOADED (monotonic)
+    # Evictions into sleep and wakes from it (proxy/lifecycle/sleeping.py), and how long the last took.
+    sleeps: int = 0
+    wakes: int = 0
+    sleep_s: float | None = None
+    wake_s: float | None = None
     # The settings its running replicas were started with, as the last proxy kept them
     # (proxy/lifecycle/kept.py): how to reach one that runs other settings than `active`. None: unknown.
     kept: ModelConfig | None = None
@@ -265,6 +270,8 @@ class ModelRuntime:
             "overrides": changed(self.config.options, cfg.options),
             "last_error": self.last_error,
             "load_retry": self.load_retry.describe() if self.load_retry is not None else None,
+            "sleeps": self.sleeps, "wakes": self.wakes,
+            "last_wake_s": round(self.wake_s, 3) if self.wake_s is not None else None,
             **(self.kind.describe(cfg) if self.kind is not None else {}),
         }
 
