@@ -240,6 +240,8 @@ class Pool:
             # started from scratch below, as a load of a model that was never asleep.
             await teardown(runtime, drain=False, keep_waiters=True)
         await start_model(runtime, config, kind, reason, counted, actor, self.monitor, self.events)
+        if reason == "adopted":
+            await sleeping.wake_adopted(runtime, self.http, self.events)
         self.tasks.spawn(self.placer.measure(runtime))
         return runtime
 

@@ -159,3 +159,17 @@ async def wake(runtime: ModelRuntime, reason: str, actor: str | None, monitor: W
                   f"{len(runtime.ready())} of {len(runtime.replicas)} replicas ready",
                   model=name, reason=reason, actor=actor)
     return True
+
+
+async def wake_adopted(runtime: ModelRuntime, http: UpstreamHttp, events: Events) -> None:
+    """A restarted proxy adopted `runtime`'s running replicas: one an earlier proxy put to sleep
+    passes its health check asleep (vLLM answers /health and /v1/models then) but refuses every
+    request, so each that says it sleeps is woken. Its memory was charged as a loaded model's."""
+    for replica in runtime.ready():
+        if replica.spec is None or replica.spec.sleep is None or await _sleeping(http, replica) is not True:
+            continue
+        error = await _call(http, replica, replica.spec.sleep.wake_path)
+        events.record(ev.WAKE, f"model {runtime.name} replica {replica.index} was adopted asleep: "
+                      + (f"its wake failed ({error})" if error else "woken"), model=runtime.name,
+                      replica=replica.index, reason="failed" if error else "adopted",
+                      level=logging.WARNING if error else logging.INFO)

@@ -15,6 +15,7 @@ from launchers import vllm_serve
 from proxy import events as ev
 from proxy.config.loading import load_settings
 from proxy.gpu.footprint import gpu_totals
+from proxy.lifecycle import sleeping
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.supervisord.supervisor import ProcessState
@@ -217,3 +218,12 @@ async def test_an_idle_unload_stops_it_and_never_sleeps(world: World) -> None:
     world.load()
     await world.pool.unload_by_pool("v", "idle", "60s")
     assert world.runtime.state == ModelState.UNLOADED and world.vllm.calls == []
+
+
+async def test_a_replica_adopted_asleep_is_woken_and_an_awake_one_left_alone(world: World) -> None:
+    world.load()
+    await sleeping.wake_adopted(world.runtime, world.pool.http, world.pool.events)
+    assert ("POST", "/wake_up") not in world.vllm.calls   # it said it was awake
+    world.vllm.asleep = True   # an earlier proxy put it to sleep; this one adopted it as running
+    await sleeping.wake_adopted(world.runtime, world.pool.http, world.pool.events)
+    assert ("POST", "/wake_up") in world.vllm.calls and not world.vllm.asleep
