@@ -1,0 +1,102 @@
+"""A conversation's requests carry its llama-server slot (`id_slot`) on a replica whose slots the
+KV store keeps (Replica.slots), and the slot is free again once the answer is done, whether it was
+sent once or again on a new connection. Real HTTP on loopback to a FAKE llama-server that records
+what it read (tests/fakes.py); tests/integration/test_kv_store_llama_server.py does it for real."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from fakes import FakeLlamaServerHTTP, FakeSupervisor
+from in_process import in_rotation, serve_routes
+from launchers import llama_server
+from proxy.config.loading import load_settings
+from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.state.replicas import Replica
+from proxy.lifecycle.state.slots import SlotTable
+from proxy.serving.affinity_key import digest
+from proxy.serving.forward import upstream_session
+from proxy.upstream.reach import ProgramReach
+
+
+@pytest.fixture
+async def start(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[tuple[Any, ...]]]]:
+    async with contextlib.AsyncExitStack() as stack:
+        async def make(slots: bool = True, routing: str = "affinity",
+                       **fake_options: Any) -> tuple[str, aiohttp.ClientSession, Replica, FakeLlamaServerHTTP]:
+            fake = await stack.enter_async_context(FakeLlamaServerHTTP(**fake_options))
+            (tmp_path / "pool.yaml").write_text(
+                f"service: {{state_dir: {tmp_path}}}\n"
+                f"engine: {{models: {{m: {{backend: llama_server, model_path: {tmp_path / 'm.gguf'}, "
+                f"llama_server_binary: /bin/true, target_inflight: 3, routing: {routing}}}}}}}\n")
+            settings = load_settings(tmp_path / "pool.yaml")
+            http = await stack.enter_async_context(upstream_session())
+            pool = Pool(settings, FakeSupervisor(), http, environ={})  # type: ignore[arg-type]
+            spec = llama_server.launch(settings.models["m"], 0, fake.port, 5, {})
+            replica = Replica(model="m", index=0, spec=spec, fullname="m:r0", pid=os.getpid(), reach=ProgramReach(spec))
+            replica.slots = SlotTable(3) if slots else None
+            in_rotation(pool, "m", [replica])
+            url = await serve_routes(stack, settings, pool, http)
+            client = await stack.enter_async_context(aiohttp.ClientSession())
+            return url, client, replica, fake
+        yield make
+
+
+async def chat(client: aiohttp.ClientSession, url: str, session: str, stream: bool = False) -> int:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+    async with client.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": session}) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def settled(replica: Replica) -> None:
+    """Until the proxy has let go of the replica: a streamed answer's last bytes reach the client
+    before the handler that sent them has released its replica (and slot)."""
+    for _ in range(500):
+        if replica.inflight == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"replica still has {replica.inflight} requests in flight")
+
+
+def sent_slots(fake: FakeLlamaServerHTTP) -> list[Any]:
+    return [body.get("id_slot") for _conn, _path, body, _headers in fake.requests]
+
+
+async def test_each_conversation_goes_to_its_own_slot_and_back_to_it(start: Any) -> None:
+    url, client, replica, fake = await start()
+    for session in ("a", "b", "a", "c", "b"):
+        assert await chat(client, url, session) == 200
+        await settled(replica)
+    assert sent_slots(fake) == [0, 1, 0, 2, 1]
+    assert replica.slots.take("d") == 0   # every slot is free again: the least recently used first
+
+
+async def test_a_stream_sent_again_on_a_new_connection_keeps_its_slot_and_frees_it(start: Any) -> None:
+    url, client, replica, fake = await start()
+    # The fake closes a streamed answer's connection as the next request arrives on it: that next
+    # request is sent once more on a new connection (forward._post), with the same slot.
+    assert await chat(client, url, "a", stream=True) == 200
+    assert await chat(client, url, "a", stream=True) == 200
+    assert set(sent_slots(fake)) == {0}
+    await settled(replica)
+    # a's slot was freed each time: it is a's again, and a new conversation takes another.
+    assert replica.slots.take(digest("s", "a")) == 0 and replica.slots.take("new") == 1
+
+
+async def test_without_kept_slots_or_an_affinity_key_the_body_goes_as_it_came(start: Any) -> None:
+    url, client, _replica, fake = await start(slots=False)
+    assert await chat(client, url, "a") == 200
+    assert sent_slots(fake) == [None]
+
+
+async def test_least_loaded_routing_sends_no_slot(start: Any) -> None:
+    url, client, _replica, fake = await start(routing="least_loaded")
+    assert await chat(client, url, "a") == 200
+    assert sent_slots(fake) == [None]
