@@ -262,8 +262,6 @@ class Pool:
     async def _unload(self, name: str, drain: bool, reason: str, cause: str | None = None,
                       actor: str | None = None) -> ModelRuntime:
         runtime = self.get(name)
-        if reason not in ("idle", "evicted"):
-            self.kv.forget(name)   # nothing of it is wanted back: it is unloaded for good, or stopping
         save = partial(self._save_slots, cause=cause if reason == "evicted" else None) \
             if reason in ("idle", "evicted") else None
         # Only an eviction sleeps (sleeping.py says why); an asleep model evicted again stops for real.
@@ -272,11 +270,14 @@ class Pool:
                         measure=self.placer.measure) \
             if reason == "evicted" and runtime.state == ModelState.LOADED and sleeping.can_sleep(runtime) else None
         try:
-            return await unload_model(runtime, drain, reason, cause, actor, self.events, self.placer.measure,
-                                      self.settings.service.drain_timeout_s, before_stop=save, sleep=sleep)
+            unloaded = await unload_model(runtime, drain, reason, cause, actor, self.events, self.placer.measure,
+                                          self.settings.service.drain_timeout_s, before_stop=save, sleep=sleep)
         finally:
             self.kv.stopped()
             self._save_kept()   # an unloaded model keeps nothing: the next serve loads it as configured
+        if reason not in ("idle", "evicted"):
+            self.kv.forget(name)   # an admin's unload, or a stop: nothing saved of it is wanted back
+        return unloaded
 
     async def _save_slots(self, runtime: ModelRuntime, cause: str | None) -> None:
         """Before the pool's unload of `runtime` stops its replicas: its slots saved, for as long as
