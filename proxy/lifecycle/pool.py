@@ -266,8 +266,7 @@ class Pool:
             if reason in ("idle", "evicted") else None
         # Only an eviction sleeps (sleeping.py says why); an asleep model evicted again stops for real.
         sleep = partial(sleeping.sleep_instead, cause=cause, may_sleep=self.placer.may_sleep,
-                        fell_asleep=self.placer.fell_asleep, http=self.http, events=self.events,
-                        measure=self.placer.measure) \
+                        fell_asleep=self.placer.fell_asleep, http=self.http, events=self.events) \
             if reason == "evicted" and runtime.state == ModelState.LOADED and sleeping.can_sleep(runtime) else None
         try:
             unloaded = await unload_model(runtime, drain, reason, cause, actor, self.events, self.placer.measure,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Protocol
+from typing import Callable, Protocol
 
 import aiohttp
 
@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 SLEEP_TIMEOUT_S = 120.0
 # What each asleep replica is charged, by host: placement's figure (placer.may_sleep).
 Charges = dict[str, dict[str, int]]
-Measure = Callable[[ModelRuntime], Awaitable[None]]
 
 
 class Waker(Protocol):
@@ -87,15 +86,11 @@ async def _put_to_sleep(http: UpstreamHttp, replica: Replica) -> str | None:
 
 
 async def sleep_instead(runtime: ModelRuntime, cause: str | None, may_sleep: Callable[[ModelRuntime], Charges | None],
-                        fell_asleep: Callable[[str, Charges], None], http: UpstreamHttp, events: Events,
-                        measure: Measure) -> bool:
-    """An eviction of `runtime` (UNLOADING, under its lock): drain it, then put every replica to
-    sleep and make the model ASLEEP (True); or False, and the caller stops it as any eviction:
-    placement found no room for it asleep, or a replica's sleep did not go through."""
-    runtime.admission.hold()   # its waiters wait for its wake
-    await measure(runtime)     # its footprint as it grew with use, as before a stop
-    while runtime.admission.active > 0:   # the pool's own eviction never cuts a request short
-        await runtime.wait_changed(0.05)
+                        fell_asleep: Callable[[str, Charges], None], http: UpstreamHttp, events: Events) -> bool:
+    """An eviction of `runtime` (UNLOADING, under its lock, measured and drained, its waiters held
+    for its wake: unloading.stop_serving): put every replica to sleep and make the model ASLEEP
+    (True); or False, and the caller stops it as any eviction: placement found no room for it
+    asleep, or a replica's sleep did not go through."""
     charges = may_sleep(runtime)
     if charges is None:
         return False

@@ -35,7 +35,7 @@ async def unload_model(runtime: ModelRuntime, drain: bool, reason: str, cause: s
     drains without a bound and keeps the waiters queued for the model's next load; it leaves a
     model alone that is not LOADED (or ASLEEP) or is pinned, and an idle one that a request came to
     since. `before_stop` runs once what ran there has ended, before the replicas stop. `sleep`:
-    tried first; when it puts the model to sleep, nothing is stopped."""
+    tried once it has drained, before anything stops; when it puts the model to sleep, nothing is."""
     name = runtime.name
     if runtime.state in (ModelState.UNLOADED, ModelState.UNLOADING):
         raise Conflict(f"model {name!r} is not loaded", code="model_not_loaded")
@@ -54,11 +54,11 @@ async def unload_model(runtime: ModelRuntime, drain: bool, reason: str, cause: s
         started = time.monotonic()
         keep_waiters = reason in ("idle", "evicted")
         try:
+            await stop_serving(runtime, drain=drain, keep_waiters=keep_waiters,
+                               measure=measure if reason != "shutdown" else None, drain_timeout_s=drain_timeout_s)
             if sleep is not None and await sleep(runtime):
                 return runtime
-            await teardown(runtime, drain=drain, keep_waiters=keep_waiters,
-                           measure=measure if reason != "shutdown" else None, drain_timeout_s=drain_timeout_s,
-                           before_stop=before_stop)
+            await stop_replicas(runtime, before_stop=before_stop)
         except BaseException as exc:
             # Never leave UNLOADING behind: it refuses requests and a second unload alike.
             reason = "interrupted (the proxy is stopping)" if isinstance(exc, asyncio.CancelledError) else str(exc)
@@ -84,9 +84,16 @@ async def unload_model(runtime: ModelRuntime, drain: bool, reason: str, cause: s
 
 async def teardown(runtime: ModelRuntime, drain: bool, keep_waiters: bool = False, measure: Measure | None = None,
                    drain_timeout_s: float = 0.0, before_stop: BeforeStop | None = None) -> None:
-    """Stop serving `runtime` and stop its replicas. `keep_waiters`: its queue is held, its waiters
-    wait for its next load (else they fail, model_unloading); `measure`: its footprint is recorded
-    first; `drain`: what runs finishes first (bounded by `drain_timeout_s` unless `keep_waiters`)."""
+    """Stop serving `runtime` and stop its replicas (stop_serving, then stop_replicas)."""
+    await stop_serving(runtime, drain, keep_waiters, measure, drain_timeout_s)
+    await stop_replicas(runtime, before_stop)
+
+
+async def stop_serving(runtime: ModelRuntime, drain: bool, keep_waiters: bool = False, measure: Measure | None = None,
+                       drain_timeout_s: float = 0.0) -> None:
+    """Take no more requests for `runtime`. `keep_waiters`: its queue is held, its waiters wait for
+    its next load (else they fail, model_unloading); `measure`: its footprint is recorded first;
+    `drain`: what runs finishes first (bounded by `drain_timeout_s` unless `keep_waiters`)."""
     if keep_waiters:
         runtime.admission.hold()   # they wait for its next load
     else:
@@ -99,6 +106,10 @@ async def teardown(runtime: ModelRuntime, drain: bool, keep_waiters: bool = Fals
         deadline = time.monotonic() + (math.inf if keep_waiters else drain_timeout_s)
         while runtime.admission.active > 0 and time.monotonic() < deadline:
             await runtime.wait_changed(0.05)
+
+
+async def stop_replicas(runtime: ModelRuntime, before_stop: BeforeStop | None = None) -> None:
+    """Stop the replicas of `runtime`, which serves nothing now (stop_serving); `before_stop` first."""
     if before_stop is not None:
         await before_stop(runtime)
     for replica in runtime.replicas:
