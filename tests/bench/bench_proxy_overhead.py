@@ -261,35 +261,27 @@ async def bench(args: argparse.Namespace, proxy: ProxyProcess, direct: str, remo
                 block_figures = figures.setdefault((kind, concurrency), {})
                 await block(session, f"pass-through {kind}", targets, args.requests if kind == "json" else n_stream,
                             concurrency, args.rounds, args.events if kind == "stream" else None, block_figures)
-        for kind, body in kinds(args) if "responses" in args.blocks else ():
-            stream = kind == "stream"
-            targets = [Target("direct", direct + chat, body),
-                       Target("forwarder", fwd["forwarder"][1] + chat, body, pid=fwd["forwarder"][0]),
-                       Target("llm-pool chat", proxy.url + chat, body, pid=pid),
-                       Target("llm-pool resp", proxy.url + "/v1/responses", {**RESPONSES, "stream": stream}, pid=pid)]
-            targets += [Target(name + " resp", url + "/v1/responses", {**RESPONSES, "stream": stream}, pid=pid_)
-                        for name, url, pid_ in base]
-            for t in targets:
-                await _timed_round(session, t, 20, 4, Tally())
-            for concurrency in (1, 32):
-                await block(session, f"/v1/responses {kind}", targets, args.requests if not stream else n_stream,
-                            concurrency, args.rounds, args.events if stream else None,
-                            figures.setdefault((f"responses {kind}", concurrency), {}))
-        for kind, body in kinds(args) if "messages" in args.blocks else ():
-            # Anthropic Messages on a replica that does not speak it: translated onto chat and back.
-            # (The routes passed through as they are, rerank, infill, tokenize, count_tokens and
-            # Messages at llama-server, take chat's own path: forward() with one more check.)
-            stream = kind == "stream"
-            targets = [Target("direct", direct + chat, body),
-                       Target("forwarder", fwd["forwarder"][1] + chat, body, pid=fwd["forwarder"][0]),
-                       Target("llm-pool chat", proxy.url + chat, body, pid=pid),
-                       Target("llm-pool msgs", proxy.url + "/v1/messages", {**ANTHROPIC, "stream": stream}, pid=pid)]
-            for t in targets:
-                await _timed_round(session, t, 20, 4, Tally())
-            for concurrency in (1, 32):
-                await block(session, f"/v1/messages {kind}", targets, args.requests if not stream else n_stream,
-                            concurrency, args.rounds, args.events if stream else None,
-                            figures.setdefault((f"messages {kind}", concurrency), {}))
+        # /v1/responses, and Anthropic Messages on a replica that does not speak it: each translated
+        # onto chat and back. (The routes passed through as they are, rerank, infill, tokenize,
+        # count_tokens and Messages at llama-server, take chat's own path: forward() with one more
+        # check.) The baseline trees are measured on /v1/responses only: Messages came later.
+        translated = (("responses", "/v1/responses", "resp", RESPONSES, base),
+                      ("messages", "/v1/messages", "msgs", ANTHROPIC, []))
+        for block_name, path, short, template, others in translated:
+            for kind, body in kinds(args) if block_name in args.blocks else ():
+                stream = kind == "stream"
+                routed = {**template, "stream": stream}
+                targets = [Target("direct", direct + chat, body),
+                           Target("forwarder", fwd["forwarder"][1] + chat, body, pid=fwd["forwarder"][0]),
+                           Target("llm-pool chat", proxy.url + chat, body, pid=pid),
+                           Target(f"llm-pool {short}", proxy.url + path, routed, pid=pid)]
+                targets += [Target(f"{name} {short}", url + path, routed, pid=pid_) for name, url, pid_ in others]
+                for t in targets:
+                    await _timed_round(session, t, 20, 4, Tally())
+                for concurrency in (1, 32):
+                    await block(session, f"{path} {kind}", targets, args.requests if not stream else n_stream,
+                                concurrency, args.rounds, args.events if stream else None,
+                                figures.setdefault((f"{block_name} {kind}", concurrency), {}))
         for kind, body in kinds(args) if "remote" in args.blocks else ():
             stream = kind == "stream"
             mapped = {**body, **remote_body}
