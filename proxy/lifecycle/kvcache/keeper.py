@@ -126,7 +126,8 @@ class KvKeeper:
             held += [(table.last_used(i.id) if table else 0.0, i.task, replica, i) for i in infos
                      if not i.busy and (i.tokens > 0 or (table is not None and table.key_of(i.id) is not None))]
         batch: list[tuple[str, int, int]] = []
-        folder = str(key)
+        prints: dict[int, str] = {}
+        folder = key
         # Saved in order of use, most recent first: each a little "older" than the one before, so that
         # the budget's least-recently-saved-first order is the order of use, not the order of saving.
         started = time.time()
@@ -150,8 +151,10 @@ class KvKeeper:
                 self.store.sweep(folder, name)
                 continue
             assert replica.spec is not None
+            if replica.index not in prints:   # the files it loads are looked at once per replica
+                prints[replica.index] = fingerprint(key, replica.spec)
             conversation = replica.slots.key_of(info.id) if replica.slots else None
-            entry = Saved(model=runtime.name, folder=folder, fingerprint=fingerprint(key, replica.spec),
+            entry = Saved(model=runtime.name, folder=folder, fingerprint=prints[replica.index],
                           replica=replica.index, slot=info.id, key=conversation, file=name,
                           bytes=self._size(folder, name, done.bytes), tokens=done.tokens, saved_at=started - n * 1e-3)
             if not self.store.add(entry, keep=batch):
