@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -48,6 +47,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this tree's proxy/, not tests/proxy
 
+from chat_stream import read_stream  # noqa: E402
 from helpers import ProxyProcess  # noqa: E402
 
 WORDS = ("archive ledger harbor signal meadow copper lantern orbit valley cipher summit ember quartz "
@@ -77,25 +77,13 @@ async def turn(session: aiohttp.ClientSession, url: str, model: str,
     body = {"model": model, "messages": messages, "max_tokens": 8, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
-    first: float | None = None
-    usage: dict[str, Any] = {}
-    text = []
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         replica = resp.headers["X-Replica"]
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
-            usage = chunk.get("usage") or usage
-    details = usage.get("prompt_tokens_details") or {}
-    return {"ttft": (first or time.perf_counter()) - started, "prompt": usage.get("prompt_tokens", 0),
-            "cached": details.get("cached_tokens", 0), "replica": replica, "text": "".join(text) or "-"}
+        got = await read_stream(resp)
+    details = got.usage.get("prompt_tokens_details") or {}
+    return {"ttft": (got.first or time.perf_counter()) - started, "prompt": got.usage.get("prompt_tokens", 0),
+            "cached": details.get("cached_tokens", 0), "replica": replica, "text": got.text or "-"}
 
 
 async def one_session(url: str, model: str, system: str, turns: int, seed: int) -> list[dict[str, Any]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -31,6 +30,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this tree's proxy/, not tests/proxy
 
+from chat_stream import read_stream  # noqa: E402
 from helpers import ProxyProcess, http, wait_for  # noqa: E402
 
 WORDS = ("archive ledger harbor signal meadow copper lantern orbit valley cipher summit ember quartz "
@@ -50,23 +50,11 @@ async def turn(session: aiohttp.ClientSession, url: str, model: str, key: str,
     body = {"model": model, "messages": messages, "max_tokens": 4, "ignore_eos": True, "temperature": 0,
             "stream": True}
     started = time.perf_counter()
-    first: float | None = None
-    timings: dict[str, Any] = {}
-    text = []
     async with session.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": key}) as resp:
         assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
-            timings = chunk.get("timings") or timings
-    return {"ttft": (first or time.perf_counter()) - started, "prompt_n": timings.get("prompt_n", 0),
-            "prompt_ms": timings.get("prompt_ms", 0.0), "text": "".join(text) or "-"}
+        got = await read_stream(resp)
+    return {"ttft": (got.first or time.perf_counter()) - started, "prompt_n": got.timings.get("prompt_n", 0),
+            "prompt_ms": got.timings.get("prompt_ms", 0.0), "text": got.text or "-"}
 
 
 async def first_turns(url: str, model: str, keys: list[str], rng: random.Random,
