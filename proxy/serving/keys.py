@@ -31,6 +31,9 @@ REPLICA_HEADER = "X-Replica"
 # For the usage ledger: the tokens the answer's usage gave (prompt, cached, output), and how long
 # the request waited for its slot.
 USAGE = web.RequestKey("usage", tuple)
+# True when USAGE's prompt count is the proxy's estimate, not the engine's or provider's figure (a
+# stream that ended before its usage chunk): the ledger row says so.
+USAGE_ESTIMATED = web.RequestKey("usage_estimated", bool)
 QUEUE_WAIT = web.RequestKey("queue_wait_s", float)
 # With service.admin_port: whether the request came in on the admin listener (only it shows failure
 # reasons on /health and /ready).
