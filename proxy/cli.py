@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import socket
+import sqlite3
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Callable, Iterable, Mapping
 
 from launchers import launcher_for
 from proxy import ctl
+from proxy.config.checks import tenant_findings
 from proxy.config.loading import ConfigError, load_settings
 from proxy.config.settings import DEFAULT_NODE_USERNAME, Settings, is_loopback
 from proxy.lifecycle.kinds.kind import kinds_for
@@ -119,14 +121,37 @@ def startup_warnings(settings: Settings) -> list[str]:
 ADMIN_ONLY = "; an admin's load of this model (neither enabled nor load_on_demand) would fail"
 
 
+def minted_keys(settings: Settings) -> list[tuple[str, str]] | None:
+    """The live keys minted for tenants (tenant, digest), read from the ledger without writing to it
+    (check-config changes nothing): none where there is no ledger yet, None where it cannot be read."""
+    from proxy.serving.tenancy import LEDGER_FILE
+
+    path = settings.service.state_dir / LEDGER_FILE
+    if not path.exists():
+        return []
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            rows = conn.execute("SELECT tenant, sha256 FROM keys WHERE revoked IS NULL "
+                                "ORDER BY tenant, created, key_id").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+    return [(str(tenant), str(sha)) for tenant, sha in rows]
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     settings = _load_or_exit(args.config, strict=args.strict)
     warnings = [*settings.warnings, *startup_warnings(settings), *memory_warnings(settings)]
     problems, admin_only = startup_problems(settings)
+    tenant_errors, tenant_warnings = tenant_findings(settings, os.environ, minted_keys(settings)) \
+        if settings.tenants else ([], [])
+    problems += tenant_errors
     if args.strict:
-        problems += [p + ADMIN_ONLY for p in admin_only]
+        problems += [p + ADMIN_ONLY for p in admin_only] + tenant_warnings
     else:
-        warnings += [p + ADMIN_ONLY for p in admin_only]
+        warnings += [p + ADMIN_ONLY for p in admin_only] + tenant_warnings
     if args.hosts:
         if not settings.supervisor.hosts:
             print("hosts: none configured (supervisor.hosts)")
@@ -293,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check-config", help="validate the settings; print every problem and exit non-zero")
     check.add_argument("--strict", action="store_true",
-                       help="unknown keys, and problems of models only an admin loads, are errors, not warnings "
-                            "(for an admin's CI)")
+                       help="unknown keys, problems of models only an admin loads, and tenant mistakes are "
+                            "errors, not warnings (for an admin's CI)")
     check.add_argument("--hosts", action="store_true",
                        help="also log into each node of supervisor.hosts and say whether it answered and the "
                             "login worked")

@@ -137,6 +137,7 @@ CODES: dict[str, str] = {
     "missing_model": "`model` is missing or not a non-empty string",
     "missing_required_parameter": "the pass-through endpoint's required field is missing",
     "invalid_type": "the pass-through endpoint's required field has the wrong JSON type",
+    "invalid_token_id": "a token id that is no token of the model (negative, past int32, or past its vocabulary)",
     "invalid_fairness_key": "`fairness_key` is not a string",
     "invalid_input": "not exactly one of `input` and `messages`, or the prompt format needs `input`",
     "invalid_messages": "a role other than user/assistant, or the last message is not the user's",

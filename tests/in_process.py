@@ -15,9 +15,10 @@ from proxy.upstream.client import UpstreamHttp
 from proxy.serving import routes_messages, routes_public, routes_responses
 from proxy.serving.app import metrics_middleware
 from proxy.serving.errors_http import error_middleware
-from proxy.serving.keys import ADOPTING, HTTP, METRICS, POOL, SETTINGS
+from proxy.serving.keys import ADOPTING, HTTP, METRICS, POOL, SETTINGS, VOCABULARIES
 from proxy.serving.metrics import ProxyMetrics
 from proxy.serving.shutdown import SHUTDOWN, Shutdown
+from proxy.serving.vocabulary import Vocabularies
 
 
 def in_rotation(pool: Pool, model: str, replicas: list[Replica]) -> None:
@@ -37,6 +38,7 @@ async def serve_routes(stack: contextlib.AsyncExitStack, settings: Settings, poo
                           client_max_size=settings.service.max_body_bytes)
     app[SETTINGS], app[POOL], app[HTTP], app[METRICS] = settings, pool, http, ProxyMetrics()
     app[SHUTDOWN], app[ADOPTING] = Shutdown(keep_models=False), pool.adopting()
+    app[VOCABULARIES] = Vocabularies()
     app.add_routes(routes_public.routes)
     app.add_routes(routes_responses.routes)
     app.add_routes(routes_messages.routes)

@@ -4,8 +4,10 @@ what a load may ask for (overrides, replica counts)."""
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
-from typing import Any, Mapping
+from fnmatch import fnmatchcase
+from typing import Any, Mapping, Sequence
 
 import jsonschema
 
@@ -137,6 +139,79 @@ def semantic_problems(settings: Settings) -> list[str]:
             problems.append(f"{where}.prompt_format: {prompt_format!r} is not a prompt format llm-pool knows"
                             f"{did_you_mean(prompt_format, PROMPT_FORMATS)} (one of {', '.join(PROMPT_FORMATS)})")
     return [settings.where(p) for p in problems]
+
+
+def tenant_findings(settings: Settings, environ: Mapping[str, str],
+                    minted: Sequence[tuple[str, str]] | None) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the tenants' keys and models, as `serve` would take them (Keys.configured:
+    each tenant's key_env values, then its key_sha256, then the minted keys; the first tenant to
+    name a key keeps it; the admin token's value is dropped). An error where a tenant is left with
+    no key that works or no model it may use (no request can be its), a warning otherwise. `minted`:
+    the live minted keys (tenant, digest) as the ledger keeps them, None when it cannot be read.
+    A message names a key by where the settings give it, or by its id: never a key or a digest."""
+    admin_env = settings.service.admin_token_env
+    admin_token = environ.get(admin_env, "") if admin_env else ""
+    admin_digest = _sha256(admin_token) if admin_token else None
+    owner: dict[str, tuple[str, str]] = {}    # digest: (tenant, where it was named), the first wins
+    kept: dict[str, set[str]] = {name: set() for name in settings.tenants}
+    key_notes: dict[str, list[str]] = {name: [] for name in settings.tenants}
+
+    def named(tenant: str, sha: str, where: str, what: str) -> None:
+        if sha == admin_digest:
+            key_notes[tenant].append(f"{where}: {what} is the admin token ({admin_env}), which opens the admin "
+                                     "API only: that key is dropped")
+            return
+        first = owner.setdefault(sha, (tenant, where))
+        if first[0] == tenant:
+            kept[tenant].add(sha)
+        else:
+            key_notes[tenant].append(f"{where}: {what} is tenant {first[0]}'s key too ({first[1]}, key id "
+                                     f"{sha[:12]}); it stays {first[0]}'s, so tenant {tenant} cannot use it")
+
+    for name, tenant in settings.tenants.items():
+        for i, var in enumerate(tenant.key_env):
+            where = f"tenants.{name}.key_env.{i}"
+            value = environ.get(var, "")
+            if value:
+                named(name, _sha256(value), where, f"the key in {var}")
+            else:
+                key_notes[name].append(f"{where}: {var} is unset or empty, so that key does not work")
+        for i, sha in enumerate(tenant.key_sha256):
+            named(name, sha, f"tenants.{name}.key_sha256.{i}", "this digest's key")
+    for tenant_name, sha in minted or ():
+        if tenant_name in settings.tenants:
+            named(tenant_name, sha, f"tenants.{tenant_name}", f"the minted key {sha[:12]}")
+
+    errors: list[str] = []
+    warnings: list[str] = []
+    for name, tenant in settings.tenants.items():
+        unknown = minted is None and not kept[name]   # a minted key may still work: the ledger was unreadable
+        if not tenant.key_env and not tenant.key_sha256 and not kept[name]:
+            message = (f"tenants.{name}: the tenant has no key (no key_env, no key_sha256, "
+                       f"{'and the ledger of minted keys could not be read' if unknown else 'no key minted'}); "
+                       f"no request can be its: set key_env or key_sha256, or mint one "
+                       f"(llm-pool ctl keys mint {name})")
+            (warnings if unknown else errors).append(message)
+        cannot = "; the tenant has no other key, so no request can be its"
+        for note in key_notes[name]:
+            if kept[name] or unknown:
+                warnings.append(note)
+            else:
+                errors.append(note + cannot)
+        allowed = [glob for glob in tenant.models if any(fnmatchcase(m, glob) for m in settings.models)]
+        for i, glob in enumerate(tenant.models):
+            if glob not in allowed:
+                note = f"tenants.{name}.models.{i}: {glob!r} matches no configured model"
+                if allowed:
+                    warnings.append(note)
+                else:
+                    errors.append(note + "; the tenant may use no model, so no request can be its")
+    return [settings.where(e) for e in errors], [settings.where(w) for w in warnings]
+
+
+def _sha256(key: str) -> str:
+    # As proxy/tenants/keys.py's digest(): the settings wing reads no wing above it.
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def override_problems(model: ModelConfig, overrides: Mapping[str, Any], allowed: tuple[str, ...]) -> list[str]:

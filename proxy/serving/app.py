@@ -30,9 +30,10 @@ from proxy.serving.errors_http import ERROR_CODE, error_middleware
 from proxy.serving.forward import upstream_session
 from proxy.serving.handover import Inherited, Succession
 from proxy.serving.keys import (ADOPTING, FAIRNESS_KEY, HTTP, METRICS, MODEL, ON_ADMIN_LISTENER, POOL, SETTINGS,
-                                STARTED, STREAM_ERROR, VRAM)
+                                STARTED, STREAM_ERROR, VOCABULARIES, VRAM)
 from proxy.serving.metrics import ProxyMetrics
 from proxy.serving.tenancy import TENANCY, Tenancy
+from proxy.serving.vocabulary import Vocabularies
 from proxy.serving.reload import Reloader
 from proxy.serving.sd_notify import notify
 from proxy.serving.shutdown import SHUTDOWN, STOP_SIGNALS, Shutdown, close_after_handover, shutdown_middleware
@@ -124,6 +125,7 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()
     app[VRAM] = Estimator()
+    app[VOCABULARIES] = Vocabularies()
     app[SHUTDOWN] = Shutdown(keep_models, successor=successor)
     app.on_response_prepare.append(close_after_handover)
     app.add_routes(routes_public.routes)

@@ -5,7 +5,7 @@ in this order, by every public route.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -18,6 +18,7 @@ from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.keys import ADOPTING, FAIRNESS_KEY, MODEL, SETTINGS
 from proxy.serving.shutdown import SHUTDOWN, handed_over_error
 from proxy.serving.strict_json import decode
+from proxy.serving.token_ids import check_token_ids
 from proxy.serving.tenancy import CALLER, TENANCY
 from proxy.tenants.keys import Caller
 
@@ -33,7 +34,8 @@ REQUIRED: dict[str, tuple[Required, ...]] = {
     "/v1/embeddings": (("input", (str, list), "a string or an array", None),),
     "/v1/messages/count_tokens": (("messages", (list,), "an array of messages", dict),),
     "/v1/rerank": (("query", (str,), "a string", None), ("documents", (list,), "an array of strings", str)),
-    "/infill": (("input_prefix", (str,), "a string", None),),
+    # llama-server's 500 (`key 'input_suffix' not found`) without it: its own check does not return.
+    "/infill": (("input_prefix", (str,), "a string", None), ("input_suffix", (str,), "a string", None)),
     "/tokenize": (("content", (str,), "a string", None),),
     "/detokenize": (("tokens", (list,), "an array of token ids", int),),
 }
@@ -121,9 +123,11 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any],
                    f"POST /v1/admin/models/{name}/load", code="model_not_loaded", param="model")
 
 
-def check_required(path: str, body: dict[str, Any]) -> None:
+def check_required(path: str, body: dict[str, Any], vocabulary: Callable[[], int | None] | None = None) -> bool:
     """400 when the body lacks what `path` needs (`messages`, `prompt`, `input`, ...) or has it in the
-    wrong JSON type; nothing is sent to a backend then."""
+    wrong JSON type, or holds a token id that is no token of the model (`vocabulary`: its size, None
+    where unknown; proxy/serving/token_ids.py); nothing is sent to a backend then. Returns whether
+    only the engine can judge the body (its 500 is then the client's 400: forward.read_answer)."""
     for name, types, what, item_type in REQUIRED[path]:
         if name not in body:
             raise BadRequest(f"Missing required parameter: '{name}'.", code="missing_required_parameter", param=name)
@@ -136,6 +140,11 @@ def check_required(path: str, body: dict[str, Any]) -> None:
                 if not isinstance(item, item_type) or (item_type is int and isinstance(item, bool)):
                     raise BadRequest(f"'{name}.{i}' must be {ITEM_WHAT[item_type]}", code="invalid_type",
                                      param=f"{name}.{i}")
+    return check_token_ids(path, body, vocabulary or _unknown)
+
+
+def _unknown() -> None:
+    return None
 
 
 def embeddings_unsupported(runtime: ModelRuntime) -> BadRequest:

@@ -23,7 +23,8 @@ from proxy.serving.errors_http import error_event
 from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, REPLICA_HEADER, SETTINGS,
                                 STARTED, STREAM_ERROR, USAGE)
 from proxy.serving.metrics import usage_in
-from proxy.serving.relay import Deadline, Timeouts, backend_error, chunks, read_capped
+from proxy.serving.relay import (ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, chunks, input_refused,
+                                 read_capped)
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +257,8 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
 async def read_answer(outcomes: Outcomes, replica: Replica, resp: Answer, timeouts: Timeouts,
                       limit: int) -> bytes:
     """A non-streamed answer, whole, within service.max_response_bytes; a backend error (5xx, or an
-    answer that is not JSON) is raised as an OpenAI error and counted against the replica."""
+    answer that is not JSON) is raised as an OpenAI error and counted against the replica, unless it
+    is a 500 to input only the engine could judge (relay.ENGINE_JUDGES_INPUT): the client's 400."""
     try:
         raw = await read_capped(resp, timeouts, limit, label(replica))
     except (PoolError, aiohttp.ClientError) as exc:
@@ -266,6 +268,11 @@ async def read_answer(outcomes: Outcomes, replica: Replica, resp: Answer, timeou
             raise
         raise BackendError(f"{label(replica)} {reason}") from exc
     content_type = resp.headers.get("Content-Type", "")
+    if resp.status == 500 and ENGINE_JUDGES_INPUT.get():
+        # The engine failed on what the client sent (a request only it could check): the client's 400,
+        # and the replica answered as it should have.
+        outcomes.report_outcome(replica, None)
+        raise input_refused(resp.status, raw, label(replica))
     if resp.status >= 400 or "json" not in content_type:
         outcomes.report_outcome(replica, f"HTTP {resp.status}" if resp.status >= 500 else None)
         raise backend_error(resp.status if resp.status >= 400 else 502, raw, label(replica),

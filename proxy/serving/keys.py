@@ -8,6 +8,7 @@ from proxy.serving.metrics import ProxyMetrics
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import Replica
 from proxy.gpu.vram_estimate import Estimator
+from proxy.serving.vocabulary import Vocabularies
 from proxy.upstream.client import UpstreamHttp
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -15,6 +16,8 @@ POOL = web.AppKey("pool", Pool)
 HTTP = web.AppKey("http", UpstreamHttp)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 VRAM = web.AppKey("vram_estimator", Estimator)
+# Each model file's vocabulary size, what a request's token ids are checked against.
+VOCABULARIES = web.AppKey("vocabularies", Vocabularies)
 # The models whose replicas were running when the pool started, which its startup adopts.
 ADOPTING: web.AppKey[frozenset[str]] = web.AppKey("adopting")
 # The model a request was admitted for, set once it is known to be a served model (so metric

@@ -13,6 +13,7 @@ and status when it sent one, else 502 `backend_error` with a short excerpt.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 from dataclasses import dataclass
 from types import TracebackType
@@ -42,6 +43,14 @@ OPENAI_CLIENT_TYPES = frozenset({"invalid_request_error", "not_found_error", "pe
 CONTEXT_TYPES = frozenset({"exceed_context_size_error"})
 CONTEXT_PHRASES = ("exceeds the available context size", "maximum context length", "context length exceeded",
                    "longer than the maximum model length")
+
+
+# Whether the engine alone judges the input of the request in this task (proxy/serving/token_ids.py:
+# /tokenize, /detokenize, token ids of a vocabulary the proxy could not read): its 500 is then the
+# engine failing on what the client sent, the client's 400 (`input_refused`) and no failure of the
+# replica. Set by the route, which knows the body; read where the answer is read (forward.read_answer).
+# A context variable, as upstream.client's SENDING: the data path in between need not carry it.
+ENGINE_JUDGES_INPUT: contextvars.ContextVar[bool] = contextvars.ContextVar("engine_judges_input", default=False)
 
 
 @dataclass(frozen=True)
@@ -296,6 +305,21 @@ def backend_error(status: int, raw: bytes, label: str, retry_after: str | None =
             out.retry_after = float(retry_after)
         except ValueError:
             pass  # an HTTP date; the default Retry-After applies
+    return out
+
+
+def input_refused(status: int, raw: bytes, label: str) -> PoolError:
+    """An engine's 500 to a request whose input only it could judge (ENGINE_JUDGES_INPUT), as the
+    client's 400 `invalid_request_error`, with the engine's own words."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        doc = None
+    err = doc.get("error") if isinstance(doc, dict) else None
+    message = err.get("message") if isinstance(err, dict) else err
+    said = excerpt(message.encode()) if isinstance(message, str) and message else repr(excerpt(raw))
+    out = RefusedByBackend(f"{label} could not take this request's input (HTTP {status}): {said}")
+    out.metric_code = RefusedByBackend.code
     return out
 
 

@@ -11,7 +11,8 @@ from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import check_required, fairness_key, read_body, requested_model, servable
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
-from proxy.serving.keys import METRICS, ON_ADMIN_LISTENER, POOL, SETTINGS
+from proxy.serving.keys import METRICS, ON_ADMIN_LISTENER, POOL, SETTINGS, VOCABULARIES
+from proxy.serving.relay import ENGINE_JUDGES_INPUT
 from proxy.serving.shutdown import SHUTDOWN, stopping_error
 from proxy.serving.tenancy import TENANCY
 
@@ -25,10 +26,16 @@ PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v
 async def pass_through(request: web.Request) -> web.StreamResponse:
     body, raw = await read_body(request)
     runtime = servable(request, request.app[POOL], requested_model(body), body, endpoint=request.path)
-    check_required(request.path, body)
+    vocabularies = request.app[VOCABULARIES]
+    engine_judges = check_required(request.path, body,
+                                   lambda: vocabularies.size(runtime.model, runtime.traits.model_field))
     await check_image_urls(body, runtime.model)
-    return await forward(request, runtime, fairness_key(request, body), body,
-                         affinity_key(runtime, request.path, request.headers, body), raw)
+    judging = ENGINE_JUDGES_INPUT.set(engine_judges)
+    try:
+        return await forward(request, runtime, fairness_key(request, body), body,
+                             affinity_key(runtime, request.path, request.headers, body), raw)
+    finally:
+        ENGINE_JUDGES_INPUT.reset(judging)
 
 
 for _path in PASS_THROUGH:

@@ -440,3 +440,31 @@ async def test_a_trickling_answer_is_a_504_and_its_connection_closed(proxy, mode
     status, body = await p.chat("hi", model=model)
     assert (status, body["error"]["code"], body["error"]["message"]) == (504, "backend_timeout", why)
     await replica.closed_by_client(1)
+
+
+# -- Issue 39, item 6: a client's mistake never counts against a replica ------------------------------
+
+# What llama-server answers a /detokenize id past its vocabulary (measured on the pinned build).
+RANGE_CHECK = (b'{"error": {"code": 500, "message": "vector::_M_range_check: __n (which is 99999) >= '
+               b'this->size() (which is 333)", "type": "server_error"}}')
+
+
+async def test_an_engines_500_to_input_only_it_can_judge_is_the_clients_400(proxy) -> None:
+    # Model m's GGUF is not on this machine: the proxy cannot know its vocabulary, so the ids go to
+    # the engine, which fails on them as llama-server does. Before: a 500 each, counted against the
+    # replica (ejected after a few, from everyone).
+    async def script(x: Exchange) -> None:
+        await send(x, answer(RANGE_CHECK, b"500 Internal Server Error"))
+
+    p, _ = await proxy(script)
+    for path, body in [("/detokenize", {"tokens": [99999]}), ("/v1/completions", {"prompt": [99999]}),
+                       ("/tokenize", {"content": "x"})] * 4:
+        async with p.client.post(p.url + path, json={"model": "m", **body}) as resp:
+            error = (await resp.json())["error"]
+            assert (resp.status, error["type"]) == (400, "invalid_request_error"), error
+            assert error["message"].startswith("replica 0 of 'm' could not take this request's input (HTTP 500): "
+                                               "vector::_M_range_check")
+    assert (p.replica.failures, p.replica.state.value) == (0, "ready")
+    # A 500 to a request the proxy checked whole is still the replica's failure.
+    status, _ = await p.chat("hi")
+    assert (status, p.replica.failures) == (500, 1)
