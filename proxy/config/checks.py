@@ -187,11 +187,12 @@ def tenant_findings(settings: Settings, environ: Mapping[str, str],
     for name, tenant in settings.tenants.items():
         unknown = minted is None and not kept[name]   # a minted key may still work: the ledger was unreadable
         if not tenant.key_env and not tenant.key_sha256 and not kept[name]:
-            message = (f"tenants.{name}: the tenant has no key (no key_env, no key_sha256, "
-                       f"{'and the ledger of minted keys could not be read' if unknown else 'no key minted'}); "
-                       f"no request can be its: set key_env or key_sha256, or mint one "
-                       f"(llm-pool ctl keys mint {name})")
-            (warnings if unknown else errors).append(message)
+            # A warning, not an error: minting needs a running proxy, and check-config is the systemd
+            # unit's ExecStartPre, so an error here would keep the first key from ever being minted.
+            warnings.append(f"tenants.{name}: the tenant has no key (no key_env, no key_sha256, "
+                            f"{'and the ledger of minted keys could not be read' if unknown else 'no key minted'}); "
+                            f"no request can be its until one is: set key_env or key_sha256, or mint one "
+                            f"(llm-pool ctl keys mint {name})")
         cannot = "; the tenant has no other key, so no request can be its"
         for note in key_notes[name]:
             if kept[name] or unknown:

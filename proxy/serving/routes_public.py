@@ -30,7 +30,8 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
     engine_judges = check_required(request.path, body,
                                    lambda: vocabularies.size(runtime.model, runtime.traits.model_field))
     await check_image_urls(body, runtime.model)
-    judging = ENGINE_JUDGES_INPUT.set(engine_judges)
+    # A provider's 500 stays the provider's: only our own engines' failures on input are the client's.
+    judging = ENGINE_JUDGES_INPUT.set(engine_judges and not runtime.traits.remote)
     try:
         return await forward(request, runtime, fairness_key(request, body), body,
                              affinity_key(runtime, request.path, request.headers, body), raw)
