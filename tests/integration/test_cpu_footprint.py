@@ -18,9 +18,12 @@ def test_the_estimate_of_a_llama_server_on_the_cpu_covers_what_it_was_measured_t
     demo = llama_model(llama_server_n_ctx=2048, target_inflight=4, llama_server_n_gpu_layers=0)
     proxy = start_proxy({"demo": demo}, engine={"lifecycle": {"memory": {"cpu_budget_mib": 1000}}})
     proxy.wait_replicas_ready("demo", 1)
-    # No history yet: admitted by the estimate, and charged that while it runs.
+    # No history yet: admitted by the estimate, and charged at least that while it runs. The charge is
+    # fixed when the model is first counted, and the monitor may have measured the running replica
+    # by then (on a busy machine it often has: 23.6 against 23.5), which can only raise it.
     loaded = proxy.admin_model("demo")["footprint"]
-    assert loaded["charged_mib_per_replica"] == {"cpu": loaded["estimated_mib_per_replica"]}, loaded
+    charged = loaded["charged_mib_per_replica"]
+    assert set(charged) == {"cpu"} and charged["cpu"] >= loaded["estimated_mib_per_replica"], loaded
     status, _, _ = http("POST", proxy.url + "/v1/chat/completions",
                         body={"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
     assert status == 200
