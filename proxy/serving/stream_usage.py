@@ -156,10 +156,18 @@ class Tally:
         """The engine's usage: the last in the stream's `tail`, with what its first read said of
         the prompt (Anthropic's message_start; the end's message_delta has only the output)."""
         last = usage_in(tail)
-        if self.needle == b"data:" or not self.head:
+        if self.needle == b"data:":
             return last
-        first = first_usage_in(self.head)
-        return {**first, **(last or {})} if first is not None else last
+        first = first_usage_in(self.head) if self.head else None
+        if self.ended:
+            usage = {**(first or {}), **(last or {})}
+        else:
+            # Cut short: message_start's output count (0) says nothing of what went out.
+            usage = {k: v for k, v in (first or {}).items() if k != "output_tokens"}
+        if "input_tokens" not in usage and "output_tokens" in usage:
+            # No message_start (llama-server leaves it out now and then): the output's count alone.
+            return {"completion_tokens": usage["output_tokens"]}
+        return usage or None
 
     def settle(self, request: web.Request, replica: Replica, body: Mapping[str, Any], tail: bytes) -> None:
         self.settled = True

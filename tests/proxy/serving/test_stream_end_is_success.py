@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from metered_remote import HANG_GUARD, Metered, metered_pool
+from metered import HANG_GUARD, Metered, metered_pool
 
 WORDS = 5
 

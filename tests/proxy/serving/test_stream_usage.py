@@ -61,3 +61,17 @@ def test_a_prompts_estimate_reads_text_and_token_ids() -> None:
     assert estimated_prompt({"prompt": [[1, 2, 3], [4, 5]]}) == 5
     assert estimated_prompt({"prompt": "abcde"}) == 2
     assert estimated_prompt({}) == 0
+
+
+def test_a_messages_stream_cut_short_or_without_message_start_keeps_what_is_known() -> None:
+    start = (b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+             b'{"input_tokens":6,"output_tokens":0}}}\n\n')
+    cut = Tally("/v1/messages")
+    cut.head = start
+    cut.sent(start + b'data: {"type":"content_block_delta"}\n\n')
+    assert cut.usage(start) == {"input_tokens": 6} and cut.relayed() == 1   # 0 output is no count
+    headless = Tally("/v1/messages")
+    end = b'data: {"type":"message_delta","usage":{"output_tokens":9}}\n\ndata: {"type":"message_stop"}\n\n'
+    headless.head = end
+    headless.sent(end)
+    assert headless.usage(end) == {"completion_tokens": 9}

@@ -8,7 +8,7 @@ import importlib
 import json
 from pathlib import Path
 
-from metered_remote import Metered, content_of, metered_pool
+from metered import Metered, content_of, metered_pool
 from proxy.capabilities import Traits
 from proxy.lifecycle.kinds import remote_options
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from metered_remote import Metered, content_of, metered_pool
+from metered import Metered, content_of, metered_pool
 
 PROMPT = "tell me a long story, please. " * 20   # 600 characters: the provider counts 151 tokens
 PROVIDER_PROMPT = len(PROMPT) // 4 + 1
