@@ -113,8 +113,10 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], q
         request[STREAM_ERROR] = "internal_error"
         return await _end_with(out, PoolError("internal error in llm-pool; see the proxy log"))
     finally:
-        # However it ended (a cancelled handler too), before the metrics middleware records it.
-        settle(request, runtime.name, chat, last.usage if last is not None else None, texts, request.get(REPLICA))
+        # However it ended (a cancelled handler too), before the metrics middleware records it; a
+        # stream that never began (it waited for a slot, the backend refused it) is charged nothing.
+        if last is not None:
+            settle(request, runtime.name, chat, last.usage, texts, request.get(REPLICA))
     with contextlib.suppress(ConnectionResetError):
         await out.write(stream.end())
         mark_ended(request, out)

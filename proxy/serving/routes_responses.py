@@ -93,11 +93,12 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], t
     pieces: list[str] = []
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
-    whole = False
+    whole = began = False
     try:
         # aclosing: a client that leaves while a piece is written ends the relay (slot, upstream) now.
         async with contextlib.aclosing(relay):
             async for piece in relay:
+                began = True
                 if piece.text:
                     if timer.first_token is None:
                         timer.mark("first_token")
@@ -121,9 +122,10 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], t
         request[STREAM_ERROR] = "internal_error"
         return await _end_with(out, PoolError("internal error in llm-pool; see the proxy log"))
     finally:
-        if not whole:
+        if began and not whole:
             # Cut short (a cancelled handler too): what went out is counted, before the metrics
-            # middleware records the request.
+            # middleware records the request. One that never began (it waited for a slot, the
+            # backend refused it) is charged nothing.
             settle(request, runtime.name, payload, usage, len(pieces), request.get(REPLICA))
     timer.mark("finished")
     metrics = response_metrics.build(timer, usage, timings)

@@ -86,3 +86,14 @@ async def test_translated_streams_cut_short_are_charged_for_what_went_out(tmp_pa
             assert seen_path == path and usage is not None and usage[2] == 7 and estimated is True
             assert abs(usage[0] - PROVIDER_PROMPT) <= 0.05 * PROVIDER_PROMPT
         assert metered.ledger()["output_tokens"] == 14
+
+
+async def test_a_translated_stream_the_backend_refused_is_charged_nothing(tmp_path: Path) -> None:
+    async with metered_pool(tmp_path) as metered:
+        metered.provider.script("gpt-fake", "400")   # refused before any answer: nothing ran
+        body = {"model": "r", "max_tokens": 64, "stream": True, "messages": [{"role": "user", "content": PROMPT}]}
+        async with metered.client.post(metered.url + "/v1/messages", json=body, headers=metered.headers()) as resp:
+            assert b"error" in await resp.read()
+        await metered.until_finished(1)
+        row = metered.ledger()
+        assert (row["prompt_tokens"], row["output_tokens"]) == (0, 0)
