@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 from metered import HANG_GUARD, Metered, metered_pool
+from proxy.serving.keys import METRICS
 
 WORDS = 5
 
@@ -24,6 +25,13 @@ async def read_to_done_and_close(metered: Metered) -> None:
     raise AssertionError("no [DONE]")
 
 
+def statuses(metered: Metered) -> list[str]:
+    """The request metrics' status labels (what the traffic view and the page's Err/s read)."""
+    counter = metered.requests[-1].app[METRICS].requests
+    return [s.labels["status"] for m in counter.collect() for s in m.samples
+            if s.name.endswith("_total") and s.value]
+
+
 async def test_a_client_that_closes_after_done_while_the_handler_waits_is_a_success(tmp_path: Path) -> None:
     async with metered_pool(tmp_path) as metered:
         metered.provider.script("gpt-fake", "linger")   # [DONE], then the answer stays open
@@ -32,6 +40,7 @@ async def test_a_client_that_closes_after_done_while_the_handler_waits_is_a_succ
         row = metered.ledger()
         assert (row["requests"], row["errors"], row["output_tokens"]) == (1, 0, WORDS)
         assert metered.seen[-1][2] is False   # the provider's own usage, which the proxy asked for
+        assert statuses(metered) == ["200"]   # not "cancelled"
 
 
 async def test_a_client_that_closes_before_the_last_write_is_a_success(tmp_path: Path) -> None:
@@ -47,3 +56,4 @@ async def test_a_client_that_closes_before_the_last_write_is_a_success(tmp_path:
         await metered.until_finished(1)
         row = metered.ledger()
         assert (row["requests"], row["errors"], row["output_tokens"]) == (1, 0, WORDS)
+        assert statuses(metered) == ["200"]   # not 500 from write_eof
