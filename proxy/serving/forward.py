@@ -304,6 +304,7 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
     # them, so only they are scanned, once, after the stream; nothing is copied per chunk.
     oldest = older = last = b""
     tally = Tally(request.path)
+    needle, marker, events = tally.needle, tally.marker, 0
     try:
         # Whatever bytes arrived, so each token reaches the client as it is made.
         async for chunk in chunks(upstream, timeouts, label(replica)):
@@ -312,14 +313,17 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
                 metrics.child(metrics.ttft, replica.model, request.path).observe(time.perf_counter() - request[STARTED])
             oldest, older, last = older, last, chunk
             try:
-                await out.write(without_usage_chunk(chunk) if strip else chunk)
+                # The usage chunk's empty `choices` is its mark: one scan, and only then a closer look.
+                await out.write(without_usage_chunk(chunk) if strip and b"[]" in chunk else chunk)
             except ConnectionResetError:
                 # The client left: closing the upstream connection makes the backend stop generating.
                 upstream.close()
                 return out
-            tally.sent(chunk)
-            if tally.ended:
+            # Counted, not parsed (stream_usage.Tally), in the loop: it runs once per chunk.
+            events += chunk.count(needle)
+            if chunk.find(marker, -32) >= 0 and not tally.ended:
                 # Its end went out: counted now, before a client that closes at once cancels the handler.
+                tally.events, tally.ended = events, True
                 outcomes.report_outcome(replica, None)
                 tally.settle(request, replica, body, oldest + older + last)
                 mark_ended(request, out)
@@ -341,6 +345,7 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
         return out
     finally:
         if not tally.settled:
+            tally.events = events
             # Ended early (the client left, the handler was cancelled, the backend broke off) or
             # without an end marker: what went out is counted.
             tally.settle(request, replica, body, oldest + older + last)

@@ -128,7 +128,9 @@ def _count(value: Any) -> bool:
 
 
 class Tally:
-    """A pass-through stream's events as they go out, its first read, and whether its end did."""
+    """A pass-through stream's events as they go out, its first read, and whether its end did. The
+    relay counts in its own loop (forward._relay): `needle`s in each chunk that went out, and the
+    `marker` among a chunk's last 32 bytes for the end."""
 
     __slots__ = ("needle", "marker", "events", "head", "ended", "settled")
 
@@ -141,12 +143,6 @@ class Tally:
         self.head = b""
         self.ended = False      # its last event went out: the stream is whole, whatever comes next
         self.settled = False
-
-    def sent(self, chunk: bytes) -> None:
-        """After `chunk` went out to the client."""
-        self.events += chunk.count(self.needle)
-        if self.marker in chunk[-32:]:
-            self.ended = True
 
     def relayed(self) -> int:
         """The tokens the events that went out carried (OpenAI's end, [DONE], is no token)."""

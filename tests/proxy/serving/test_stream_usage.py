@@ -8,6 +8,12 @@ import json
 from proxy.serving.stream_usage import Tally, ask_usage, estimated_prompt, without_usage_chunk
 
 
+def sent(tally: Tally, chunk: bytes) -> None:
+    """What the relay does with each chunk that went out (forward._relay)."""
+    tally.events += chunk.count(tally.needle)
+    tally.ended = tally.ended or chunk.find(tally.marker, -32) >= 0
+
+
 def test_the_client_bytes_get_the_question_spliced_in_not_encoded_again() -> None:
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "é"}]}
     raw = json.dumps(body, ensure_ascii=False).encode() + b"\n"
@@ -39,19 +45,19 @@ def test_anthropic_counts_come_from_message_start_and_message_delta() -> None:
     tally.head = (b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
                   b'{"cache_read_input_tokens":4,"input_tokens":6,"output_tokens":0}}}\n\n'
                   b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"text":"a"}}\n\n')
-    tally.sent(tally.head)
+    sent(tally, tally.head)
     tail = (b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":9}}\n\n'
             b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
-    tally.sent(tail)
+    sent(tally, tail)
     assert tally.usage(tail) == {"cache_read_input_tokens": 4, "input_tokens": 6, "output_tokens": 9}
     assert tally.ended and tally.relayed() == 1
 
 
 def test_openai_events_are_counted_without_the_end() -> None:
     tally = Tally("/v1/chat/completions")
-    tally.sent(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"choices":[{"delta":{"content":"b"}}]}\n\n')
+    sent(tally, b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"choices":[{"delta":{"content":"b"}}]}\n\n')
     assert (tally.relayed(), tally.ended) == (2, False)
-    tally.sent(b"data: [DONE]\n\n")
+    sent(tally, b"data: [DONE]\n\n")
     assert (tally.relayed(), tally.ended) == (2, True)
 
 
@@ -68,10 +74,10 @@ def test_a_messages_stream_cut_short_or_without_message_start_keeps_what_is_know
              b'{"input_tokens":6,"output_tokens":0}}}\n\n')
     cut = Tally("/v1/messages")
     cut.head = start
-    cut.sent(start + b'data: {"type":"content_block_delta"}\n\n')
+    sent(cut, start + b'data: {"type":"content_block_delta"}\n\n')
     assert cut.usage(start) == {"input_tokens": 6} and cut.relayed() == 1   # 0 output is no count
     headless = Tally("/v1/messages")
     end = b'data: {"type":"message_delta","usage":{"output_tokens":9}}\n\ndata: {"type":"message_stop"}\n\n'
     headless.head = end
-    headless.sent(end)
+    sent(headless, end)
     assert headless.usage(end) == {"completion_tokens": 9}
