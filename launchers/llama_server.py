@@ -68,7 +68,7 @@ DEFAULT_EMBEDDINGS_POOLING = "mean"
 TRAITS = Traits(multi_turn=True, thinking="template", embeddings_field="llama_server_embeddings",
                 repetition_field="repeat_penalty", rerank_field="llama_server_reranking",
                 apis=frozenset({"chat", "completions", "embeddings", "messages", "count_tokens", "rerank", "infill",
-                                "tokenize"}))
+                                "tokenize"}), usage_on_request=True)
 # Runtime knobs an admin may change for one load without editing files (seed: "Live admin overrides").
 LOAD_OVERRIDES = ("llama_server_n_ctx", "llama_server_image_max_tokens", "llama_server_spec_type",
                   "llama_server_spec_draft_n_max", "llama_server_spec_draft_p_min")

@@ -55,7 +55,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3
 # What the backend can do (proxy/capabilities.py reads it; nothing else names the backend).
 # The pinned build serves Anthropic's Messages and count_tokens itself (vllm/entrypoints/anthropic/).
 TRAITS = Traits(multi_turn=True, thinking="template", model_field="vllm_model",
-                apis=frozenset({"chat", "completions", "messages", "count_tokens"}))
+                apis=frozenset({"chat", "completions", "messages", "count_tokens"}), usage_on_request=True)
 # Runtime knobs an admin may change for one load without editing files (seed: "Live admin overrides").
 # vllm_speculative_model names a checkpoint (a path or a repository): a load may only remove it
 # (null, as for a load without speculation), never name one (conf/schema.json: readOnly).

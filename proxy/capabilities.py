@@ -42,6 +42,10 @@ class Traits:
     apis: frozenset[str] = CHAT_AND_COMPLETIONS       # what its servers speak natively (ROUTES' names)
     rerank_field: str | None = None                  # the field that makes it serve /v1/rerank
     remote: bool = False                              # a provider's model: behind allow_remote, paid
+    # It sends a stream's usage only when `stream_options.include_usage` asks, as OpenAI's API does
+    # (llama-server's chat, vLLM, providers): the proxy asks on every pass-through stream, so that
+    # each one is counted, and keeps the usage chunk from a client that did not ask.
+    usage_on_request: bool = False
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,11 @@ class FakeProvider:
     "429:<retry-after>", "500", "401", "400" (its message echoes the key), "400:parts" (it echoes the
     key's first 10 characters and 9 from its middle, as providers that show a key's prefix do), "drop"
     (the connection breaks before an answer), "slow" (no answer for `slow_s`), "slow_stream" (one chunk,
-    then silence), "broken" (one chunk, then the connection drops); an empty script answers normally.
+    then silence), "broken" (one chunk, then the connection drops), "hold:<n>" (a stream's first n
+    words, then silence until its caller hangs up or `slow_s` passes), "linger" (the whole stream and
+    its `data: [DONE]`, then the connection held open until `release()` or `slow_s`); an empty
+    script answers normally. A stream's words are `words`; it sends usage only when the request asks
+    (`stream_options.include_usage`), as OpenAI does.
     """
 
     CACHED_TOKENS = 3
@@ -157,6 +161,8 @@ class FakeProvider:
         self.files: dict[str, dict[str, object]] = {}
         self.scripts: dict[str, list[str]] = {}
         self.slow_s = 30.0
+        self.words = ["Hello", " from", " the", " fake", " provider"]
+        self._released = threading.Event()
         self._ids = 0
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake provider", daemon=True)
@@ -184,6 +190,10 @@ class FakeProvider:
 
     def received(self, path: str | None = None) -> list[dict[str, object]]:
         return [r for r in list(self.requests) if path is None or r["path"] == path]
+
+    def release(self) -> None:
+        """End the streams that linger (script step "linger")."""
+        self._released.set()
 
     def clear(self) -> None:
         self.requests.clear()
@@ -281,7 +291,7 @@ class FakeProvider:
         fault = await self._fault(request, step)
         if fault is not None:
             return fault
-        words = ["Hello", " from", " the", " fake", " provider"]
+        words = list(self.words)
         prompt = sum(len(str(m.get("content"))) for m in body.get("messages", [])) // 4 + 1
         if not body.get("stream"):
             return web.json_response({
@@ -304,10 +314,17 @@ class FakeProvider:
                 assert request.transport is not None
                 request.transport.abort()   # the provider's connection drops mid-answer
                 return out
+            if step.startswith("hold:") and i + 1 == int(step[5:]):
+                await asyncio.sleep(self.slow_s)   # cancelled when the caller hangs up
+                return out
         if (body.get("stream_options") or {}).get("include_usage"):
             await out.write(chunk({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": model,
                                    "choices": [], "usage": self._usage(model, prompt, len(words))}))
         await out.write(b"data: [DONE]\n\n")
+        if step == "linger":
+            until = time.monotonic() + self.slow_s
+            while not self._released.is_set() and time.monotonic() < until:
+                await asyncio.sleep(0.01)
         await out.write_eof()
         return out
 

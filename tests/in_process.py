@@ -5,6 +5,7 @@ server), with real HTTP on both sides."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Sequence
 
 from aiohttp import web
 
@@ -19,6 +20,7 @@ from proxy.serving.keys import ADOPTING, HTTP, METRICS, POOL, SETTINGS, VOCABULA
 from proxy.serving.metrics import ProxyMetrics
 from proxy.serving.shutdown import SHUTDOWN, Shutdown
 from proxy.serving.vocabulary import Vocabularies
+from proxy.serving.tenancy import TENANCY, Tenancy
 
 
 def in_rotation(pool: Pool, model: str, replicas: list[Replica]) -> None:
@@ -32,17 +34,23 @@ def in_rotation(pool: Pool, model: str, replicas: list[Replica]) -> None:
 
 
 async def serve_routes(stack: contextlib.AsyncExitStack, settings: Settings, pool: Pool,
-                       http: UpstreamHttp) -> str:
-    """The public routes and /v1/responses on a loopback port until `stack` closes; their URL."""
-    app = web.Application(middlewares=[metrics_middleware, error_middleware],
+                       http: UpstreamHttp, *, tenancy: Tenancy | None = None, handler_cancellation: bool = False,
+                       outer: Sequence[Any] = ()) -> str:
+    """The public routes and /v1/responses on a loopback port until `stack` closes; their URL.
+    `tenancy`: the tenants' keys and ledger, as `serve` builds them where tenants are configured;
+    `handler_cancellation`: a client that hangs up cancels its handler, as under `serve`; `outer`:
+    middlewares of the test's, outside the app's own."""
+    app = web.Application(middlewares=[*outer, metrics_middleware, error_middleware],
                           client_max_size=settings.service.max_body_bytes)
     app[SETTINGS], app[POOL], app[HTTP], app[METRICS] = settings, pool, http, ProxyMetrics()
     app[SHUTDOWN], app[ADOPTING] = Shutdown(keep_models=False), pool.adopting()
     app[VOCABULARIES] = Vocabularies()
+    if tenancy is not None:
+        app[TENANCY] = tenancy
     app.add_routes(routes_public.routes)
     app.add_routes(routes_responses.routes)
     app.add_routes(routes_messages.routes)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=handler_cancellation)
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
     await web.TCPSite(runner, "127.0.0.1", 0).start()

@@ -170,7 +170,6 @@ class MessageStream:
 
     def __init__(self, model: str, message_id: str) -> None:
         self.model, self.message_id = model, message_id
-        self.text = ""
         self.input_tokens = self.output_tokens = 0
         self.finish_reason: str | None = None
 
@@ -201,8 +200,9 @@ class MessageStream:
                 pieces.append(content)
         if not pieces:
             return b""
+        # Only this piece is held: an answer's text goes out, it is never gathered (a long one would
+        # be in memory whole, and copied at each piece).
         piece = "".join(pieces)
-        self.text += piece
         return _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})
 
     def end(self) -> bytes:

@@ -30,7 +30,7 @@ from proxy.serving.errors_http import ERROR_CODE, error_middleware
 from proxy.serving.forward import upstream_session
 from proxy.serving.handover import Inherited, Succession
 from proxy.serving.keys import (ADOPTING, FAIRNESS_KEY, HTTP, METRICS, MODEL, ON_ADMIN_LISTENER, POOL, SETTINGS,
-                                STARTED, STREAM_ERROR, VOCABULARIES, VRAM)
+                                STARTED, STREAM_ENDED, STREAM_ERROR, VOCABULARIES, VRAM)
 from proxy.serving.metrics import ProxyMetrics
 from proxy.serving.tenancy import TENANCY, Tenancy
 from proxy.serving.vocabulary import Vocabularies
@@ -61,6 +61,11 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         status = str(response.status)
         return response
     finally:
+        ended = request.get(STREAM_ENDED)
+        if response is None and ended is not None:
+            # Its stream went out whole and the client closed before the handler returned, or
+            # before the stream's last write: a success, not the client's cancellation.
+            response, status = ended, str(ended.status)
         model = request.get(MODEL)
         if model is not None:
             metrics = request.app[METRICS]

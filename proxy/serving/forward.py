@@ -25,6 +25,7 @@ from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, R
 from proxy.serving.metrics import usage_in
 from proxy.serving.relay import (ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, chunks, input_refused,
                                  read_capped)
+from proxy.serving.stream_usage import USAGE_ROUTES, Tally, ask_usage, mark_ended, without_usage_chunk
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +242,13 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
     from, sent as they are where the reach changes nothing."""
     request_id = request.headers.get("X-Request-Id") or f"req_{os.urandom(16).hex()}"
     outcomes = request.app[POOL].outcomes
+    strip = False
+    if body.get("stream") is True and runtime.traits.usage_on_request and request.path in USAGE_ROUTES:
+        # Asked for every stream, or a provider's is never counted; a client that did not ask
+        # does not get it (the reach strips nothing: it is the relay's).
+        asked = ask_usage(body, raw)
+        if asked is not None:
+            (body, raw), strip = asked, True
     cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
     queued = runtime.admission.enqueue(key)
     enqueued = time.perf_counter()
@@ -251,7 +259,7 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
         async with upstream(outcomes, request.app[HTTP], runtime, request.path, body, request_id,
                             timeouts, affinity, raw) as (replica, resp):
             request[REPLICA] = replica
-            return await _relay(request, outcomes, replica, resp, request_id, timeouts)
+            return await _relay(request, outcomes, replica, resp, request_id, timeouts, body, strip)
 
 
 async def read_answer(outcomes: Outcomes, replica: Replica, resp: Answer, timeouts: Timeouts,
@@ -282,15 +290,18 @@ async def read_answer(outcomes: Outcomes, replica: Replica, resp: Answer, timeou
 
 
 async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, upstream: Answer,
-                 request_id: str, timeouts: Timeouts) -> web.StreamResponse:
+                 request_id: str, timeouts: Timeouts, body: dict[str, Any], strip: bool) -> web.StreamResponse:
+    """The answer back to the client, a stream as it arrives; `strip`: keep the usage chunk, which
+    the proxy asked for, from the client. Whatever way a stream ends, its usage is set before this
+    returns or raises (proxy/serving/stream_usage.py)."""
     content_type = upstream.headers.get("Content-Type", "application/json")
     metrics = request.app[METRICS]
     if not content_type.startswith("text/event-stream") or upstream.status != 200:
         limit = request.app[SETTINGS].service.max_response_bytes
-        body = await read_answer(outcomes, replica, upstream, timeouts, limit)
+        answer = await read_answer(outcomes, replica, upstream, timeouts, limit)
         request[USAGE] = metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)),
-                                             usage_in(body), replica)
-        return web.Response(status=upstream.status, body=body, headers={
+                                             usage_in(answer), replica)
+        return web.Response(status=upstream.status, body=answer, headers={
             "Content-Type": content_type, "X-Request-Id": request_id, REPLICA_HEADER: str(replica.index)})
     out = web.StreamResponse(status=upstream.status, headers={
         "Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id,
@@ -299,31 +310,54 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
     # The last three reads: the usage chunk (sent last, with stream_options.include_usage) is among
     # them, so only they are scanned, once, after the stream; nothing is copied per chunk.
     oldest = older = last = b""
+    tally = Tally(request.path)
+    needle, marker, events = tally.needle, tally.marker, 0
     try:
         # Whatever bytes arrived, so each token reaches the client as it is made.
         async for chunk in chunks(upstream, timeouts, label(replica)):
             if not last:
+                tally.head = chunk
                 metrics.child(metrics.ttft, replica.model, request.path).observe(time.perf_counter() - request[STARTED])
             oldest, older, last = older, last, chunk
             try:
-                await out.write(chunk)
+                # The usage chunk's empty `choices` is its mark: one scan, and only then a closer look.
+                await out.write(without_usage_chunk(chunk) if strip and b"[]" in chunk else chunk)
             except ConnectionResetError:
                 # The client left: closing the upstream connection makes the backend stop generating.
                 upstream.close()
                 return out
+            # Counted, not parsed (stream_usage.Tally), in the loop: it runs once per chunk.
+            events += chunk.count(needle)
+            if chunk.find(marker, -32) >= 0 and not tally.ended:
+                # Its end went out: counted now, before a client that closes at once cancels the handler.
+                tally.events, tally.ended = events, True
+                outcomes.report_outcome(replica, None)
+                tally.settle(request, replica, body, oldest + older + last)
+                mark_ended(request, out)
     except (BackendTimeout, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
         upstream.close()
         err = exc if isinstance(exc, PoolError) else \
             BackendError(f"{label(replica)} broke off the stream: {type(exc).__name__}")
-        log.warning("%s %s: %s", request.method, request.path, err.message)
-        request[STREAM_ERROR] = err.metric_code
-        outcomes.report_outcome(replica, err.message)
+        if tally.ended:
+            # The backend closed badly after its last event: the client has the whole answer.
+            log.info("%s %s: %s after the end of its stream", request.method, request.path, err.message)
+        else:
+            log.warning("%s %s: %s", request.method, request.path, err.message)
+            request[STREAM_ERROR] = err.metric_code
+            outcomes.report_outcome(replica, err.message)
+            with contextlib.suppress(ConnectionResetError):
+                await out.write(error_event(err, request.path))
         with contextlib.suppress(ConnectionResetError):
-            await out.write(error_event(err, request.path))
             await out.write_eof()
         return out
-    outcomes.report_outcome(replica, None)
-    request[USAGE] = metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)),
-                                         usage_in(oldest + older + last), replica)
-    await out.write_eof()
+    finally:
+        if not tally.settled:
+            tally.events = events
+            # Ended early (the client left, the handler was cancelled, the backend broke off) or
+            # without an end marker: what went out is counted.
+            tally.settle(request, replica, body, oldest + older + last)
+    if not tally.ended:
+        outcomes.report_outcome(replica, None)
+    with contextlib.suppress(ConnectionResetError):
+        await out.write_eof()   # a client that closed once it had everything: still a success
     return out

@@ -28,6 +28,9 @@ MODEL = web.RequestKey("model", str)
 FAIRNESS_KEY = web.RequestKey("fairness_key", str)
 STARTED = web.RequestKey("started", float)
 STREAM_ERROR = web.RequestKey("stream_error", str)
+# A stream whose end went out whole ([DONE], message_stop): a success with its counts, even if the
+# client then closes before the handler returns (which cancels it) or before its last write.
+STREAM_ENDED = web.RequestKey("stream_ended", web.StreamResponse)
 # The replica that took the request, once one did: its index is every answer's X-Replica header.
 REPLICA = web.RequestKey("replica", Replica)
 REPLICA_HEADER = "X-Replica"

@@ -29,6 +29,7 @@ from proxy.serving.errors_http import MESSAGES_PATH
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, STREAM_ERROR, USAGE
+from proxy.serving.stream_usage import mark_ended, settle
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -54,7 +55,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     message_id = f"msg_{os.urandom(12).hex()}"
     headers = {"X-Request-Id": request_id}
     if chat.get("stream"):
-        return await _as_events(request, relay, queued, runtime, anthropic.MessageStream(name, message_id), headers)
+        return await _as_events(request, relay, queued, runtime, anthropic.MessageStream(name, message_id), headers,
+                                chat)
     async with contextlib.aclosing(relay):
         pieces = [piece async for piece in relay]
     last = pieces[-1]
@@ -76,7 +78,8 @@ def _count(request: web.Request, runtime: ModelRuntime, last: Piece | None) -> N
 
 
 async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], queued: Any, runtime: ModelRuntime,
-                     stream: anthropic.MessageStream, headers: dict[str, str]) -> web.StreamResponse:
+                     stream: anthropic.MessageStream, headers: dict[str, str],
+                     chat: dict[str, Any]) -> web.StreamResponse:
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     try:
         await out.prepare(request)
@@ -85,6 +88,7 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], q
         runtime.admission.abandon(queued)  # the client is gone before it took its place
         raise
     last: Piece | None = None
+    texts = 0   # the text events that went out: what an answer cut short is charged for
     try:
         # aclosing: a client that leaves while an event is written ends the relay (slot, upstream) now.
         async with contextlib.aclosing(relay):
@@ -95,6 +99,7 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], q
                 event = stream.feed(_chunk(piece))
                 if event:
                     await out.write(event)
+                    texts += 1
     except ConnectionResetError:
         return out  # the client left; its slot and the upstream request are already released
     except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
@@ -107,9 +112,15 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], q
         log.exception("POST %s stream failed", MESSAGES_PATH)   # a bug of ours: still an error event
         request[STREAM_ERROR] = "internal_error"
         return await _end_with(out, PoolError("internal error in llm-pool; see the proxy log"))
-    _count(request, runtime, last)
-    await out.write(stream.end())
-    await out.write_eof()
+    finally:
+        # However it ended (a cancelled handler too), before the metrics middleware records it; a
+        # stream that never began (it waited for a slot, the backend refused it) is charged nothing.
+        if last is not None:
+            settle(request, runtime.name, chat, last.usage, texts, request.get(REPLICA))
+    with contextlib.suppress(ConnectionResetError):
+        await out.write(stream.end())
+        mark_ended(request, out)
+        await out.write_eof()
     return out
 
 

@@ -27,6 +27,7 @@ from proxy.serving.chat_relay import Piece, relay_chat
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STREAM_ERROR, USAGE
 from proxy.serving.responses import IGNORED_HEADER, backend_request, parse, validate_for_model
+from proxy.serving.stream_usage import mark_ended, settle
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -62,7 +63,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     timer.mark("enqueued")
     relay = relay_chat(request, runtime, queued, payload, request_id, timer, affinity, cold)
     if req.stream:
-        return await _as_events(request, relay, timer, queued, runtime, response_id, req.model, headers)
+        return await _as_events(request, relay, timer, queued, runtime, response_id, req.model, headers, payload)
     return await _as_json(request, relay, timer, runtime, response_id, req.model, headers)
 
 
@@ -81,7 +82,7 @@ async def _as_json(request: web.Request, relay: AsyncGenerator[Piece, None], tim
 
 async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], timer: response_metrics.Timer,
                      queued: Any, runtime: ModelRuntime, response_id: str, model: str,
-                     headers: Mapping[str, str]) -> web.StreamResponse:
+                     headers: Mapping[str, str], payload: Mapping[str, Any]) -> web.StreamResponse:
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     try:
         await out.prepare(request)
@@ -92,10 +93,12 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], t
     pieces: list[str] = []
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
+    whole = began = False
     try:
         # aclosing: a client that leaves while a piece is written ends the relay (slot, upstream) now.
         async with contextlib.aclosing(relay):
             async for piece in relay:
+                began = True
                 if piece.text:
                     if timer.first_token is None:
                         timer.mark("first_token")
@@ -104,6 +107,7 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], t
                                            {"item_id": response_id, "delta": piece.text}))
                 usage = piece.usage or usage
                 timings = piece.timings or timings
+        whole = True
     except ConnectionResetError:
         return out  # the client left; its slot and the upstream request are already released
     except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
@@ -117,13 +121,22 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], t
         log.exception("POST /v1/responses stream failed")
         request[STREAM_ERROR] = "internal_error"
         return await _end_with(out, PoolError("internal error in llm-pool; see the proxy log"))
+    finally:
+        if began and not whole:
+            # Cut short (a cancelled handler too): what went out is counted, before the metrics
+            # middleware records the request. One that never began (it waited for a slot, the
+            # backend refused it) is charged nothing.
+            settle(request, runtime.name, payload, usage, len(pieces), request.get(REPLICA))
     timer.mark("finished")
     metrics = response_metrics.build(timer, usage, timings)
     _count(request, runtime.name, metrics,
            timer.first_token - timer.handler if timer.first_token is not None else None)
     await out.write(_event("response.metrics", {"metrics": metrics}))
-    await out.write(_event("response.completed", {"response": _envelope(response_id, model, "".join(pieces), metrics)}))
-    await out.write_eof()
+    with contextlib.suppress(ConnectionResetError):
+        await out.write(_event("response.completed",
+                               {"response": _envelope(response_id, model, "".join(pieces), metrics)}))
+        mark_ended(request, out)
+        await out.write_eof()
     return out
 
 

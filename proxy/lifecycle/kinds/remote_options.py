@@ -17,7 +17,7 @@ from proxy.masking import MASK, masked
 # provider's own thinking switch, the seed's decoding mapping (temperature, top_p, max_tokens and
 # stop), and file items where `remote_file_mode` says how.
 TRAITS = Traits(multi_turn=True, thinking="provider", decoding_only=("max_tokens", "temperature", "top_p"),
-                file_inputs_field="remote_file_mode", model_field="remote_model", remote=True)
+                file_inputs_field="remote_file_mode", model_field="remote_model", remote=True, usage_on_request=True)
 
 
 class Secret:
