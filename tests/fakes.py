@@ -145,6 +145,9 @@ class FakeProvider:
     key's first 10 characters and 9 from its middle, as providers that show a key's prefix do), "drop"
     (the connection breaks before an answer), "slow" (no answer for `slow_s`), "slow_stream" (one chunk,
     then silence), "broken" (one chunk, then the connection drops); an empty script answers normally.
+    Two knobs make it a hostile or a slow provider: `usage`, when set, is the usage object every chat
+    answer carries, sent as given (`{"prompt_tokens": 10**30}`, NaN as JSON's NaN); `hold()` keeps
+    every chat answer back (`held` counts those waiting) until `release()`.
     """
 
     CACHED_TOKENS = 3
@@ -157,6 +160,9 @@ class FakeProvider:
         self.files: dict[str, dict[str, object]] = {}
         self.scripts: dict[str, list[str]] = {}
         self.slow_s = 30.0
+        self.usage: object = None
+        self.holding = False
+        self.held = 0
         self._ids = 0
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake provider", daemon=True)
@@ -189,11 +195,20 @@ class FakeProvider:
         self.requests.clear()
         self.scripts.clear()
 
+    def hold(self) -> None:
+        self._loop.call_soon_threadsafe(self._released.clear)
+        self.holding = True
+
+    def release(self) -> None:
+        self.holding = False
+        self._loop.call_soon_threadsafe(self._released.set)
+
     # -- the server, in its own thread -------------------------------------------------------------
 
     def _run(self) -> None:
 
         self._loop = asyncio.new_event_loop()
+        self._released = asyncio.Event()
         self._loop.run_until_complete(self._serve())
         self._loop.run_forever()
         self._loop.close()
@@ -263,7 +278,9 @@ class FakeProvider:
 
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
-    def _usage(self, model: str, prompt: int, output: int) -> dict[str, object]:
+    def _usage(self, model: str, prompt: int, output: int) -> object:
+        if self.usage is not None:
+            return self.usage
         usage: dict[str, object] = {"prompt_tokens": prompt, "completion_tokens": output,
                                     "total_tokens": prompt + output}
         if model.startswith("moonshot"):
@@ -281,6 +298,10 @@ class FakeProvider:
         fault = await self._fault(request, step)
         if fault is not None:
             return fault
+        if self.holding:
+            self.held += 1
+            await self._released.wait()
+            self.held -= 1
         words = ["Hello", " from", " the", " fake", " provider"]
         prompt = sum(len(str(m.get("content"))) for m in body.get("messages", [])) // 4 + 1
         if not body.get("stream"):

@@ -2,7 +2,8 @@
 
 A row says when a request finished, for which tenant and key (a short id, never the key), on which
 model, backend and host, how it ended (the HTTP status), its prompt, cached and output tokens, its
-cost, and how long it queued and ran. Budgets and per-minute limits are sums over these rows
+cost, how long it queued and ran, and whether its prompt count is the proxy's estimate (a stream
+that ended before the engine's usage came). Budgets and per-minute limits are sums over these rows
 (`spent`), so they survive a restart; the admin's usage report groups them (`usage`). The keys an
 admin mints are kept beside them as digests (`add_key`, `revoke_key`, `keys`).
 
@@ -21,8 +22,16 @@ since the last write, at most `flush_interval_s` plus one write's time (well und
 default); every committed transaction is in the file. With `synchronous=NORMAL` a power cut may also
 lose the last transactions since a checkpoint, but never leaves the file inconsistent.
 
+What a bad row or a bad disk does: a row's numbers are checked when it is recorded (a count that is
+not an integer in 0..MAX_COUNT, a cost that is not a finite number >= 0, is logged and taken as 0),
+and a row the file still refuses is logged and skipped, never the writer thread. A write the file
+refuses as a whole (a full disk, a read-only or locked file) keeps its rows queued and tried again;
+`failing()` says why meanwhile (the proxy's /ready shows it), and `close()` names the rows it leaves.
+
 One `SqliteLedger` writes a file: the ids it hands out continue from the highest on disk when it
-opens, so two proxies must not share one file (each has its own state_dir).
+opens, so two proxies must not share one file (each has its own state_dir). A reload is the one
+time two processes write it: the successor reads what its predecessor records while it drains with
+`others()` (the rows below its own ids and above those it found on disk).
 
 Where one proxy is not enough: proxies that share budgets need one store they all write to, and the
 `Ledger` protocol is what they would share. A `PostgresLedger` would implement it with a writer
@@ -36,15 +45,18 @@ whichever proxy it reaches.
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import sqlite3
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from proxy.tenants.schema import connect, migrate
 from proxy.tenants.sums import DiskSums, Totals
@@ -56,14 +68,22 @@ log = logging.getLogger(__name__)
 BATCH_ROWS = 1000
 # How far a newly opened ledger's ids start past the highest on disk (see SqliteLedger.__init__).
 PROCESS_ID_GAP = 2 ** 32
+# The largest token count a row may hold (README: Tenants): more is an engine's or a provider's
+# nonsense, and past 2**63 SQLite cannot store it at all.
+MAX_COUNT = 2 ** 31
+# Rows per INSERT statement: one statement binds many rows, so the writer releases and takes back
+# the GIL once per statement instead of once per row (each a wait of the event loop's thread).
+_ROWS_PER_INSERT = (256, 64, 16, 4, 1)
 # What `usage` may group by, and how each is read from a row on disk.
 GROUP_FIELDS = ("tenant", "model", "day", "key_id", "backend", "host")
 _GROUP_SQL = {"tenant": "tenant", "model": "model", "day": "strftime('%Y-%m-%d', CAST(time AS INTEGER), 'unixepoch')",
               "key_id": "key_id", "backend": "backend", "host": "host"}
 
 
-@dataclass(frozen=True)
-class UsageRow:
+class UsageRow(NamedTuple):
+    """One finished request. A tuple in the INSERT's order (after the id): recording one per request
+    builds no other object."""
+
     time: float            # unix seconds, when the request finished
     tenant: str            # "" when tenants are off
     key_id: str            # a short id of the key, never the key
@@ -77,6 +97,7 @@ class UsageRow:
     cost: float
     queue_wait_ms: float
     duration_ms: float
+    estimated: bool = False   # prompt_tokens is the proxy's estimate, not the engine's figure
 
 
 @dataclass(frozen=True)
@@ -118,7 +139,15 @@ class Ledger(Protocol):
         """Rows with start <= time < end (None: unbounded), summed by the `group_by` fields (a subset
         of GROUP_FIELDS; "day" is the UTC date "YYYY-MM-DD"), ordered by them. Each dict holds the
         grouped fields and requests, prompt_tokens, cached_tokens, output_tokens, cost, errors
-        (status >= 400), queue_wait_ms and duration_ms (sums). ValueError for an unknown field."""
+        (status >= 400), estimated (rows whose prompt count is an estimate), queue_wait_ms and
+        duration_ms (sums). ValueError for an unknown field."""
+
+    def others(self) -> list[tuple[str, float, int, float]]:
+        """Rows another process recorded to the same store since the last call (a reload's
+        predecessor while it drains): (tenant, time, tokens, cost) each, oldest first."""
+
+    def failing(self) -> str | None:
+        """Why recorded rows cannot be written now (they are kept and tried again), or None."""
 
     def add_key(self, tenant: str, key_id: str, sha256: str, created: float) -> None:
         """Keep a minted key's digest; ValueError when the id or the digest is taken."""
@@ -141,11 +170,44 @@ class Ledger(Protocol):
 _Params = tuple[Any, ...]
 _ID, _TIME, _TENANT = 0, 1, 2
 _COLUMN = {"tenant": 2, "key_id": 3, "model": 4, "backend": 5, "host": 6}
-_PROMPT, _CACHED, _OUTPUT, _COST, _STATUS, _QUEUE_WAIT, _DURATION = 8, 9, 10, 11, 7, 12, 13
-_INSERT_SQL = """
-    INSERT INTO usage (id, time, tenant, key_id, model, backend, host, status, prompt_tokens,
-                       cached_tokens, output_tokens, cost, queue_wait_ms, duration_ms)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+_PROMPT, _CACHED, _OUTPUT, _COST, _STATUS, _QUEUE_WAIT, _DURATION, _ESTIMATED = 8, 9, 10, 11, 7, 12, 13, 14
+_COUNTS = (("status", _STATUS), ("prompt_tokens", _PROMPT), ("cached_tokens", _CACHED), ("output_tokens", _OUTPUT))
+_AMOUNTS = (("time", _TIME), ("cost", _COST), ("queue_wait_ms", _QUEUE_WAIT), ("duration_ms", _DURATION))
+_INSERT_HEAD = ("INSERT INTO usage (id, time, tenant, key_id, model, backend, host, status, prompt_tokens, "
+                "cached_tokens, output_tokens, cost, queue_wait_ms, duration_ms, estimated) VALUES ")
+_INSERT_SQL = {n: _INSERT_HEAD + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * n)
+               for n in _ROWS_PER_INSERT}
+# What a row the file refuses on its own raises (a value SQLite cannot bind or store, a taken id):
+# that row is skipped. Any other sqlite3.Error is the file's (full, read-only, locked): all are kept.
+_ROW_ERRORS = (sqlite3.IntegrityError, sqlite3.InterfaceError, sqlite3.ProgrammingError, OverflowError,
+               TypeError, ValueError)
+
+
+def _checked(params: _Params) -> _Params:
+    """The row's parameters with each count an int in 0..MAX_COUNT and each amount a finite float >= 0
+    (time included); what is not is logged and taken as 0. The usage of an engine or a provider is
+    checked where it is read (proxy/serving/response_metrics.py): this is the ledger's own guard."""
+    bad = [name for name, i in _COUNTS if type(params[i]) is not int or not 0 <= params[i] <= MAX_COUNT]
+    bad += [name for name, i in _AMOUNTS if type(params[i]) not in (int, float) or not 0 <= params[i] < math.inf]
+    if not bad and type(params[_ESTIMATED]) is bool:
+        return params
+    fixed = list(params)
+    for name, i in (*_COUNTS, *_AMOUNTS):
+        if name in bad:
+            log.warning("usage ledger: a row of tenant %r has %s = %.40r; recorded as 0", params[_TENANT], name,
+                        params[i])
+            fixed[i] = 0 if i in (_STATUS, _PROMPT, _CACHED, _OUTPUT) else 0.0
+    fixed[_ESTIMATED] = bool(fixed[_ESTIMATED]) if type(fixed[_ESTIMATED]) in (bool, int) else False
+    return tuple(fixed)
+
+
+def _insert_rows(conn: sqlite3.Connection, batch: Sequence[_Params]) -> None:
+    """INSERT the batch in statements of _ROWS_PER_INSERT rows (within the caller's transaction)."""
+    at = 0
+    for size in _ROWS_PER_INSERT:
+        while len(batch) - at >= size:
+            conn.execute(_INSERT_SQL[size], list(itertools.chain.from_iterable(batch[at:at + size])))
+            at += size
 
 
 def _plus(totals: Totals, rows: Iterable[_Params]) -> Totals:
@@ -202,6 +264,9 @@ class SqliteLedger:
         # records the requests it finishes, on its own sequence, while this one records from here,
         # and neither's ids can meet the other's.
         self._last_id: int = last_id + PROCESS_ID_GAP     # the id the last recorded row got
+        # Rows between the two are another process's: a reload's predecessor, still recording.
+        self._others_after, self._own_from = last_id, self._last_id
+        self._others_conn: sqlite3.Connection | None = None
         self._latest: float = latest                      # the latest row time recorded
         self._written = last_id                           # the highest id on disk
         self._queue: deque[_Params] = deque()             # not yet taken by the writer: INSERT parameters
@@ -209,6 +274,7 @@ class SqliteLedger:
         self._flush_wanted = 0
         self._attempts = 0
         self._failure: sqlite3.Error | None = None
+        self._failing_since: float | None = None
         self._closing = False
         self._writer_done = False
         # `spent` is per request: one connection kept open for it, and the sums it keeps.
@@ -227,9 +293,7 @@ class SqliteLedger:
             self._last_id += 1
             # The row's parameters are built here, not in the writer: the writer's Python code holds
             # the GIL, and a thread waiting for the GIL waits up to the switch interval (5 ms).
-            params = (self._last_id, row.time, row.tenant, row.key_id, row.model, row.backend, row.host,
-                      row.status, row.prompt_tokens, row.cached_tokens, row.output_tokens, row.cost,
-                      row.queue_wait_ms, row.duration_ms)
+            params = _checked((self._last_id, *row))
             self._queue.append(params)
             unwritten = self._unwritten.get(row.tenant)
             if unwritten is None:
@@ -265,7 +329,8 @@ class SqliteLedger:
         sql = ("SELECT " + "".join(e + ", " for e in exprs)
                + "COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
                  "COALESCE(SUM(output_tokens), 0), COALESCE(SUM(cost), 0.0), COALESCE(SUM(status >= 400), 0), "
-                 "COALESCE(SUM(queue_wait_ms), 0.0), COALESCE(SUM(duration_ms), 0.0) FROM usage"
+                 "COALESCE(SUM(queue_wait_ms), 0.0), COALESCE(SUM(duration_ms), 0.0), "
+                 "COALESCE(SUM(estimated), 0) FROM usage"
                + (" WHERE " + " AND ".join(where) if where else "")
                + (" GROUP BY " + ", ".join(exprs) if exprs else ""))
         with self._lock:
@@ -289,15 +354,36 @@ class SqliteLedger:
             if p[_ID] <= top or (start is not None and t < start) or (end is not None and t >= end):
                 continue
             group = tuple(_day(t) if field == "day" else p[_COLUMN[field]] for field in fields)
-            sums = groups.setdefault(group, [0, 0, 0, 0, 0.0, 0, 0.0, 0.0])
+            sums = groups.setdefault(group, [0, 0, 0, 0, 0.0, 0, 0.0, 0.0, 0])
             for i, value in enumerate((1, p[_PROMPT], p[_CACHED], p[_OUTPUT], p[_COST], int(p[_STATUS] >= 400),
-                                       p[_QUEUE_WAIT], p[_DURATION])):
+                                       p[_QUEUE_WAIT], p[_DURATION], int(p[_ESTIMATED]))):
                 sums[i] += value
         # All grouped fields are text: Python's order of str is SQLite's BINARY collation on UTF-8.
         return [{**dict(zip(fields, group)), "requests": sums[0], "prompt_tokens": sums[1],
                  "cached_tokens": sums[2], "output_tokens": sums[3], "cost": float(sums[4]),
-                 "errors": sums[5], "queue_wait_ms": float(sums[6]), "duration_ms": float(sums[7])}
+                 "errors": sums[5], "estimated": sums[8], "queue_wait_ms": float(sums[6]),
+                 "duration_ms": float(sums[7])}
                 for group, sums in sorted(groups.items())]
+
+    def others(self) -> list[tuple[str, float, int, float]]:
+        # A range of the rowid: nothing to read is one seek. The caller's thread only (the event loop).
+        if self._others_conn is None:
+            self._others_conn = connect(self._path)
+        found = self._others_conn.execute(
+            "SELECT id, tenant, time, prompt_tokens + output_tokens, cost FROM usage WHERE id > ? AND id <= ? "
+            "ORDER BY id", (self._others_after, self._own_from)).fetchall()
+        if not found:
+            return []
+        self._others_after = found[-1][0]
+        return [(tenant, t, tokens, cost) for _, tenant, t, tokens, cost in found]
+
+    def failing(self) -> str | None:
+        with self._lock:
+            failure, since, queued = self._failure, self._failing_since, len(self._queue)
+        if failure is None or since is None:
+            return None
+        return (f"the usage ledger {self._path} cannot be written since "
+                f"{time.strftime('%H:%M:%S', time.gmtime(since))} UTC ({failure}); {queued} row(s) wait in memory")
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -349,6 +435,8 @@ class SqliteLedger:
             self._wake.notify()
         self._writer.join()
         self._sums.close()
+        if self._others_conn is not None:
+            self._others_conn.close()
         with self._lock:
             if self._queue:
                 raise RuntimeError(f"usage ledger {self._path}: {len(self._queue)} row(s) not written: "
@@ -377,7 +465,11 @@ class SqliteLedger:
                         batch = [self._queue.popleft() for _ in range(BATCH_ROWS)]
                     closing = self._closing
                 if batch:
-                    failure = self._insert(conn, batch)
+                    try:
+                        failure = self._insert(conn, batch)
+                    except Exception as exc:   # a bug, not the file: the rows are kept, the thread lives
+                        log.exception("usage ledger %s: writing %d row(s) failed", self._path, len(batch))
+                        failure = sqlite3.DatabaseError(f"{type(exc).__name__}: {exc}")
                     self._written_back(batch, failure)
                     if failure is not None and closing:
                         log.error("usage ledger %s: giving up on %d unwritten row(s) at close: %s",
@@ -393,25 +485,46 @@ class SqliteLedger:
                 self._written_cond.notify_all()
 
     def _insert(self, conn: sqlite3.Connection, batch: list[_Params]) -> sqlite3.Error | None:
+        """Write the batch in one transaction: the file's failure (the rows are kept), or None. A row
+        the file refuses on its own is logged and left out, and the others are written."""
         try:
-            conn.execute("BEGIN")
             try:
-                conn.executemany(_INSERT_SQL, batch)
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:   # SQLite rolls some failures back itself (a full disk)
-                    conn.execute("ROLLBACK")
-                raise
+                self._transaction(conn, batch)
+            except _ROW_ERRORS:
+                self._transaction(conn, batch, one_by_one=True)
         except sqlite3.Error as exc:
-            log.error("usage ledger %s: could not write %d row(s), will retry: %s", self._path, len(batch), exc)
+            if self._failure is None:
+                log.error("usage ledger %s: could not write %d row(s), will retry: %s", self._path, len(batch), exc)
             return exc
         return None
+
+    def _transaction(self, conn: sqlite3.Connection, batch: list[_Params], one_by_one: bool = False) -> None:
+        conn.execute("BEGIN")
+        try:
+            if not one_by_one:
+                _insert_rows(conn, batch)
+            else:
+                for params in batch:
+                    try:
+                        _insert_rows(conn, (params,))
+                    except _ROW_ERRORS as exc:
+                        log.error("usage ledger %s: skipped a row the file refuses (id %s, tenant %.80r): %s: %s",
+                                  self._path, params[_ID], params[_TENANT], type(exc).__name__, exc)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:   # SQLite rolls some failures back itself (a full disk)
+                conn.execute("ROLLBACK")
+            raise
 
     def _written_back(self, batch: list[_Params], failure: sqlite3.Error | None) -> None:
         last: int = batch[-1][0]
         tenants = {params[_TENANT] for params in batch}
         with self._lock:
             self._attempts += 1
+            if failure is not None and self._failure is None:
+                self._failing_since = time.time()
+            elif failure is None and self._failure is not None:
+                log.warning("usage ledger %s: writing again", self._path)
             self._failure = failure
             if failure is not None:
                 self._queue.extendleft(reversed(batch))

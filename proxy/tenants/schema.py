@@ -55,8 +55,15 @@ def _version_1(conn: sqlite3.Connection) -> None:
         )""")
 
 
+def _version_2(conn: sqlite3.Connection) -> None:
+    # 1 where prompt_tokens is the proxy's estimate (a stream that ended before the engine's usage);
+    # the rows of version 1 had the engine's figure or nothing.
+    conn.execute("ALTER TABLE usage ADD COLUMN estimated INTEGER NOT NULL DEFAULT 0")
+
+
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _version_1,
+    2: _version_2,
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 

@@ -27,10 +27,10 @@ NEVER_S = 3600.0
 
 def row(time: float, tenant: str = "webui", model: str = "qwen", *, key_id: str = "k1", backend: str = "llama_server",
         host: str = "local", status: int = 200, prompt: int = 10, cached: int = 0, output: int = 5,
-        cost: float = 0.0, queue_wait_ms: float = 0.0, duration_ms: float = 0.0) -> UsageRow:
+        cost: float = 0.0, queue_wait_ms: float = 0.0, duration_ms: float = 0.0, estimated: bool = False) -> UsageRow:
     return UsageRow(time=time, tenant=tenant, key_id=key_id, model=model, backend=backend, host=host, status=status,
                     prompt_tokens=prompt, cached_tokens=cached, output_tokens=output, cost=cost,
-                    queue_wait_ms=queue_wait_ms, duration_ms=duration_ms)
+                    queue_wait_ms=queue_wait_ms, duration_ms=duration_ms, estimated=estimated)
 
 
 def rows_on_disk(path: Path) -> int:
@@ -147,10 +147,11 @@ def _report_rows(ledger: SqliteLedger) -> None:
 
 
 def _group(tenant: str, model: str, day: str, requests: int, prompt: int, cached: int, output: int, cost: float,
-           errors: int = 0, queue_wait_ms: float = 0.0, duration_ms: float = 0.0) -> dict[str, object]:
+           errors: int = 0, queue_wait_ms: float = 0.0, duration_ms: float = 0.0,
+           estimated: int = 0) -> dict[str, object]:
     return {"tenant": tenant, "model": model, "day": day, "requests": requests, "prompt_tokens": prompt,
             "cached_tokens": cached, "output_tokens": output, "cost": cost, "errors": errors,
-            "queue_wait_ms": queue_wait_ms, "duration_ms": duration_ms}
+            "estimated": estimated, "queue_wait_ms": queue_wait_ms, "duration_ms": duration_ms}
 
 
 @pytest.mark.parametrize("flushed", [False, True], ids=["queued", "on_disk"])
@@ -167,9 +168,10 @@ def test_usage_groups_by_tenant_model_and_day(ledger: SqliteLedger, flushed: boo
     # From inclusive, to exclusive: the second day alone.
     assert ledger.usage(DAY2, DAY2 + 86_400, ["day", "tenant"]) == [
         {"day": "2026-01-02", "tenant": "batch", "requests": 1, "prompt_tokens": 7, "cached_tokens": 0,
-         "output_tokens": 7, "cost": 0.0, "errors": 1, "queue_wait_ms": 0.0, "duration_ms": 0.0},
+         "output_tokens": 7, "cost": 0.0, "errors": 1, "estimated": 0, "queue_wait_ms": 0.0, "duration_ms": 0.0},
         {"day": "2026-01-02", "tenant": "webui", "requests": 1, "prompt_tokens": 1000, "cached_tokens": 0,
-         "output_tokens": 2000, "cost": 0.0, "errors": 0, "queue_wait_ms": 0.0, "duration_ms": 0.0},
+         "output_tokens": 2000, "cost": 0.0, "errors": 0, "estimated": 0, "queue_wait_ms": 0.0,
+             "duration_ms": 0.0},
     ]
     assert [g["model"] for g in ledger.usage(DAY1 + 200, DAY1 + 300, ["model"])] == ["qwen"]
     assert ledger.usage(DAY1 + 200, None, ["tenant"])[1]["requests"] == 3
