@@ -28,10 +28,11 @@ and a row the file still refuses is logged and skipped, never the writer thread.
 refuses as a whole (a full disk, a read-only or locked file) keeps its rows queued and tried again;
 `failing()` says why meanwhile (the proxy's /ready shows it), and `close()` names the rows it leaves.
 
-One `SqliteLedger` writes a file: the ids it hands out continue from the highest on disk when it
-opens, so two proxies must not share one file (each has its own state_dir). A reload is the one
-time two processes write it: the successor reads what its predecessor records while it drains with
-`others()` (the rows below its own ids and above those it found on disk).
+One `SqliteLedger` writes a file: the ids it hands out start past the highest on disk and past where
+the last ledger to open the file started (the `writers` table). Two proxies must not share one file
+(each has its own state_dir); a reload is the one time two processes write it, and the successor
+reads what its predecessor records while it drains with `others()` (the rows below its own ids and
+above those it found on disk).
 
 Where one proxy is not enough: proxies that share budgets need one store they all write to, and the
 `Ledger` protocol is what they would share. A `PostgresLedger` would implement it with a writer
@@ -66,7 +67,8 @@ log = logging.getLogger(__name__)
 # The writer does not wait for the interval once this many rows are queued; it is also the most rows
 # one transaction takes, so the event loop never waits long for the queue's lock.
 BATCH_ROWS = 1000
-# How far a newly opened ledger's ids start past the highest on disk (see SqliteLedger.__init__).
+# How far a newly opened ledger's ids start past the highest on disk and the last ledger's start (see
+# SqliteLedger.__init__).
 PROCESS_ID_GAP = 2 ** 32
 # The largest token count a row may hold (README: Tenants): more is an engine's or a provider's
 # nonsense, and past 2**63 SQLite cannot store it at all.
@@ -251,8 +253,21 @@ class SqliteLedger:
         conn = connect(path)
         try:
             migrate(conn, path)
-            last_id, latest = conn.execute("SELECT COALESCE(MAX(id), 0), COALESCE(MAX(time), 0.0) "
-                                           "FROM usage").fetchone()
+            # Past every id on disk and every other ledger's start, by a gap no proxy's rows fill:
+            # during a reload the old process still records the requests it finishes, on its own
+            # sequence, while this one records from here, and neither's ids can meet the other's.
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                last_id, latest, claimed = conn.execute(
+                    "SELECT COALESCE(MAX(id), 0), COALESCE(MAX(time), 0.0), "
+                    "(SELECT COALESCE(MAX(base), 0) FROM writers) FROM usage").fetchone()
+                base = max(last_id, claimed) + PROCESS_ID_GAP
+                conn.execute("INSERT INTO writers (base, opened) VALUES (?, ?)", (base, time.time()))
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
         finally:
             conn.close()
         # Everything below `_lock` is shared by the callers' thread(s) and the writer; it is held
@@ -260,10 +275,7 @@ class SqliteLedger:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)      # the writer waits on it
         self._written_cond = threading.Condition(self._lock)   # flush() waits on it
-        # Past every id on disk by a gap no proxy's rows fill: during a reload the old process still
-        # records the requests it finishes, on its own sequence, while this one records from here,
-        # and neither's ids can meet the other's.
-        self._last_id: int = last_id + PROCESS_ID_GAP     # the id the last recorded row got
+        self._last_id: int = base                         # the id the last recorded row got
         # Rows between the two are another process's: a reload's predecessor, still recording.
         self._others_after, self._own_from = last_id, self._last_id
         self._others_conn: sqlite3.Connection | None = None

@@ -368,3 +368,68 @@ def test_two_processes_on_one_file_during_a_reload_lose_no_row(path: Path) -> No
         assert new.spent("old", 0.0).requests == 50 and new.spent("new", 0.0).requests == 50
     finally:
         new.close()
+
+
+# -- a bad row, an old file, another process's rows (issue 39) ------------------------------------
+
+def test_a_row_with_counts_that_are_no_counts_is_recorded_with_0_and_the_writer_writes_on(
+        ledger: SqliteLedger, path: Path) -> None:
+    ledger.record(row(DAY1, prompt=10 ** 30, cached=-1, output=2 ** 31 + 1, cost=float("nan")))
+    ledger.record(row(DAY1, prompt=True, output=2.5, cost=float("inf"), duration_ms=float("-inf")))  # type: ignore[arg-type]
+    ledger.record(row(DAY1, prompt=3, output=4, cost=0.5))
+    ledger.flush()
+    assert ledger.usage(None, None, []) == [{"requests": 3, "prompt_tokens": 3, "cached_tokens": 0, "output_tokens": 4,
+                                             "cost": 0.5, "errors": 0, "estimated": 0, "queue_wait_ms": 0.0,
+                                             "duration_ms": 0.0}]
+    assert ledger.failing() is None
+
+
+def test_a_row_the_file_refuses_is_skipped_and_the_writer_lives(ledger: SqliteLedger, path: Path) -> None:
+    ledger.record(row(DAY1, tenant="webui"))
+    ledger.record(row(DAY1, tenant="\ud800"))   # a lone surrogate: no UTF-8 for SQLite to store
+    ledger.record(row(DAY1, tenant="batch"))
+    ledger.flush()
+    assert rows_on_disk(path) == 2
+    ledger.record(row(DAY1, tenant="webui"))
+    ledger.flush()   # the thread is still there to write it
+    assert rows_on_disk(path) == 3 and ledger.failing() is None
+
+
+def test_a_version_1_file_is_migrated_with_its_rows_not_estimated(path: Path) -> None:
+    conn = sqlite3.connect(path, isolation_level=None)
+    MIGRATIONS[1](conn)
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute("INSERT INTO usage (id, time, tenant, key_id, model, backend, host, status, prompt_tokens, "
+                 "cached_tokens, output_tokens, cost, queue_wait_ms, duration_ms) "
+                 "VALUES (1, ?, 'webui', 'k1', 'qwen', 'sim', 'local', 200, 10, 0, 5, 0.0, 0.0, 0.0)", (DAY1,))
+    conn.close()
+    ledger = SqliteLedger(path, flush_interval_s=NEVER_S)
+    try:
+        ledger.record(row(DAY1 + 1, estimated=True))
+        for flushed in (False, True):
+            (total,) = ledger.usage(None, None, [])
+            assert (total["requests"], total["prompt_tokens"], total["estimated"]) == (2, 20, 1), flushed
+            ledger.flush()
+    finally:
+        ledger.close()
+
+
+@pytest.mark.parametrize("old_wrote", [True, False], ids=["old_wrote_first", "old_wrote_nothing_yet"])
+def test_others_are_the_rows_a_predecessor_writes_after_this_ledger_opened(path: Path, old_wrote: bool) -> None:
+    old = SqliteLedger(path, flush_interval_s=NEVER_S)
+    if old_wrote:
+        old.record(row(DAY1, tenant="before"))
+        old.flush()
+    new = SqliteLedger(path, flush_interval_s=NEVER_S)
+    try:
+        assert new.others() == []
+        old.record(row(DAY1 + 1, tenant="old", prompt=3, output=4, cost=0.25))
+        new.record(row(DAY1 + 2, tenant="new"))   # its own: never among the others
+        new.flush()
+        assert new.others() == []                  # not on disk yet
+        old.close()
+        assert new.others() == [("old", DAY1 + 1, 7, 0.25)]
+        assert new.others() == []                  # each row once
+        assert rows_on_disk(path) == 2 + old_wrote   # no id of one met the other's
+    finally:
+        new.close()
