@@ -170,7 +170,7 @@ class Tenancy:
             raise refused
         tokens, reserved_cost = 0, 0.0
         if tenant.budget_tokens is not None or tenant.budget_cost is not None or tenant.tokens_per_minute is not None:
-            prompt, output = prompt_estimate(body), output_limit(body, self._default_output)
+            prompt, output = prompt_estimate(body, request.content_length), output_limit(body, self._default_output)
             tokens = prompt + output
             price = runtime.model.get("price_per_mtok")
             reserved_cost = cost(price, prompt, 0, output) if price else 0.0

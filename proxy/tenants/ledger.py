@@ -189,6 +189,15 @@ def _checked(params: _Params) -> _Params:
     """The row's parameters with each count an int in 0..MAX_COUNT and each amount a finite float >= 0
     (time included); what is not is logged and taken as 0. The usage of an engine or a provider is
     checked where it is read (proxy/serving/response_metrics.py): this is the ledger's own guard."""
+    status, prompt, cached, output = params[_STATUS], params[_PROMPT], params[_CACHED], params[_OUTPUT]
+    at, spent, waited, took = params[_TIME], params[_COST], params[_QUEUE_WAIT], params[_DURATION]
+    # One expression for the row every request makes (ints and floats in range): it runs on the event loop.
+    if type(status) is int and type(prompt) is int and type(cached) is int and type(output) is int \
+            and type(at) is float and type(spent) is float and type(waited) is float and type(took) is float \
+            and 0 <= status <= MAX_COUNT and 0 <= prompt <= MAX_COUNT and 0 <= cached <= MAX_COUNT \
+            and 0 <= output <= MAX_COUNT and 0.0 <= at < math.inf and 0.0 <= spent < math.inf \
+            and 0.0 <= waited < math.inf and 0.0 <= took < math.inf and type(params[_ESTIMATED]) is bool:
+        return params
     bad = [name for name, i in _COUNTS if type(params[i]) is not int or not 0 <= params[i] <= MAX_COUNT]
     bad += [name for name, i in _AMOUNTS if type(params[i]) not in (int, float) or not 0 <= params[i] < math.inf]
     if not bad and type(params[_ESTIMATED]) is bool:
