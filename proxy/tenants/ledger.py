@@ -23,8 +23,9 @@ default); every committed transaction is in the file. With `synchronous=NORMAL` 
 lose the last transactions since a checkpoint, but never leaves the file inconsistent.
 
 What a bad row or a bad disk does: a row's numbers are checked when it is recorded (a count that is
-not an integer in 0..MAX_COUNT, a cost that is not a finite number >= 0, is logged and taken as 0),
-and a row the file still refuses is logged and skipped, never the writer thread. A write the file
+not an integer in 0..2**31, a cost that is not a finite number >= 0, is logged and taken as 0; see
+proxy/tenants/rows.py), and a row the file still refuses is logged and skipped, never the writer
+thread. A write the file
 refuses as a whole (a full disk, a read-only or locked file) keeps its rows queued and tried again;
 `failing()` says why meanwhile (the proxy's /ready shows it), and `close()` names the rows it leaves.
 
@@ -46,9 +47,7 @@ whichever proxy it reaches.
 """
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import sqlite3
 import threading
 import time
@@ -57,8 +56,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
+from proxy.tenants.rows import (CACHED as _CACHED, COLUMN as _COLUMN, COST as _COST, DURATION as _DURATION,
+                                ESTIMATED as _ESTIMATED, ID as _ID, OUTPUT as _OUTPUT, PROMPT as _PROMPT,
+                                QUEUE_WAIT as _QUEUE_WAIT, ROW_ERRORS as _ROW_ERRORS, STATUS as _STATUS,
+                                TENANT as _TENANT, TIME as _TIME, Params as _Params, UsageRow as UsageRow,
+                                checked as _checked, insert_rows as _insert_rows)
 from proxy.tenants.schema import connect, migrate
 from proxy.tenants.sums import DiskSums, Totals
 
@@ -70,36 +74,12 @@ BATCH_ROWS = 1000
 # How far a newly opened ledger's ids start past the highest on disk and the last ledger's start (see
 # SqliteLedger.__init__).
 PROCESS_ID_GAP = 2 ** 32
-# The largest token count a row may hold (README: Tenants): more is an engine's or a provider's
-# nonsense, and past 2**63 SQLite cannot store it at all.
-MAX_COUNT = 2 ** 31
-# Rows per INSERT statement: one statement binds many rows, so the writer releases and takes back
-# the GIL once per statement instead of once per row (each a wait of the event loop's thread).
-_ROWS_PER_INSERT = (256, 64, 16, 4, 1)
 # What `usage` may group by, and how each is read from a row on disk.
 GROUP_FIELDS = ("tenant", "model", "day", "key_id", "backend", "host")
 _GROUP_SQL = {"tenant": "tenant", "model": "model", "day": "strftime('%Y-%m-%d', CAST(time AS INTEGER), 'unixepoch')",
               "key_id": "key_id", "backend": "backend", "host": "host"}
 
 
-class UsageRow(NamedTuple):
-    """One finished request. A tuple in the INSERT's order (after the id): recording one per request
-    builds no other object."""
-
-    time: float            # unix seconds, when the request finished
-    tenant: str            # "" when tenants are off
-    key_id: str            # a short id of the key, never the key
-    model: str
-    backend: str
-    host: str
-    status: int
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    cost: float
-    queue_wait_ms: float
-    duration_ms: float
-    estimated: bool = False   # prompt_tokens is the proxy's estimate, not the engine's figure
 
 
 @dataclass(frozen=True)
@@ -167,58 +147,6 @@ class Ledger(Protocol):
         """Flush and stop writing."""
 
 
-# A recorded row as it waits to be written: the INSERT's parameters, id first. Plain values only: a
-# tuple of them is left alone by the garbage collector, however many are queued.
-_Params = tuple[Any, ...]
-_ID, _TIME, _TENANT = 0, 1, 2
-_COLUMN = {"tenant": 2, "key_id": 3, "model": 4, "backend": 5, "host": 6}
-_PROMPT, _CACHED, _OUTPUT, _COST, _STATUS, _QUEUE_WAIT, _DURATION, _ESTIMATED = 8, 9, 10, 11, 7, 12, 13, 14
-_COUNTS = (("status", _STATUS), ("prompt_tokens", _PROMPT), ("cached_tokens", _CACHED), ("output_tokens", _OUTPUT))
-_AMOUNTS = (("time", _TIME), ("cost", _COST), ("queue_wait_ms", _QUEUE_WAIT), ("duration_ms", _DURATION))
-_INSERT_HEAD = ("INSERT INTO usage (id, time, tenant, key_id, model, backend, host, status, prompt_tokens, "
-                "cached_tokens, output_tokens, cost, queue_wait_ms, duration_ms, estimated) VALUES ")
-_INSERT_SQL = {n: _INSERT_HEAD + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * n)
-               for n in _ROWS_PER_INSERT}
-# What a row the file refuses on its own raises (a value SQLite cannot bind or store, a taken id):
-# that row is skipped. Any other sqlite3.Error is the file's (full, read-only, locked): all are kept.
-_ROW_ERRORS = (sqlite3.IntegrityError, sqlite3.InterfaceError, sqlite3.ProgrammingError, OverflowError,
-               TypeError, ValueError)
-
-
-def _checked(params: _Params) -> _Params:
-    """The row's parameters with each count an int in 0..MAX_COUNT and each amount a finite float >= 0
-    (time included); what is not is logged and taken as 0. The usage of an engine or a provider is
-    checked where it is read (proxy/serving/response_metrics.py): this is the ledger's own guard."""
-    status, prompt, cached, output = params[_STATUS], params[_PROMPT], params[_CACHED], params[_OUTPUT]
-    at, spent, waited, took = params[_TIME], params[_COST], params[_QUEUE_WAIT], params[_DURATION]
-    # One expression for the row every request makes (ints and floats in range): it runs on the event loop.
-    if type(status) is int and type(prompt) is int and type(cached) is int and type(output) is int \
-            and type(at) is float and type(spent) is float and type(waited) is float and type(took) is float \
-            and 0 <= status <= MAX_COUNT and 0 <= prompt <= MAX_COUNT and 0 <= cached <= MAX_COUNT \
-            and 0 <= output <= MAX_COUNT and 0.0 <= at < math.inf and 0.0 <= spent < math.inf \
-            and 0.0 <= waited < math.inf and 0.0 <= took < math.inf and type(params[_ESTIMATED]) is bool:
-        return params
-    bad = [name for name, i in _COUNTS if type(params[i]) is not int or not 0 <= params[i] <= MAX_COUNT]
-    bad += [name for name, i in _AMOUNTS if type(params[i]) not in (int, float) or not 0 <= params[i] < math.inf]
-    if not bad and type(params[_ESTIMATED]) is bool:
-        return params
-    fixed = list(params)
-    for name, i in (*_COUNTS, *_AMOUNTS):
-        if name in bad:
-            log.warning("usage ledger: a row of tenant %r has %s = %.40r; recorded as 0", params[_TENANT], name,
-                        params[i])
-            fixed[i] = 0 if i in (_STATUS, _PROMPT, _CACHED, _OUTPUT) else 0.0
-    fixed[_ESTIMATED] = bool(fixed[_ESTIMATED]) if type(fixed[_ESTIMATED]) in (bool, int) else False
-    return tuple(fixed)
-
-
-def _insert_rows(conn: sqlite3.Connection, batch: Sequence[_Params]) -> None:
-    """INSERT the batch in statements of _ROWS_PER_INSERT rows (within the caller's transaction)."""
-    at = 0
-    for size in _ROWS_PER_INSERT:
-        while len(batch) - at >= size:
-            conn.execute(_INSERT_SQL[size], list(itertools.chain.from_iterable(batch[at:at + size])))
-            at += size
 
 
 def _plus(totals: Totals, rows: Iterable[_Params]) -> Totals:
