@@ -315,9 +315,10 @@ class SqliteLedger:
                 for group, sums in sorted(groups.items())]
 
     def others(self) -> list[tuple[str, float, int, float]]:
-        # A range of the rowid: nothing to read is one seek. The caller's thread only (the event loop).
+        # A range of the rowid: nothing to read is one seek. Called from one thread (the event loop);
+        # closed from another (close() runs in a thread on a busy loop).
         if self._others_conn is None:
-            self._others_conn = connect(self._path)
+            self._others_conn = connect(self._path, check_same_thread=False)
         found = self._others_conn.execute(
             "SELECT id, tenant, time, prompt_tokens + output_tokens, cost FROM usage WHERE id > ? AND id <= ? "
             "ORDER BY id", (self._others_after, self._own_from)).fetchall()

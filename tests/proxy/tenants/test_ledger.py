@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -433,3 +434,10 @@ def test_others_are_the_rows_a_predecessor_writes_after_this_ledger_opened(path:
         assert rows_on_disk(path) == 2 + old_wrote   # no id of one met the other's
     finally:
         new.close()
+
+
+def test_a_ledger_that_read_others_closes_from_another_thread(path: Path) -> None:
+    ledger = SqliteLedger(path, flush_interval_s=NEVER_S)
+    assert ledger.others() == []
+    with ThreadPoolExecutor(1) as pool:   # as the app closes it: asyncio.to_thread
+        pool.submit(ledger.close).result(30)
