@@ -31,7 +31,7 @@ from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.keys import QUEUE_WAIT, REPLICA, USAGE, USAGE_ESTIMATED
 from proxy.tenants.keys import Caller, Keys, digest, key_id, may_use, new_key
 from proxy.tenants.ledger import Ledger, SqliteLedger, UsageRow
-from proxy.tenants.limits import cost, output_limit, prompt_estimate, refusal
+from proxy.tenants.limits import cost, output_limit, prompt_estimate
 from proxy.tenants.spending import Spend
 
 log = logging.getLogger(__name__)
@@ -164,17 +164,15 @@ class Tenancy:
         now = self.clock()
         if self._predecessor is not None:
             self._read_predecessors_rows(now)
-        minute, oldest, period = self.spend.now(tenant.name, now)
-        refused = refusal(tenant, minute, period, now, oldest)
-        if refused is not None:
-            raise refused
         tokens, reserved_cost = 0, 0.0
         if tenant.budget_tokens is not None or tenant.budget_cost is not None or tenant.tokens_per_minute is not None:
             prompt, output = prompt_estimate(body, request.content_length), output_limit(body, self._default_output)
             tokens = prompt + output
             price = runtime.model.get("price_per_mtok")
             reserved_cost = cost(price, prompt, 0, output) if price else 0.0
-        self.spend.started(tenant.name, now, tokens, reserved_cost)
+        refused = self.spend.admit(tenant, now, tokens, reserved_cost)
+        if refused is not None:
+            raise refused
         request[RESERVATION] = (tokens, reserved_cost)
 
     def _read_predecessors_rows(self, now: float) -> None:

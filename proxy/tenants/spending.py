@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from proxy.config.settings import TenantSettings
+from proxy.errors import TooManyRequests
 from proxy.tenants.ledger import Ledger
-from proxy.tenants.limits import MINUTE_S, Spending, period_bounds
+from proxy.tenants.limits import MINUTE_S, Spending, period_bounds, refusal
 
 # The minute's entries are this long each: requests within one share it, so a busy tenant's minute
 # is a few hundred entries, not one per request (each a tuple for the garbage collector to walk).
@@ -101,6 +102,26 @@ class Spend:
 
     def period(self, name: str, now: float) -> Spending:
         return self.now(name, now)[2]
+
+    def admit(self, tenant: TenantSettings, now: float, tokens: int, cost: float) -> TooManyRequests | None:
+        """A request of `tenant` that would reserve `tokens` and `cost`: admitted (`started`), or the
+        429 it gets (limits.refusal; nothing is counted then). Per request: the sums are compared as
+        they are, and only a refusal builds what refusal() reads."""
+        w = self._window(tenant.name, now)
+        rpm, tpm, budget_tokens, budget_cost = (tenant.requests_per_minute, tenant.tokens_per_minute,
+                                                tenant.budget_tokens, tenant.budget_cost)
+        held = w.reserved_tokens
+        if (rpm is not None and w.minute_requests >= rpm) or (tpm is not None and w.minute_tokens + held >= tpm) \
+                or (budget_tokens is not None and w.tokens + held >= budget_tokens) \
+                or (budget_cost is not None and w.cost + w.reserved_cost >= budget_cost):
+            minute, oldest, period = self.now(tenant.name, now)
+            refused = refusal(tenant, minute, period, now, oldest)
+            if refused is not None:
+                return refused
+        w.add(now, 1, 0)
+        w.reserved_tokens += tokens
+        w.reserved_cost += cost
+        return None
 
     def started(self, name: str, now: float, tokens: int = 0, cost: float = 0.0) -> None:
         """A request of the tenant was admitted: it counts toward requests_per_minute, and `tokens`
