@@ -6,7 +6,8 @@ import io
 import time
 from typing import Any, Sequence
 
-SUMS = ("requests", "errors", "prompt_tokens", "cached_tokens", "output_tokens", "cost")
+# `estimated`: the rows whose prompt count is the proxy's estimate (a stream cut short before its usage).
+SUMS = ("requests", "errors", "prompt_tokens", "cached_tokens", "output_tokens", "cost", "estimated")
 
 
 def usage_table(rows: Sequence[dict[str, Any]], groups: Sequence[str]) -> str:

@@ -27,8 +27,9 @@ ADMIN = "admin"              # an admin action, refused or not (actor: who)
 RELOAD = "reload"            # SIGUSR1: a new process took over (reason: took_over), or nothing changed (failed)
 SLEEP = "sleep"              # an evicted model was put to sleep instead of stopped (cause: the model it made room for)
 WAKE = "wake"                # an asleep model woke (reason: on_demand, admin), or its wake failed (reason: failed)
+LEDGER = "ledger"            # the usage ledger cannot write (reason: failed), or writes again (reason: recovered)
 KINDS = (LOAD, LOAD_FAILED, UNLOAD, EVICT, SCALE, RESTART, CRASH, EJECT, HOST_DOWN, HOST_UP, ADMIN, RELOAD, SLEEP,
-         WAKE)
+         WAKE, LEDGER)
 
 DEFAULT_CAPACITY = 1000
 

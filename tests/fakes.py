@@ -149,6 +149,9 @@ class FakeProvider:
     its `data: [DONE]`, then the connection held open until `release()` or `slow_s`); an empty
     script answers normally. A stream's words are `words`; it sends usage only when the request asks
     (`stream_options.include_usage`), as OpenAI does.
+    Two knobs make it a hostile or a slow provider: `usage`, when set, is the usage object every chat
+    answer carries, sent as given (`{"prompt_tokens": 10**30}`, NaN as JSON's NaN); `hold()` keeps
+    every chat answer back (`held` counts those waiting) until `release()`.
     """
 
     CACHED_TOKENS = 3
@@ -162,7 +165,9 @@ class FakeProvider:
         self.scripts: dict[str, list[str]] = {}
         self.slow_s = 30.0
         self.words = ["Hello", " from", " the", " fake", " provider"]
-        self._released = threading.Event()
+        self.usage: object = None
+        self.holding = False
+        self.held = 0
         self._ids = 0
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake provider", daemon=True)
@@ -191,19 +196,25 @@ class FakeProvider:
     def received(self, path: str | None = None) -> list[dict[str, object]]:
         return [r for r in list(self.requests) if path is None or r["path"] == path]
 
-    def release(self) -> None:
-        """End the streams that linger (script step "linger")."""
-        self._released.set()
-
     def clear(self) -> None:
         self.requests.clear()
         self.scripts.clear()
+
+    def hold(self) -> None:
+        self._loop.call_soon_threadsafe(self._released.clear)
+        self.holding = True
+
+    def release(self) -> None:
+        """Let the held answers go (hold()) and end the streams that linger (script step "linger")."""
+        self.holding = False
+        self._loop.call_soon_threadsafe(self._released.set)
 
     # -- the server, in its own thread -------------------------------------------------------------
 
     def _run(self) -> None:
 
         self._loop = asyncio.new_event_loop()
+        self._released = asyncio.Event()
         self._loop.run_until_complete(self._serve())
         self._loop.run_forever()
         self._loop.close()
@@ -273,7 +284,9 @@ class FakeProvider:
 
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
 
-    def _usage(self, model: str, prompt: int, output: int) -> dict[str, object]:
+    def _usage(self, model: str, prompt: int, output: int) -> object:
+        if self.usage is not None:
+            return self.usage
         usage: dict[str, object] = {"prompt_tokens": prompt, "completion_tokens": output,
                                     "total_tokens": prompt + output}
         if model.startswith("moonshot"):
@@ -291,6 +304,10 @@ class FakeProvider:
         fault = await self._fault(request, step)
         if fault is not None:
             return fault
+        if self.holding:
+            self.held += 1
+            await self._released.wait()
+            self.held -= 1
         words = list(self.words)
         prompt = sum(len(str(m.get("content"))) for m in body.get("messages", [])) // 4 + 1
         if not body.get("stream"):

@@ -180,9 +180,14 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
 
 async def tenancy_ctx(app: web.Application) -> AsyncIterator[None]:
     """The tenants' keys and ledger (README: Tenants), for as long as the app runs."""
-    tenancy = await asyncio.to_thread(Tenancy.open, app[SETTINGS], os.environ, app[METRICS].registry)
+    pool = app[POOL]
+    tenancy = await asyncio.to_thread(Tenancy.open, app[SETTINGS], os.environ, app[METRICS].registry,
+                                      pool.predecessor_gone)
     app[TENANCY] = tenancy
+    watch = asyncio.create_task(tenancy.watch(pool.events), name="usage ledger watch")
     yield
+    watch.cancel()
+    await asyncio.gather(watch, return_exceptions=True)
     await asyncio.to_thread(tenancy.close)
 
 

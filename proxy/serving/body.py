@@ -97,7 +97,7 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any],
     if endpoint is not None:
         check_endpoint(runtime, endpoint)
     if tenancy is not None and caller is not None:
-        tenancy.admit(caller)   # 429 for a limit or the budget; what passes here counts
+        tenancy.admit(request, caller, runtime, body)   # 429 for a limit or the budget; what passes reserves
     state = runtime.state
     if state == ModelState.LOADED:
         if not runtime.ready():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -19,12 +20,13 @@ from prometheus_client.registry import Collector
 from proxy.lifecycle.kvcache.keeper import RESULTS
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import Replica, ReplicaState
-from proxy.serving.response_metrics import usage_numbers
+from proxy.serving.response_metrics import checked_usage
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 OTHER_KEY = "other"
 _DECODER = json.JSONDecoder()
+log = logging.getLogger(__name__)
 
 
 class PoolCollector(Collector):
@@ -238,6 +240,8 @@ class ProxyMetrics:
         self.output_tokens = Counter("llm_pool_output_tokens", "Output tokens, as the backend's usage reports",
                                      ["model", "key"], registry=r)
         self.named_keys: frozenset[str] = frozenset()
+        # Models whose answers had a usage that was no count (10**30, NaN, a string): logged once each.
+        self._bad_usage_logged: set[str] = set()
         # Each metric's children, bound once per label values: prometheus-client's labels() checks
         # and locks on every call, which was a measurable share of a request's CPU. Bounded as the
         # labels are (configured models, endpoints, statuses, known codes, named keys).
@@ -267,16 +271,21 @@ class ProxyMetrics:
                     replica: Replica | None = None) -> tuple[int, int, int]:
         """Add an answer's token usage (OpenAI `usage`) to the model's counters, and what it says of
         the prefix cache to the `replica` that answered. Returns the prompt, cached and output
-        tokens it counted (0 for what the answer did not say), for the usage ledger."""
-        prompt, cached, output = usage_numbers(usage)
+        tokens it counted (0 for what the answer did not say, or said with a figure that is no count:
+        logged once per model), for the usage ledger."""
+        (prompt, cached, output), bad = checked_usage(usage)
+        if bad and model not in self._bad_usage_logged:
+            self._bad_usage_logged.add(model)
+            log.warning("model %r: an answer's usage is not a count of tokens (%s); counted as 0 (logged once per "
+                        "model)", model, ", ".join(bad))
         if replica is not None:
             replica.note_cache(prompt, cached)
         counted = []
         for counter, value in ((self.prompt_tokens, prompt), (self.cached_tokens, cached),
                                (self.output_tokens, output)):
-            if isinstance(value, (int, float)) and value > 0:
+            if value:
                 self.child(counter, model, key).inc(value)
-                counted.append(int(value))
+                counted.append(value)
             else:
                 counted.append(0)
         return counted[0], counted[1], counted[2]

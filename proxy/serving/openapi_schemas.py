@@ -216,6 +216,7 @@ def health() -> dict[str, Any]:
 def ready(statuses: list[str]) -> dict[str, Any]:
     return {"type": "object", "required": ["status", "models"],
             "properties": {"status": {"enum": statuses}, "waiting_for": {"type": "array", "items": {"type": "string"}},
+                           "reason": {"type": "string"},
                            "models": {"type": "object", "additionalProperties": {
                                "type": "object", "required": ["state"],
                                "properties": {"state": {"enum": [s.value for s in ModelState]}}}}}}

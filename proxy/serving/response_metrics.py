@@ -41,20 +41,44 @@ class Timer:
         setattr(self, name, time.perf_counter())
 
 
-def usage_numbers(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None, int | None]:
-    if not usage:
-        return None, None, None
+# The most tokens one answer's usage may claim: an engine's or a provider's figure is untrusted input
+# (10**30, NaN, a string), and what is not an integer in 0..MAX_USAGE_COUNT counts as not given.
+MAX_USAGE_COUNT = 2 ** 31
+
+
+def _count(value: object, name: str, bad: list[str]) -> int | None:
+    if value is None:
+        return None
+    if type(value) is int and 0 <= value <= MAX_USAGE_COUNT:
+        return value
+    bad.append(f"{name}={value!r:.40}")
+    return None
+
+
+def checked_usage(usage: Mapping[str, Any] | None) -> tuple[tuple[int | None, int | None, int | None], list[str]]:
+    """An answer's `usage` (OpenAI's, Moonshot's or Anthropic's shape) as prompt, cached and output
+    tokens, each an int in 0..MAX_USAGE_COUNT or None (not given, or not a count), and what was not
+    a count ("prompt_tokens=1e+30"), for the caller to log."""
+    bad: list[str] = []
+    if not usage or not isinstance(usage, Mapping):
+        return (None, None, None), bad
     details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
     if cached is None:
         cached = usage.get("cached_tokens")  # Moonshot reports it at the top level
     if "prompt_tokens" not in usage and "input_tokens" in usage:
         # Anthropic's (/v1/messages): input_tokens leaves out what was read from the cache.
-        read = usage.get("cache_read_input_tokens")
-        read = read if isinstance(read, int) else 0
-        given = usage.get("input_tokens")
-        return (given + read if isinstance(given, int) else None), read, usage.get("output_tokens")
-    return usage.get("prompt_tokens"), cached, usage.get("completion_tokens")
+        read = _count(usage.get("cache_read_input_tokens"), "cache_read_input_tokens", bad) or 0
+        given = _count(usage.get("input_tokens"), "input_tokens", bad)
+        output = _count(usage.get("output_tokens"), "output_tokens", bad)
+        return (min(given + read, MAX_USAGE_COUNT) if given is not None else None, read, output), bad
+    return (_count(usage.get("prompt_tokens"), "prompt_tokens", bad), _count(cached, "cached_tokens", bad),
+            _count(usage.get("completion_tokens"), "completion_tokens", bad)), bad
+
+
+def usage_numbers(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None, int | None]:
+    """checked_usage's counts alone."""
+    return checked_usage(usage)[0]
 
 
 def build(timer: Timer, usage: Mapping[str, Any] | None, timings: Mapping[str, Any] | None,

@@ -107,7 +107,8 @@ async def health(request: web.Request) -> web.Response:
 @routes.get("/ready")
 async def ready(request: web.Request) -> web.Response:
     """Readiness, unlike /health (liveness): 503 until every model loading at startup has loaded
-    or failed once, and again once the proxy is stopping; the body gives each one's state, a failed
+    or failed once, and again once the proxy is stopping or while the tenants' usage ledger cannot
+    write (`ledger_failing`, with why); the body gives each one's state, a failed
     model's reason, and when its load is tried again (a retry pending or running does not make the
     proxy unready again)."""
     pool = request.app[POOL]
@@ -129,6 +130,12 @@ async def ready(request: web.Request) -> web.Response:
     if pending:
         return web.json_response({"status": "loading", "waiting_for": sorted(pending), "models": models},
                                  status=503, headers={"Retry-After": "1"})
+    tenancy = request.app.get(TENANCY)
+    failing = tenancy.ledger.failing() if tenancy is not None else None
+    if failing is not None:
+        # Requests are still served and their rows kept in memory; a balancer may send them elsewhere.
+        return web.json_response({"status": "ledger_failing", "reason": failing if reasons else REASON_ELSEWHERE,
+                                  "models": models}, status=503, headers={"Retry-After": "5"})
     return web.json_response({"status": "ready", "models": models})
 
 

@@ -18,8 +18,8 @@ routes = web.RouteTableDef()
 
 GROUPS = ("tenant", "model", "day", "key_id", "backend", "host")
 DEFAULT_GROUPS = ("tenant", "model", "day")
-SUMS = ("requests", "errors", "prompt_tokens", "cached_tokens", "output_tokens", "cost", "queue_wait_ms",
-        "duration_ms")
+SUMS = ("requests", "errors", "prompt_tokens", "cached_tokens", "output_tokens", "cost", "estimated",
+        "queue_wait_ms", "duration_ms")
 
 
 def _tenancy(request: web.Request) -> Tenancy:

@@ -6,23 +6,32 @@ request costs what it did.
 A key comes as `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key` (Anthropic's); it is
 looked up by digest (proxy/tenants/keys.py) and never logged: logs, metrics and the admin view name
 its id. The admin token is never a data-plane key, even if a tenant lists the same value.
+
+A request's check is in memory (proxy/tenants/spending.py): no database query on the way in or out
+but while a reload's predecessor may still record (then each admission reads the rows it wrote
+since, one seek of the ledger's rowid). The ledger's writer is watched: a ledger that cannot write
+makes /ready answer 503 and is an event, as is its recovery.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from proxy.config.settings import Settings
 from proxy.errors import Forbidden, NotFound, Unauthorized
+from proxy.events import LEDGER, Events
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.serving.keys import QUEUE_WAIT, REPLICA, USAGE
+from proxy.serving.keys import QUEUE_WAIT, REPLICA, USAGE, USAGE_ESTIMATED
 from proxy.tenants.keys import Caller, Keys, digest, key_id, may_use, new_key
 from proxy.tenants.ledger import Ledger, SqliteLedger, UsageRow
-from proxy.tenants.limits import cost, refusal
+from proxy.tenants.limits import cost, output_limit, prompt_estimate
 from proxy.tenants.spending import Spend
 
 log = logging.getLogger(__name__)
@@ -30,29 +39,48 @@ log = logging.getLogger(__name__)
 LEDGER_FILE = "usage.sqlite3"
 # The request's caller, once its key was checked; the app's tenancy, only where tenants are configured.
 CALLER = web.RequestKey("caller", Caller)
+# What an admitted request reserved of its tenant's limits and budget: (tokens, cost), released when it ends.
+RESERVATION = web.RequestKey("tenant_reservation", tuple)
 TENANCY: web.AppKey["Tenancy"] = web.AppKey("tenancy")
+# How often the ledger's writer is looked at, for /ready's sake and the events.
+WATCH_S = 1.0
+_NO_USAGE = (0, 0, 0)
 
 
-class TenantMetrics:
+class TenantMetrics(Collector):
     """Per tenant: requests by status, tokens by kind, cost. Labels only ever hold configured tenant
-    names, so the label set is bounded by the settings. Each child is bound once: `labels()` costs
-    more than the increment, and it runs for every request."""
+    names, so the label set is bounded by the settings. Plain sums, read at scrape time: a counter's
+    increment takes a lock, and five of them ran for every request."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("llm_pool_tenant_requests", "Requests of each tenant, by final status",
-                                ["tenant", "status"], registry=registry)
-        self.tokens = Counter("llm_pool_tenant_tokens", "Tokens of each tenant's requests (usage)",
-                              ["tenant", "kind"], registry=registry)
-        self.cost = Counter("llm_pool_tenant_cost", "What each tenant's requests cost (price_per_mtok)",
-                            ["tenant"], registry=registry)
-        self._children: dict[tuple[Counter, str, str], Any] = {}
+        self.requests: dict[tuple[str, int], int] = {}
+        self.tokens: dict[tuple[str, str], int] = {}
+        self.cost: dict[str, float] = {}
+        registry.register(self)
 
-    def inc(self, counter: Counter, tenant: str, label: str | None, value: float = 1.0) -> None:
-        key = (counter, tenant, label or "")
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = counter.labels(tenant, label) if label is not None else counter.labels(tenant)
-        child.inc(value)
+    def count(self, tenant: str, status: int, prompt: int, cached: int, output: int, spent: float) -> None:
+        key = (tenant, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        for kind, value in (("prompt", prompt), ("cached", cached), ("output", output)):
+            if value:
+                self.tokens[(tenant, kind)] = self.tokens.get((tenant, kind), 0) + value
+        if spent:
+            self.cost[tenant] = self.cost.get(tenant, 0.0) + spent
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("llm_pool_tenant_requests", "Requests of each tenant, by final status",
+                                       labels=["tenant", "status"])
+        for (tenant, status), n in list(self.requests.items()):
+            requests.add_metric([tenant, str(status)], n)
+        tokens = CounterMetricFamily("llm_pool_tenant_tokens", "Tokens of each tenant's requests (usage)",
+                                     labels=["tenant", "kind"])
+        for (tenant, kind), n in list(self.tokens.items()):
+            tokens.add_metric([tenant, kind], n)
+        spent = CounterMetricFamily("llm_pool_tenant_cost", "What each tenant's requests cost (price_per_mtok)",
+                                    labels=["tenant"])
+        for tenant, value in list(self.cost.items()):
+            spent.add_metric([tenant], value)
+        yield from (requests, tokens, spent)
 
 
 def _presented_key(request: web.Request) -> str | None:
@@ -67,7 +95,10 @@ class Tenancy:
     """The keys, the spending in memory, the ledger and the counters, for one app."""
 
     def __init__(self, settings: Settings, keys: Keys, ledger: Ledger, registry: CollectorRegistry,
-                 admin_token: str | None = None, clock: Callable[[], float] = time.time) -> None:
+                 admin_token: str | None = None, clock: Callable[[], float] = time.time,
+                 predecessor_gone: asyncio.Event | None = None) -> None:
+        """`predecessor_gone`: set once a reload's predecessor, which records into the same ledger
+        while it drains, has exited (unset only in a reload's successor)."""
         self.settings, self.keys, self.ledger, self.clock = settings, keys, ledger, clock
         if admin_token:
             # The admin token opens the admin API only: a tenant that lists it has that key dropped.
@@ -76,16 +107,21 @@ class Tenancy:
         self.metrics = TenantMetrics(registry)
         self.closed = False
         self._allowed: dict[tuple[str, str], bool] = {}
+        self._predecessor = predecessor_gone if predecessor_gone is not None and not predecessor_gone.is_set() else None
+        default = settings.decoding.get("max_tokens")
+        self._default_output = default if type(default) is int else None
 
     @classmethod
-    def open(cls, settings: Settings, environ: Mapping[str, str], registry: CollectorRegistry) -> "Tenancy":
+    def open(cls, settings: Settings, environ: Mapping[str, str], registry: CollectorRegistry,
+             predecessor_gone: asyncio.Event | None = None) -> "Tenancy":
         """The tenancy of `settings` (which has tenants): its ledger file under the state dir, with
         the keys minted before that are not revoked."""
         ledger = SqliteLedger(settings.service.state_dir / LEDGER_FILE)
         keys = Keys.configured(settings.tenants, environ)
         keys.add_all((k.tenant, k.sha256) for k in ledger.keys() if k.revoked is None)
         admin_env = settings.service.admin_token_env
-        return cls(settings, keys, ledger, registry, environ.get(admin_env) if admin_env else None)
+        return cls(settings, keys, ledger, registry, environ.get(admin_env) if admin_env else None,
+                   predecessor_gone=predecessor_gone)
 
     def close(self) -> None:
         self.closed = True   # a request that ends after this is not recorded: the ledger is shut
@@ -119,40 +155,74 @@ class Tenancy:
             raise Forbidden(f"tenant {tenant.name!r} may not use remote models (tenants.{tenant.name}.allow_remote)",
                             code="remote_not_allowed", param="model")
 
-    def admit(self, caller: Caller) -> None:
-        """What the tenant may not do now: 429 for a limit reached or a budget spent. An admitted
-        request counts toward requests_per_minute at once."""
+    def admit(self, request: web.Request, caller: Caller, runtime: ModelRuntime, body: Mapping[str, Any]) -> None:
+        """What the tenant may not do now: 429 for a limit reached or a budget spent, its requests in
+        flight counted at what they reserved. An admitted request counts toward requests_per_minute
+        at once, and reserves what it may use (`body`'s output limit, or engine.decoding.max_tokens,
+        and its prompt's estimate) until it ends (`finished`)."""
         tenant = caller.tenant
         now = self.clock()
-        minute, oldest = self.spend.minute(tenant.name, now)
-        refused = refusal(tenant, minute, self.spend.period(tenant.name, now), now, oldest)
+        if self._predecessor is not None:
+            self._read_predecessors_rows(now)
+        tokens, reserved_cost = 0, 0.0
+        if tenant.budget_tokens is not None or tenant.budget_cost is not None or tenant.tokens_per_minute is not None:
+            prompt, output = prompt_estimate(body, request.content_length), output_limit(body, self._default_output)
+            tokens = prompt + output
+            price = runtime.model.get("price_per_mtok")
+            reserved_cost = cost(price, prompt, 0, output) if price else 0.0
+        refused = self.spend.admit(tenant, now, tokens, reserved_cost)
         if refused is not None:
             raise refused
-        self.spend.started(tenant.name, now)
+        request[RESERVATION] = (tokens, reserved_cost)
+
+    def _read_predecessors_rows(self, now: float) -> None:
+        assert self._predecessor is not None
+        # Read before reading: once it has exited, every row it recorded is on disk (it flushed at
+        # its close), so the read after that is the last one needed.
+        gone = self._predecessor.is_set()
+        rows = self.ledger.others()
+        if rows:
+            self.spend.recorded_elsewhere(rows, now)
+        if gone:
+            self._predecessor = None
 
     def finished(self, request: web.Request, runtime: ModelRuntime, status: int, duration_s: float) -> None:
-        """A request of a tenant ended: a ledger row, its spending and its counters."""
+        """A request of a tenant ended, whichever way: what it reserved is released and replaced by
+        what it used, a ledger row, and its counters."""
         caller = request.get(CALLER)
         if caller is None or self.closed:
             return
-        prompt, cached, output = request.get(USAGE, (0, 0, 0))
-        spent = cost(runtime.model.get("price_per_mtok"), prompt, cached, output)
-        now = self.clock()
-        replica = request.get(REPLICA)
         name = caller.tenant.name
-        self.spend.ended(name, now, prompt + output, spent)
+        prompt, cached, output = request.get(USAGE, _NO_USAGE)
+        price = runtime.model.get("price_per_mtok")
+        spent = cost(price, prompt, cached, output) if price else 0.0
+        now = self.clock()
+        reserved = request.pop(RESERVATION, None)   # popped: a second call releases nothing twice
+        if reserved is not None:
+            self.spend.ended(name, now, prompt + output, spent, reserved[0], reserved[1])
+        else:   # refused before it was admitted: it counts, as it always did, with what it used (nothing)
+            self.spend.ended(name, now, prompt + output, spent)
+        replica = request.get(REPLICA)
         self.ledger.record(UsageRow(
-            time=now, tenant=name, key_id=caller.key_id, model=runtime.name, backend=runtime.model.backend,
-            host=replica.host if replica is not None else "", status=status, prompt_tokens=prompt, cached_tokens=cached,
-            output_tokens=output, cost=spent, queue_wait_ms=request.get(QUEUE_WAIT, 0.0) * 1000,
-            duration_ms=duration_s * 1000))
-        m = self.metrics
-        m.inc(m.requests, name, str(status))
-        for kind, value in (("prompt", prompt), ("cached", cached), ("output", output)):
-            if value:
-                m.inc(m.tokens, name, kind, value)
-        if spent:
-            m.inc(m.cost, name, None, spent)
+            now, name, caller.key_id, runtime.name, runtime.model.backend, replica.host if replica is not None else "",
+            status, prompt, cached, output, spent, request.get(QUEUE_WAIT, 0.0) * 1000, duration_s * 1000,
+            request.get(USAGE_ESTIMATED, False)))
+        self.metrics.count(name, status, prompt, cached, output, spent)
+
+    async def watch(self, events: Events) -> None:
+        """Until cancelled: an event when the ledger's writer starts failing (with why) and when it
+        writes again (/ready reads `ledger.failing()` itself)."""
+        failing: str | None = None
+        while True:
+            await asyncio.sleep(WATCH_S)
+            now = self.ledger.failing()
+            if now is not None and failing is None:
+                events.record(LEDGER, f"usage ledger: {now}; requests are served and their rows kept in memory "
+                              "until it writes again", reason="failed", level=logging.ERROR)
+            elif now is None and failing is not None:
+                events.record(LEDGER, "usage ledger: writing again; the rows kept in memory are on disk",
+                              reason="recovered")
+            failing = now
 
     def allowed_models(self, request: web.Request, names: list[str]) -> list[str]:
         """The model ids of `names` the request's tenant may use (GET /v1/models shows only those)."""

@@ -57,6 +57,8 @@ class Keys:
     def __init__(self, tenants: Mapping[str, TenantSettings]) -> None:
         self.tenants = dict(tenants)
         self._owner: dict[str, str] = {}
+        # Each live key's Caller, built once: a request's lookup is its digest and a dict read.
+        self._callers: dict[str, Caller] = {}
 
     @classmethod
     def configured(cls, tenants: Mapping[str, TenantSettings], environ: Mapping[str, str]) -> "Keys":
@@ -75,6 +77,7 @@ class Keys:
         return keys
 
     def add(self, tenant: str, sha256: str) -> None:
+        self._callers.clear()
         owner = self._owner.setdefault(sha256, tenant)
         if owner != tenant:
             # One key for two tenants would make whoever holds it either of them: the first keeps it.
@@ -82,6 +85,7 @@ class Keys:
                         key_id(sha256), tenant, owner, owner)
 
     def remove(self, sha256: str) -> None:
+        self._callers.clear()
         self._owner.pop(sha256, None)
 
     def add_all(self, minted: Iterable[tuple[str, str]]) -> None:
@@ -92,5 +96,10 @@ class Keys:
 
     def identify(self, key: str) -> Caller | None:
         sha = digest(key)
-        owner = self._owner.get(sha)
-        return Caller(self.tenants[owner], key_id(sha)) if owner is not None else None
+        caller = self._callers.get(sha)
+        if caller is None:
+            owner = self._owner.get(sha)
+            if owner is None:
+                return None
+            caller = self._callers[sha] = Caller(self.tenants[owner], key_id(sha))
+        return caller

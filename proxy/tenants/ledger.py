@@ -2,7 +2,8 @@
 
 A row says when a request finished, for which tenant and key (a short id, never the key), on which
 model, backend and host, how it ended (the HTTP status), its prompt, cached and output tokens, its
-cost, and how long it queued and ran. Budgets and per-minute limits are sums over these rows
+cost, how long it queued and ran, and whether its prompt count is the proxy's estimate (a stream
+that ended before the engine's usage came). Budgets and per-minute limits are sums over these rows
 (`spent`), so they survive a restart; the admin's usage report groups them (`usage`). The keys an
 admin mints are kept beside them as digests (`add_key`, `revoke_key`, `keys`).
 
@@ -21,8 +22,18 @@ since the last write, at most `flush_interval_s` plus one write's time (well und
 default); every committed transaction is in the file. With `synchronous=NORMAL` a power cut may also
 lose the last transactions since a checkpoint, but never leaves the file inconsistent.
 
-One `SqliteLedger` writes a file: the ids it hands out continue from the highest on disk when it
-opens, so two proxies must not share one file (each has its own state_dir).
+What a bad row or a bad disk does: a row's numbers are checked when it is recorded (a count that is
+not an integer in 0..2**31, a cost that is not a finite number >= 0, is logged and taken as 0; see
+proxy/tenants/rows.py), and a row the file still refuses is logged and skipped, never the writer
+thread. A write the file
+refuses as a whole (a full disk, a read-only or locked file) keeps its rows queued and tried again;
+`failing()` says why meanwhile (the proxy's /ready shows it), and `close()` names the rows it leaves.
+
+One `SqliteLedger` writes a file: the ids it hands out start past the highest on disk and past where
+the last ledger to open the file started (the `writers` table). Two proxies must not share one file
+(each has its own state_dir); a reload is the one time two processes write it, and the successor
+reads what its predecessor records while it drains with `others()` (the rows below its own ids and
+above those it found on disk).
 
 Where one proxy is not enough: proxies that share budgets need one store they all write to, and the
 `Ledger` protocol is what they would share. A `PostgresLedger` would implement it with a writer
@@ -39,6 +50,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -46,6 +58,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
+from proxy.tenants.rows import (CACHED as _CACHED, COLUMN as _COLUMN, COST as _COST, DURATION as _DURATION,
+                                ESTIMATED as _ESTIMATED, ID as _ID, OUTPUT as _OUTPUT, PROMPT as _PROMPT,
+                                QUEUE_WAIT as _QUEUE_WAIT, ROW_ERRORS as _ROW_ERRORS, STATUS as _STATUS,
+                                TENANT as _TENANT, TIME as _TIME, Params as _Params, UsageRow as UsageRow,
+                                checked as _checked, insert_rows as _insert_rows)
 from proxy.tenants.schema import connect, migrate
 from proxy.tenants.sums import DiskSums, Totals
 
@@ -54,7 +71,8 @@ log = logging.getLogger(__name__)
 # The writer does not wait for the interval once this many rows are queued; it is also the most rows
 # one transaction takes, so the event loop never waits long for the queue's lock.
 BATCH_ROWS = 1000
-# How far a newly opened ledger's ids start past the highest on disk (see SqliteLedger.__init__).
+# How far a newly opened ledger's ids start past the highest on disk and the last ledger's start (see
+# SqliteLedger.__init__).
 PROCESS_ID_GAP = 2 ** 32
 # What `usage` may group by, and how each is read from a row on disk.
 GROUP_FIELDS = ("tenant", "model", "day", "key_id", "backend", "host")
@@ -62,21 +80,6 @@ _GROUP_SQL = {"tenant": "tenant", "model": "model", "day": "strftime('%Y-%m-%d',
               "key_id": "key_id", "backend": "backend", "host": "host"}
 
 
-@dataclass(frozen=True)
-class UsageRow:
-    time: float            # unix seconds, when the request finished
-    tenant: str            # "" when tenants are off
-    key_id: str            # a short id of the key, never the key
-    model: str
-    backend: str
-    host: str
-    status: int
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    cost: float
-    queue_wait_ms: float
-    duration_ms: float
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,15 @@ class Ledger(Protocol):
         """Rows with start <= time < end (None: unbounded), summed by the `group_by` fields (a subset
         of GROUP_FIELDS; "day" is the UTC date "YYYY-MM-DD"), ordered by them. Each dict holds the
         grouped fields and requests, prompt_tokens, cached_tokens, output_tokens, cost, errors
-        (status >= 400), queue_wait_ms and duration_ms (sums). ValueError for an unknown field."""
+        (status >= 400), estimated (rows whose prompt count is an estimate), queue_wait_ms and
+        duration_ms (sums). ValueError for an unknown field."""
+
+    def others(self) -> list[tuple[str, float, int, float]]:
+        """Rows another process recorded to the same store since the last call (a reload's
+        predecessor while it drains): (tenant, time, tokens, cost) each, oldest first."""
+
+    def failing(self) -> str | None:
+        """Why recorded rows cannot be written now (they are kept and tried again), or None."""
 
     def add_key(self, tenant: str, key_id: str, sha256: str, created: float) -> None:
         """Keep a minted key's digest; ValueError when the id or the digest is taken."""
@@ -136,16 +147,6 @@ class Ledger(Protocol):
         """Flush and stop writing."""
 
 
-# A recorded row as it waits to be written: the INSERT's parameters, id first. Plain values only: a
-# tuple of them is left alone by the garbage collector, however many are queued.
-_Params = tuple[Any, ...]
-_ID, _TIME, _TENANT = 0, 1, 2
-_COLUMN = {"tenant": 2, "key_id": 3, "model": 4, "backend": 5, "host": 6}
-_PROMPT, _CACHED, _OUTPUT, _COST, _STATUS, _QUEUE_WAIT, _DURATION = 8, 9, 10, 11, 7, 12, 13
-_INSERT_SQL = """
-    INSERT INTO usage (id, time, tenant, key_id, model, backend, host, status, prompt_tokens,
-                       cached_tokens, output_tokens, cost, queue_wait_ms, duration_ms)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
 
 
 def _plus(totals: Totals, rows: Iterable[_Params]) -> Totals:
@@ -189,8 +190,21 @@ class SqliteLedger:
         conn = connect(path)
         try:
             migrate(conn, path)
-            last_id, latest = conn.execute("SELECT COALESCE(MAX(id), 0), COALESCE(MAX(time), 0.0) "
-                                           "FROM usage").fetchone()
+            # Past every id on disk and every other ledger's start, by a gap no proxy's rows fill:
+            # during a reload the old process still records the requests it finishes, on its own
+            # sequence, while this one records from here, and neither's ids can meet the other's.
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                last_id, latest, claimed = conn.execute(
+                    "SELECT COALESCE(MAX(id), 0), COALESCE(MAX(time), 0.0), "
+                    "(SELECT COALESCE(MAX(base), 0) FROM writers) FROM usage").fetchone()
+                base = max(last_id, claimed) + PROCESS_ID_GAP
+                conn.execute("INSERT INTO writers (base, opened) VALUES (?, ?)", (base, time.time()))
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
         finally:
             conn.close()
         # Everything below `_lock` is shared by the callers' thread(s) and the writer; it is held
@@ -198,10 +212,10 @@ class SqliteLedger:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)      # the writer waits on it
         self._written_cond = threading.Condition(self._lock)   # flush() waits on it
-        # Past every id on disk by a gap no proxy's rows fill: during a reload the old process still
-        # records the requests it finishes, on its own sequence, while this one records from here,
-        # and neither's ids can meet the other's.
-        self._last_id: int = last_id + PROCESS_ID_GAP     # the id the last recorded row got
+        self._last_id: int = base                         # the id the last recorded row got
+        # Rows between the two are another process's: a reload's predecessor, still recording.
+        self._others_after, self._own_from = last_id, self._last_id
+        self._others_conn: sqlite3.Connection | None = None
         self._latest: float = latest                      # the latest row time recorded
         self._written = last_id                           # the highest id on disk
         self._queue: deque[_Params] = deque()             # not yet taken by the writer: INSERT parameters
@@ -209,6 +223,7 @@ class SqliteLedger:
         self._flush_wanted = 0
         self._attempts = 0
         self._failure: sqlite3.Error | None = None
+        self._failing_since: float | None = None
         self._closing = False
         self._writer_done = False
         # `spent` is per request: one connection kept open for it, and the sums it keeps.
@@ -227,9 +242,7 @@ class SqliteLedger:
             self._last_id += 1
             # The row's parameters are built here, not in the writer: the writer's Python code holds
             # the GIL, and a thread waiting for the GIL waits up to the switch interval (5 ms).
-            params = (self._last_id, row.time, row.tenant, row.key_id, row.model, row.backend, row.host,
-                      row.status, row.prompt_tokens, row.cached_tokens, row.output_tokens, row.cost,
-                      row.queue_wait_ms, row.duration_ms)
+            params = _checked((self._last_id, *row))
             self._queue.append(params)
             unwritten = self._unwritten.get(row.tenant)
             if unwritten is None:
@@ -265,7 +278,8 @@ class SqliteLedger:
         sql = ("SELECT " + "".join(e + ", " for e in exprs)
                + "COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
                  "COALESCE(SUM(output_tokens), 0), COALESCE(SUM(cost), 0.0), COALESCE(SUM(status >= 400), 0), "
-                 "COALESCE(SUM(queue_wait_ms), 0.0), COALESCE(SUM(duration_ms), 0.0) FROM usage"
+                 "COALESCE(SUM(queue_wait_ms), 0.0), COALESCE(SUM(duration_ms), 0.0), "
+                 "COALESCE(SUM(estimated), 0) FROM usage"
                + (" WHERE " + " AND ".join(where) if where else "")
                + (" GROUP BY " + ", ".join(exprs) if exprs else ""))
         with self._lock:
@@ -289,15 +303,37 @@ class SqliteLedger:
             if p[_ID] <= top or (start is not None and t < start) or (end is not None and t >= end):
                 continue
             group = tuple(_day(t) if field == "day" else p[_COLUMN[field]] for field in fields)
-            sums = groups.setdefault(group, [0, 0, 0, 0, 0.0, 0, 0.0, 0.0])
+            sums = groups.setdefault(group, [0, 0, 0, 0, 0.0, 0, 0.0, 0.0, 0])
             for i, value in enumerate((1, p[_PROMPT], p[_CACHED], p[_OUTPUT], p[_COST], int(p[_STATUS] >= 400),
-                                       p[_QUEUE_WAIT], p[_DURATION])):
+                                       p[_QUEUE_WAIT], p[_DURATION], int(p[_ESTIMATED]))):
                 sums[i] += value
         # All grouped fields are text: Python's order of str is SQLite's BINARY collation on UTF-8.
         return [{**dict(zip(fields, group)), "requests": sums[0], "prompt_tokens": sums[1],
                  "cached_tokens": sums[2], "output_tokens": sums[3], "cost": float(sums[4]),
-                 "errors": sums[5], "queue_wait_ms": float(sums[6]), "duration_ms": float(sums[7])}
+                 "errors": sums[5], "estimated": sums[8], "queue_wait_ms": float(sums[6]),
+                 "duration_ms": float(sums[7])}
                 for group, sums in sorted(groups.items())]
+
+    def others(self) -> list[tuple[str, float, int, float]]:
+        # A range of the rowid: nothing to read is one seek. Called from one thread (the event loop);
+        # closed from another (close() runs in a thread on a busy loop).
+        if self._others_conn is None:
+            self._others_conn = connect(self._path, check_same_thread=False)
+        found = self._others_conn.execute(
+            "SELECT id, tenant, time, prompt_tokens + output_tokens, cost FROM usage WHERE id > ? AND id <= ? "
+            "ORDER BY id", (self._others_after, self._own_from)).fetchall()
+        if not found:
+            return []
+        self._others_after = found[-1][0]
+        return [(tenant, t, tokens, cost) for _, tenant, t, tokens, cost in found]
+
+    def failing(self) -> str | None:
+        with self._lock:
+            failure, since, queued = self._failure, self._failing_since, len(self._queue)
+        if failure is None or since is None:
+            return None
+        return (f"the usage ledger {self._path} cannot be written since "
+                f"{time.strftime('%H:%M:%S', time.gmtime(since))} UTC ({failure}); {queued} row(s) wait in memory")
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -349,6 +385,8 @@ class SqliteLedger:
             self._wake.notify()
         self._writer.join()
         self._sums.close()
+        if self._others_conn is not None:
+            self._others_conn.close()
         with self._lock:
             if self._queue:
                 raise RuntimeError(f"usage ledger {self._path}: {len(self._queue)} row(s) not written: "
@@ -377,7 +415,11 @@ class SqliteLedger:
                         batch = [self._queue.popleft() for _ in range(BATCH_ROWS)]
                     closing = self._closing
                 if batch:
-                    failure = self._insert(conn, batch)
+                    try:
+                        failure = self._insert(conn, batch)
+                    except Exception as exc:   # a bug, not the file: the rows are kept, the thread lives
+                        log.exception("usage ledger %s: writing %d row(s) failed", self._path, len(batch))
+                        failure = sqlite3.DatabaseError(f"{type(exc).__name__}: {exc}")
                     self._written_back(batch, failure)
                     if failure is not None and closing:
                         log.error("usage ledger %s: giving up on %d unwritten row(s) at close: %s",
@@ -393,25 +435,46 @@ class SqliteLedger:
                 self._written_cond.notify_all()
 
     def _insert(self, conn: sqlite3.Connection, batch: list[_Params]) -> sqlite3.Error | None:
+        """Write the batch in one transaction: the file's failure (the rows are kept), or None. A row
+        the file refuses on its own is logged and left out, and the others are written."""
         try:
-            conn.execute("BEGIN")
             try:
-                conn.executemany(_INSERT_SQL, batch)
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:   # SQLite rolls some failures back itself (a full disk)
-                    conn.execute("ROLLBACK")
-                raise
+                self._transaction(conn, batch)
+            except _ROW_ERRORS:
+                self._transaction(conn, batch, one_by_one=True)
         except sqlite3.Error as exc:
-            log.error("usage ledger %s: could not write %d row(s), will retry: %s", self._path, len(batch), exc)
+            if self._failure is None:
+                log.error("usage ledger %s: could not write %d row(s), will retry: %s", self._path, len(batch), exc)
             return exc
         return None
+
+    def _transaction(self, conn: sqlite3.Connection, batch: list[_Params], one_by_one: bool = False) -> None:
+        conn.execute("BEGIN")
+        try:
+            if not one_by_one:
+                _insert_rows(conn, batch)
+            else:
+                for params in batch:
+                    try:
+                        _insert_rows(conn, (params,))
+                    except _ROW_ERRORS as exc:
+                        log.error("usage ledger %s: skipped a row the file refuses (id %s, tenant %.80r): %s: %s",
+                                  self._path, params[_ID], params[_TENANT], type(exc).__name__, exc)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:   # SQLite rolls some failures back itself (a full disk)
+                conn.execute("ROLLBACK")
+            raise
 
     def _written_back(self, batch: list[_Params], failure: sqlite3.Error | None) -> None:
         last: int = batch[-1][0]
         tenants = {params[_TENANT] for params in batch}
         with self._lock:
             self._attempts += 1
+            if failure is not None and self._failure is None:
+                self._failing_since = time.time()
+            elif failure is None and self._failure is not None:
+                log.warning("usage ledger %s: writing again", self._path)
             self._failure = failure
             if failure is not None:
                 self._queue.extendleft(reversed(batch))

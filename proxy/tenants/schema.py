@@ -55,8 +55,18 @@ def _version_1(conn: sqlite3.Connection) -> None:
         )""")
 
 
+def _version_2(conn: sqlite3.Connection) -> None:
+    # 1 where prompt_tokens is the proxy's estimate (a stream that ended before the engine's usage);
+    # the rows of version 1 had the engine's figure or nothing.
+    conn.execute("ALTER TABLE usage ADD COLUMN estimated INTEGER NOT NULL DEFAULT 0")
+    # Where each ledger that opened the file started its ids (SqliteLedger): a reload's successor
+    # starts past its predecessor's even when that one has written nothing yet.
+    conn.execute("CREATE TABLE writers (base INTEGER PRIMARY KEY, opened REAL NOT NULL)")
+
+
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _version_1,
+    2: _version_2,
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 

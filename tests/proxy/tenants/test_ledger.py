@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,10 @@ NEVER_S = 3600.0
 
 def row(time: float, tenant: str = "webui", model: str = "qwen", *, key_id: str = "k1", backend: str = "llama_server",
         host: str = "local", status: int = 200, prompt: int = 10, cached: int = 0, output: int = 5,
-        cost: float = 0.0, queue_wait_ms: float = 0.0, duration_ms: float = 0.0) -> UsageRow:
+        cost: float = 0.0, queue_wait_ms: float = 0.0, duration_ms: float = 0.0, estimated: bool = False) -> UsageRow:
     return UsageRow(time=time, tenant=tenant, key_id=key_id, model=model, backend=backend, host=host, status=status,
                     prompt_tokens=prompt, cached_tokens=cached, output_tokens=output, cost=cost,
-                    queue_wait_ms=queue_wait_ms, duration_ms=duration_ms)
+                    queue_wait_ms=queue_wait_ms, duration_ms=duration_ms, estimated=estimated)
 
 
 def rows_on_disk(path: Path) -> int:
@@ -147,10 +148,11 @@ def _report_rows(ledger: SqliteLedger) -> None:
 
 
 def _group(tenant: str, model: str, day: str, requests: int, prompt: int, cached: int, output: int, cost: float,
-           errors: int = 0, queue_wait_ms: float = 0.0, duration_ms: float = 0.0) -> dict[str, object]:
+           errors: int = 0, queue_wait_ms: float = 0.0, duration_ms: float = 0.0,
+           estimated: int = 0) -> dict[str, object]:
     return {"tenant": tenant, "model": model, "day": day, "requests": requests, "prompt_tokens": prompt,
             "cached_tokens": cached, "output_tokens": output, "cost": cost, "errors": errors,
-            "queue_wait_ms": queue_wait_ms, "duration_ms": duration_ms}
+            "estimated": estimated, "queue_wait_ms": queue_wait_ms, "duration_ms": duration_ms}
 
 
 @pytest.mark.parametrize("flushed", [False, True], ids=["queued", "on_disk"])
@@ -167,9 +169,10 @@ def test_usage_groups_by_tenant_model_and_day(ledger: SqliteLedger, flushed: boo
     # From inclusive, to exclusive: the second day alone.
     assert ledger.usage(DAY2, DAY2 + 86_400, ["day", "tenant"]) == [
         {"day": "2026-01-02", "tenant": "batch", "requests": 1, "prompt_tokens": 7, "cached_tokens": 0,
-         "output_tokens": 7, "cost": 0.0, "errors": 1, "queue_wait_ms": 0.0, "duration_ms": 0.0},
+         "output_tokens": 7, "cost": 0.0, "errors": 1, "estimated": 0, "queue_wait_ms": 0.0, "duration_ms": 0.0},
         {"day": "2026-01-02", "tenant": "webui", "requests": 1, "prompt_tokens": 1000, "cached_tokens": 0,
-         "output_tokens": 2000, "cost": 0.0, "errors": 0, "queue_wait_ms": 0.0, "duration_ms": 0.0},
+         "output_tokens": 2000, "cost": 0.0, "errors": 0, "estimated": 0, "queue_wait_ms": 0.0,
+             "duration_ms": 0.0},
     ]
     assert [g["model"] for g in ledger.usage(DAY1 + 200, DAY1 + 300, ["model"])] == ["qwen"]
     assert ledger.usage(DAY1 + 200, None, ["tenant"])[1]["requests"] == 3
@@ -366,3 +369,75 @@ def test_two_processes_on_one_file_during_a_reload_lose_no_row(path: Path) -> No
         assert new.spent("old", 0.0).requests == 50 and new.spent("new", 0.0).requests == 50
     finally:
         new.close()
+
+
+# -- a bad row, an old file, another process's rows (issue 39) ------------------------------------
+
+def test_a_row_with_counts_that_are_no_counts_is_recorded_with_0_and_the_writer_writes_on(
+        ledger: SqliteLedger, path: Path) -> None:
+    ledger.record(row(DAY1, prompt=10 ** 30, cached=-1, output=2 ** 31 + 1, cost=float("nan")))
+    ledger.record(row(DAY1, prompt=True, output=2.5, cost=float("inf"), duration_ms=float("-inf")))  # type: ignore[arg-type]
+    ledger.record(row(DAY1, prompt=3, output=4, cost=0.5))
+    ledger.flush()
+    assert ledger.usage(None, None, []) == [{"requests": 3, "prompt_tokens": 3, "cached_tokens": 0, "output_tokens": 4,
+                                             "cost": 0.5, "errors": 0, "estimated": 0, "queue_wait_ms": 0.0,
+                                             "duration_ms": 0.0}]
+    assert ledger.failing() is None
+
+
+def test_a_row_the_file_refuses_is_skipped_and_the_writer_lives(ledger: SqliteLedger, path: Path) -> None:
+    ledger.record(row(DAY1, tenant="webui"))
+    ledger.record(row(DAY1, tenant="\ud800"))   # a lone surrogate: no UTF-8 for SQLite to store
+    ledger.record(row(DAY1, tenant="batch"))
+    ledger.flush()
+    assert rows_on_disk(path) == 2
+    ledger.record(row(DAY1, tenant="webui"))
+    ledger.flush()   # the thread is still there to write it
+    assert rows_on_disk(path) == 3 and ledger.failing() is None
+
+
+def test_a_version_1_file_is_migrated_with_its_rows_not_estimated(path: Path) -> None:
+    conn = sqlite3.connect(path, isolation_level=None)
+    MIGRATIONS[1](conn)
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute("INSERT INTO usage (id, time, tenant, key_id, model, backend, host, status, prompt_tokens, "
+                 "cached_tokens, output_tokens, cost, queue_wait_ms, duration_ms) "
+                 "VALUES (1, ?, 'webui', 'k1', 'qwen', 'sim', 'local', 200, 10, 0, 5, 0.0, 0.0, 0.0)", (DAY1,))
+    conn.close()
+    ledger = SqliteLedger(path, flush_interval_s=NEVER_S)
+    try:
+        ledger.record(row(DAY1 + 1, estimated=True))
+        for flushed in (False, True):
+            (total,) = ledger.usage(None, None, [])
+            assert (total["requests"], total["prompt_tokens"], total["estimated"]) == (2, 20, 1), flushed
+            ledger.flush()
+    finally:
+        ledger.close()
+
+
+@pytest.mark.parametrize("old_wrote", [True, False], ids=["old_wrote_first", "old_wrote_nothing_yet"])
+def test_others_are_the_rows_a_predecessor_writes_after_this_ledger_opened(path: Path, old_wrote: bool) -> None:
+    old = SqliteLedger(path, flush_interval_s=NEVER_S)
+    if old_wrote:
+        old.record(row(DAY1, tenant="before"))
+        old.flush()
+    new = SqliteLedger(path, flush_interval_s=NEVER_S)
+    try:
+        assert new.others() == []
+        old.record(row(DAY1 + 1, tenant="old", prompt=3, output=4, cost=0.25))
+        new.record(row(DAY1 + 2, tenant="new"))   # its own: never among the others
+        new.flush()
+        assert new.others() == []                  # not on disk yet
+        old.close()
+        assert new.others() == [("old", DAY1 + 1, 7, 0.25)]
+        assert new.others() == []                  # each row once
+        assert rows_on_disk(path) == 2 + old_wrote   # no id of one met the other's
+    finally:
+        new.close()
+
+
+def test_a_ledger_that_read_others_closes_from_another_thread(path: Path) -> None:
+    ledger = SqliteLedger(path, flush_interval_s=NEVER_S)
+    assert ledger.others() == []
+    with ThreadPoolExecutor(1) as pool:   # as the app closes it: asyncio.to_thread
+        pool.submit(ledger.close).result(30)
