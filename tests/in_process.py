@@ -18,6 +18,7 @@ from proxy.serving.errors_http import error_middleware
 from proxy.serving.keys import ADOPTING, HTTP, METRICS, POOL, SETTINGS
 from proxy.serving.metrics import ProxyMetrics
 from proxy.serving.shutdown import SHUTDOWN, Shutdown
+from proxy.serving.tenancy import TENANCY, Tenancy
 
 
 def in_rotation(pool: Pool, model: str, replicas: list[Replica]) -> None:
@@ -31,11 +32,14 @@ def in_rotation(pool: Pool, model: str, replicas: list[Replica]) -> None:
 
 
 async def serve_routes(stack: contextlib.AsyncExitStack, settings: Settings, pool: Pool,
-                       http: UpstreamHttp) -> str:
-    """The public routes and /v1/responses on a loopback port until `stack` closes; their URL."""
+                       http: UpstreamHttp, tenancy: Tenancy | None = None) -> str:
+    """The public routes and /v1/responses on a loopback port until `stack` closes; their URL.
+    `tenancy`: the tenants' keys and ledger, where the test has tenants."""
     app = web.Application(middlewares=[metrics_middleware, error_middleware],
                           client_max_size=settings.service.max_body_bytes)
     app[SETTINGS], app[POOL], app[HTTP], app[METRICS] = settings, pool, http, ProxyMetrics()
+    if tenancy is not None:
+        app[TENANCY] = tenancy
     app[SHUTDOWN], app[ADOPTING] = Shutdown(keep_models=False), pool.adopting()
     app.add_routes(routes_public.routes)
     app.add_routes(routes_responses.routes)
