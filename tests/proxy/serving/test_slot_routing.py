@@ -75,7 +75,7 @@ async def test_each_conversation_goes_to_its_own_slot_and_back_to_it(start: Any)
         assert await chat(client, url, session) == 200
         await settled(replica)
     assert sent_slots(fake) == [0, 1, 0, 2, 1]
-    assert replica.slots.take("d") == 0   # every slot is free again: the least recently used first
+    assert replica.slots.take("d")[0] == 0   # every slot is free again: the least recently used first
 
 
 async def test_a_stream_sent_again_on_a_new_connection_keeps_its_slot_and_frees_it(start: Any) -> None:
@@ -87,7 +87,7 @@ async def test_a_stream_sent_again_on_a_new_connection_keeps_its_slot_and_frees_
     assert set(sent_slots(fake)) == {0}
     await settled(replica)
     # a's slot was freed each time: it is a's again, and a new conversation takes another.
-    assert replica.slots.take(digest("s", "a")) == 0 and replica.slots.take("new") == 1
+    assert replica.slots.take(digest("s", "a"))[0] == 0 and replica.slots.take("new")[0] == 1
 
 
 async def test_without_kept_slots_or_an_affinity_key_the_body_goes_as_it_came(start: Any) -> None:
@@ -100,3 +100,23 @@ async def test_least_loaded_routing_sends_no_slot(start: Any) -> None:
     url, client, _replica, fake = await start(routing="least_loaded")
     assert await chat(client, url, "a") == 200
     assert sent_slots(fake) == [None]
+
+
+@pytest.mark.parametrize("slots, routing", [(False, "least_loaded"), (False, "affinity"), (True, "affinity")])
+async def test_a_clients_own_slot_never_reaches_the_engine(start: Any, slots: bool, routing: str) -> None:
+    # Issue 39: the body's `id_slot` (or its older name) would pick, and read, any slot's cache; a
+    # prompt of nested token ids, which gets no affinity key of its own, is no exception.
+    url, client, replica, fake = await start(slots=slots, routing=routing)
+    bodies = [{"model": "m", "messages": [{"role": "user", "content": "hi"}], "id_slot": 2},
+              {"model": "m", "prompt": [[5, 6, 7]], "slot_id": 2},
+              {"model": "m", "prompt": [[5, 6, 7]], "id_slot": 2, "stream": True}]
+    for body in bodies:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        async with client.post(url + path, json=body) as resp:
+            await resp.read()
+            assert resp.status == 200
+        await settled(replica)
+    seen = [(b.get("id_slot"), b.get("slot_id")) for _conn, _path, b, _headers in fake.requests]
+    # Only the proxy's own slot goes (its table's: one per conversation, the token prompt's its own
+    # too), and none at all without a table.
+    assert seen == ([(0, None), (1, None), (1, None)] if slots else [(None, None)] * 3)
