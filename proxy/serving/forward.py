@@ -153,7 +153,7 @@ class upstream:
                 # there; with tenants, a request without a key takes its tenant's: proxy/lifecycle/state/slots.py.
                 slot_key = affinity if affinity is not None else scoped("", self.scope or "")
                 slot, foreign = replica.slots.take(slot_key)
-                payload, raw = {**payload, "id_slot": slot}, None
+                payload, raw = {**payload, "id_slot": slot}, with_slot(raw, payload, slot, foreign)
                 if foreign:
                     payload["cache_prompt"] = False   # another tenant's cache: not to be reused
             try:
@@ -223,6 +223,16 @@ class upstream:
             replica.slots.release(slot)
         if send.second is not None:
             await send.second.close()
+
+
+def with_slot(raw: bytes | None, payload: dict[str, Any], slot: int, foreign: bool) -> bytes | None:
+    """The client's bytes with the proxy's slot fields put before the object's end, so that they
+    still go as they came instead of being decoded and encoded again; None where a field would be
+    there twice (the reach then encodes `payload`). `raw` is one checked JSON object (strict_json)."""
+    if raw is None or not payload or (foreign and "cache_prompt" in payload):
+        return None
+    end = raw.rfind(b"}")
+    return raw[:end] + b',"id_slot":%d%s' % (slot, b',"cache_prompt":false' if foreign else b"") + raw[end:]
 
 
 async def _post(send: Send, http: UpstreamHttp, replica: Replica, path: str, payload: dict[str, Any],
