@@ -5,6 +5,7 @@ what it read (tests/fakes.py); tests/integration/test_kv_store_llama_server.py d
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import os
 from pathlib import Path
@@ -165,3 +166,17 @@ async def test_with_tenants_the_same_session_of_two_tenants_is_two_conversations
     assert sent == [(0, False), (1, False), (0, None), (1, None)]
     assert replica.slots is not None and {replica.slots.key_of(0), replica.slots.key_of(1)} == \
         {digest("s", "shared") + "@alpha", digest("s", "shared") + "@beta"}
+
+
+def test_the_slot_fields_go_into_the_clients_bytes_once() -> None:
+    from proxy.serving.forward import with_slot
+
+    raw = b'{"model": "m", "prompt": "a } b"}\n'
+    assert with_slot(raw, {"model": "m", "prompt": "a } b"}, 2, False) == \
+        b'{"model": "m", "prompt": "a } b","id_slot":2}\n'
+    spliced = with_slot(raw, {"model": "m", "prompt": "a } b"}, 0, True)
+    assert spliced is not None and json.loads(spliced) == {"model": "m", "prompt": "a } b", "id_slot": 0,
+                                                          "cache_prompt": False}
+    # The client's own cache_prompt would be there twice: the body is encoded again instead.
+    assert with_slot(b'{"model": "m", "cache_prompt": true}', {"model": "m", "cache_prompt": True}, 0, True) is None
+    assert with_slot(None, {"model": "m"}, 0, False) is None
