@@ -82,7 +82,9 @@ class Pool:
         wake = Wake()
         # llama-server slots kept across the pool's unloads (proxy/lifecycle/kvcache/): its replicas
         # save into the store's folders, the monitor restores before a replica serves.
-        self.kv = KvKeeper.under(settings.service.state_dir, settings.lifecycle.kv_store_mib, http)
+        # With tenants, every llama-server slot is a tenant's (proxy/lifecycle/state/slots.py).
+        self.kv = KvKeeper.under(settings.service.state_dir, settings.lifecycle.kv_store_mib, http,
+                                 scoped=bool(settings.tenants))
         self.programs = Programs(settings, supervisor, self.environ, self.models, wake, pid_record, self.hosts,
                                  self.placer.hosts_for, events=self.events, launch_hook=self.kv.launch)
         self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, self.events, managed, wake=wake,

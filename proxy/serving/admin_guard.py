@@ -9,7 +9,8 @@ body at all: no preflight), and with DNS rebinding read the answers under its ow
 - with a token, the bearer token;
 - a POST is `Content-Type: application/json`, which another site cannot send without a CORS
   preflight that this API never grants.
-Only the admin handlers call `admit`: the data path pays nothing for it.
+Only the admin handlers call `admit`: the data path pays nothing for it. The data plane of a pool
+without tenants follows the same rules (proxy/serving/edge_guard.py).
 """
 from __future__ import annotations
 
@@ -30,13 +31,22 @@ JSON = "application/json"
 def admit(request: web.Request) -> None:
     """Raise the refusal an admin request earns (403, 401, 415), or return."""
     service = request.app[SETTINGS].service
-    _check_origin(request)
+    check_origin(request, "the admin API")
     if service.admin_token_env:
         _authorize(request, service.admin_token_env)
-    else:
-        _check_host(request, service)
-    if request.method == "POST" and request.content_type != JSON:
-        raise UnsupportedMediaType(f"admin POSTs need `Content-Type: {JSON}` (this one has "
+    elif not host_allowed(request.headers.get("Host", ""), service):
+        raise Forbidden(f"Host {request.headers.get('Host', '')!r:.100} is not a name of this admin API: without a "
+                        "token it answers only to an address, localhost or service.host/admin_host (a "
+                        "DNS-rebinding page uses its own name); set service.admin_token_env to reach it under "
+                        "another name", code="host_not_allowed")
+    if request.method == "POST":
+        check_json(request, "admin POSTs")
+
+
+def check_json(request: web.Request, what: str) -> None:
+    """415 unless the body is declared JSON: a page of another site cannot declare it without a preflight."""
+    if request.content_type != JSON:
+        raise UnsupportedMediaType(f"{what} need `Content-Type: {JSON}` (this one has "
                                    f"{request.headers.get('Content-Type', 'none')!r:.80})")
 
 
@@ -54,7 +64,8 @@ def _authorize(request: web.Request, env: str) -> None:
         raise Unauthorized("admin endpoints need `Authorization: Bearer <admin token>`")
 
 
-def _check_origin(request: web.Request) -> None:
+def check_origin(request: web.Request, surface: str) -> None:
+    """403 for an `Origin` that is not this listener's own (`surface` names what refuses it)."""
     origin = request.headers.get("Origin")
     if origin is None:
         return
@@ -68,19 +79,15 @@ def _check_origin(request: web.Request) -> None:
     except ValueError:
         netloc = ""
     if not netloc or netloc not in own:
-        raise Forbidden(f"Origin {origin!r:.100} is not this listener's own: the admin API does not answer pages "
+        raise Forbidden(f"Origin {origin!r:.100} is not this listener's own: {surface} does not answer pages "
                         "of other sites", code="origin_not_allowed")
 
 
-def _check_host(request: web.Request, service: ServiceSettings) -> None:
-    host = request.headers.get("Host", "")
+def host_allowed(host: str, service: ServiceSettings) -> bool:
+    """Whether `host` (a Host header) is a name this machine answers to: a literal address (no DNS
+    answer stands behind it), `localhost`, or service.host/admin_host."""
     name = _host_name(host)
-    if name in {n.lower() for n in ("localhost", service.host, service.admin_host) if n} or _is_address(name):
-        return
-    raise Forbidden(f"Host {host!r:.100} is not a name of this admin API: without a token it answers only to "
-                    "an address, localhost or service.host/admin_host (a DNS-rebinding page uses its own "
-                    "name); set service.admin_token_env to reach it under another name",
-                    code="host_not_allowed")
+    return name in {n.lower() for n in ("localhost", service.host, service.admin_host) if n} or _is_address(name)
 
 
 def _host_name(host: str) -> str:

@@ -12,6 +12,10 @@ The fairness key is never the affinity key: one client's many conversations spre
 The key is a short digest whichever its source, so what a client sends is never kept or logged.
 Only a model with `routing: affinity` gets a key at all: for least_loaded nothing here reads the
 body beyond one field, so that routing costs nothing.
+
+With tenants the data path makes a key its tenant's (proxy/serving/forward.py `upstream`, and
+proxy/lifecycle/state/slots.py): one tenant's `X-Session-Id`, `prompt_cache_key` or prompt never
+routes to, or reuses, another tenant's slot.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ from proxy.lifecycle.state.runtime import ModelRuntime
 SESSION_HEADER = "X-Session-Id"
 # Embeddings hold no KV cache between requests: affinity would only cost balance.
 NO_AFFINITY_PATHS = frozenset({"/v1/embeddings"})
+# What runs in a llama-server slot and reuses its cache: where a request gets a slot of its own
+# scope (with tenants, every such request does). /v1/responses and translated /v1/messages go as chat.
+SLOT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/infill"})
 # Leading messages read at most while looking for the first user message (few-shot examples,
 # several system messages): the key stays cheap whatever a client sends.
 MAX_LEADING_MESSAGES = 16
@@ -75,9 +82,11 @@ def prompt_prefix(body: Mapping[str, Any], limit: int) -> str:
         return "\x1e".join(parts)
     for field in ("prompt", "input"):
         value = body.get(field)
+        if isinstance(value, list) and value and not isinstance(value[0], int):
+            value = value[0]   # a batch: its first prompt (a string, or token ids)
         if isinstance(value, list) and value:
-            # A batch: its first prompt; a prompt of token ids: its first `limit` tokens.
-            value = value[0] if not isinstance(value[0], int) else " ".join(map(str, value[:limit]))
+            # A prompt of token ids: its first `limit` tokens (anything else in it is no token).
+            value = " ".join(str(t) for t in value[:limit] if isinstance(t, int))
         if isinstance(value, str):
             return f"{field}\x1f{value[:limit]}"
     return ""

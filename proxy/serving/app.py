@@ -13,7 +13,7 @@ import time
 from typing import IO, Any, AsyncIterator, Callable, Sequence
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, Middleware
 
 from proxy.supervisord import managed
 from proxy.serving import openapi
@@ -26,6 +26,7 @@ from proxy.serving import ui
 from proxy.config.settings import Settings
 from proxy.errors import NotFound
 from proxy.events import RELOAD
+from proxy.serving.edge_guard import edge_guard_middleware
 from proxy.serving.errors_http import ERROR_CODE, error_middleware
 from proxy.serving.forward import upstream_session
 from proxy.serving.handover import Inherited, Succession
@@ -123,9 +124,12 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
     `successor`: started by a reloading proxy, which still serves the same replicas until this one
     took over and it has exited (Pool.predecessor_gone). See `serve`."""
     # metrics outside errors: it sees the status the error middleware rendered.
-    middlewares = [metrics_middleware, shutdown_middleware, error_middleware]
+    middlewares: list[Middleware] = [metrics_middleware, shutdown_middleware, error_middleware]
     if settings.service.admin_port is not None:
         middlewares.append(admin_listener_middleware(settings.service.admin_port))
+    if not settings.tenants:
+        # Without keys, the data plane is out of a browser's reach as the admin API is.
+        middlewares.append(edge_guard_middleware(settings.service))
     app = web.Application(client_max_size=settings.service.max_body_bytes, middlewares=middlewares)
     app[SETTINGS] = settings
     app[METRICS] = ProxyMetrics()

@@ -15,7 +15,7 @@ from proxy.fairness import normalize_key
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.serving.keys import ADOPTING, FAIRNESS_KEY, MODEL, SETTINGS
+from proxy.serving.keys import ADOPTING, CACHE_SCOPE, FAIRNESS_KEY, MODEL, SETTINGS
 from proxy.serving.shutdown import SHUTDOWN, handed_over_error
 from proxy.serving.strict_json import decode
 from proxy.serving.token_ids import check_token_ids
@@ -92,6 +92,7 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any],
     request[MODEL] = name
     if tenancy is not None and caller is not None:
         tenancy.allow(caller, runtime)   # 403: never this model, whatever the request says
+        request[CACHE_SCOPE] = caller.tenant.name   # no cache of another tenant's is reused
     if runtime.kind is not None:
         runtime.kind.gate(runtime.model, request.headers, body)  # e.g. allow_remote
     if endpoint is not None:

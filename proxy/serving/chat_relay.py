@@ -17,7 +17,7 @@ from proxy.errors import BackendError, PoolError
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving import response_metrics
 from proxy.serving.forward import Slot, label, read_answer, upstream
-from proxy.serving.keys import HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, SETTINGS
+from proxy.serving.keys import CACHE_SCOPE, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, SETTINGS
 from proxy.serving.relay import Timeouts, sse_data
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ async def relay_chat(request: web.Request, runtime: ModelRuntime, queued: Any, p
                 request.app[METRICS].load_wait.labels(runtime.name).observe(timer.admitted - timer.enqueued)
         timeouts = Timeouts.of(settings.service, runtime.model)
         async with upstream(outcomes, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
-                            timeouts, affinity) as (replica, resp):
+                            timeouts, affinity, scope=request.get(CACHE_SCOPE)) as (replica, resp):
             request[REPLICA] = replica
             # A provider's timings are not engine times we measured.
             own_timings = replica.reach.engine_timings

@@ -17,11 +17,13 @@ from proxy.lifecycle.state.affinity import Wait
 from proxy.lifecycle.state.outcomes import Outcomes, process_gone
 from proxy.lifecycle.state.replicas import ModelState, Replica
 from proxy.lifecycle.state.runtime import ModelRuntime
+from proxy.lifecycle.state.slots import scoped
 from proxy.upstream.client import SENDING, Answer, NotingConnector, Send, UpstreamHttp
 from proxy.upstream.connection import MalformedAnswer
+from proxy.serving.affinity_key import SLOT_PATHS
 from proxy.serving.errors_http import error_event
-from proxy.serving.keys import (FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, REPLICA_HEADER, SETTINGS,
-                                STARTED, STREAM_ERROR, USAGE)
+from proxy.serving.keys import (CACHE_SCOPE, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, REPLICA_HEADER,
+                                SETTINGS, STARTED, STREAM_ERROR, USAGE)
 from proxy.serving.metrics import usage_in
 from proxy.serving.relay import (ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, chunks, input_refused,
                                  read_capped)
@@ -36,6 +38,9 @@ UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)
 # ClientConnectionResetError, a ConnectionResetError, for a write to a closing transport). A
 # refused connection, ClientConnectorError, is a ClientOSError too but is not one of these.
 CLOSED_UNDER_US = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionResetError)
+# llama-server's fields that pick a slot (`slot_id`: its older name). Only the proxy picks one: a
+# client's own would read the cache of whichever conversation, or tenant, sits there.
+CLIENT_SLOT_FIELDS = ("id_slot", "slot_id")
 
 
 def upstream_session() -> UpstreamHttp:
@@ -77,7 +82,9 @@ class upstream:
     """POST `payload` to a READY replica that has room (the least loaded, or the one its `affinity`
     key belongs to: ModelRuntime.pick_replica) and give its response once its headers arrive
     (within first_byte_timeout_s, else 504 `backend_timeout`). `raw`: the client's bytes of
-    `payload`, for a replica's reach to send as they are when it changes nothing.
+    `payload`, for a replica's reach to send as they are when it changes nothing. `scope`: the
+    request's tenant (CACHE_SCOPE): its affinity key is the tenant's, and every request that runs in a
+    llama-server slot takes one of the tenant's (proxy/lifecycle/state/slots.py).
 
     Sent to another replica only when the first did not take the request: the connection was
     refused, the replica's process died before any answer, or a server of ours answered 503 (it
@@ -96,14 +103,18 @@ class upstream:
     """
 
     __slots__ = ("outcomes", "http", "runtime", "path", "payload", "request_id", "timeouts", "affinity", "raw",
-                 "replica", "resp", "send", "slot")
+                 "scope", "replica", "resp", "send", "slot")
 
     def __init__(self, outcomes: Outcomes, http: UpstreamHttp, runtime: ModelRuntime, path: str,
                  payload: dict[str, Any], request_id: str, timeouts: Timeouts, affinity: str | None = None,
-                 raw: bytes | None = None) -> None:
+                 raw: bytes | None = None, scope: str | None = None) -> None:
         self.outcomes, self.http, self.runtime, self.path = outcomes, http, runtime, path
         self.payload, self.request_id, self.timeouts = payload, request_id, timeouts
-        self.affinity, self.raw = affinity, raw
+        self.affinity, self.raw, self.scope = affinity, raw, scope
+        if scope is not None and affinity is not None:
+            self.affinity = scoped(affinity, scope)   # routes and slots: two tenants' equal keys differ
+        if "id_slot" in payload or "slot_id" in payload:
+            self.payload, self.raw = {k: v for k, v in payload.items() if k not in CLIENT_SLOT_FIELDS}, None
 
     async def __aenter__(self) -> tuple[Replica, Answer]:
         outcomes, runtime, timeouts, affinity = self.outcomes, self.runtime, self.timeouts, self.affinity
@@ -137,12 +148,16 @@ class upstream:
             replica.sent += 1
             send = Send()
             taken = False
-            payload, raw, slot = self.payload, self.raw, None
-            if affinity is not None and replica.slots is not None:
+            payload, raw, slot, slot_key, foreign = self.payload, self.raw, None, "", False
+            if replica.slots is not None and (affinity is not None or self.scope is not None) and \
+                    self.path in SLOT_PATHS:
                 # The conversation's own llama-server slot there, whose cache it left (or a restore put)
-                # there: proxy/lifecycle/state/slots.py.
-                slot = replica.slots.take(affinity)
-                payload, raw = {**payload, "id_slot": slot}, None
+                # there; with tenants, a request without a key takes its tenant's: proxy/lifecycle/state/slots.py.
+                slot_key = affinity if affinity is not None else scoped("", self.scope or "")
+                slot, foreign = replica.slots.take(slot_key)
+                payload, raw = {**payload, "id_slot": slot}, with_slot(raw, payload, slot, foreign)
+                if foreign:
+                    payload["cache_prompt"] = False   # another tenant's cache: not to be reused
             try:
                 try:
                     with Deadline(max(0.0, deadline - loop.time())):
@@ -185,6 +200,8 @@ class upstream:
                     outcomes.report_connection_failure(replica, "answered 503 (not serving)")
                     failed_over = True
                     continue
+                if foreign and resp.status == 200 and replica.slots is not None and slot is not None:
+                    replica.slots.ran(slot, slot_key)
                 self.replica, self.resp, self.send, self.slot = replica, resp, send, slot
                 taken = True
                 return replica, resp
@@ -208,6 +225,16 @@ class upstream:
             replica.slots.release(slot)
         if send.second is not None:
             await send.second.close()
+
+
+def with_slot(raw: bytes | None, payload: dict[str, Any], slot: int, foreign: bool) -> bytes | None:
+    """The client's bytes with the proxy's slot fields put before the object's end, so that they
+    still go as they came instead of being decoded and encoded again; None where a field would be
+    there twice (the reach then encodes `payload`). `raw` is one checked JSON object (strict_json)."""
+    if raw is None or not payload or (foreign and "cache_prompt" in payload):
+        return None
+    end = raw.rfind(b"}")
+    return raw[:end] + b',"id_slot":%d%s' % (slot, b',"cache_prompt":false' if foreign else b"") + raw[end:]
 
 
 async def _post(send: Send, http: UpstreamHttp, replica: Replica, path: str, payload: dict[str, Any],
@@ -257,7 +284,7 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
         request.app[METRICS].observe_wait(runtime.name, waited, cold)
         timeouts = Timeouts.of(request.app[SETTINGS].service, runtime.model)
         async with upstream(outcomes, request.app[HTTP], runtime, request.path, body, request_id,
-                            timeouts, affinity, raw) as (replica, resp):
+                            timeouts, affinity, raw, request.get(CACHE_SCOPE)) as (replica, resp):
             request[REPLICA] = replica
             return await _relay(request, outcomes, replica, resp, request_id, timeouts, body, strip)
 

@@ -41,6 +41,9 @@ USAGE = web.RequestKey("usage", tuple)
 # stream that ended before its usage chunk): the ledger row says so.
 USAGE_ESTIMATED = web.RequestKey("usage_estimated", bool)
 QUEUE_WAIT = web.RequestKey("queue_wait_s", float)
+# With tenants, the request's tenant: the scope of its affinity key and of its llama-server slot
+# (proxy/lifecycle/state/slots.py). Absent without tenants: one scope, and slots only for affinity keys.
+CACHE_SCOPE = web.RequestKey("cache_scope", str)
 # With service.admin_port: whether the request came in on the admin listener (only it shows failure
 # reasons on /health and /ready).
 ON_ADMIN_LISTENER = web.RequestKey("on_admin_listener", bool)

@@ -37,7 +37,8 @@ PASS_THROUGH_SUMMARY = {
 }
 # The statuses of each kind of route's errors, each with the error envelope; 429 and 503 with
 # Retry-After (errors.PoolError.headers). A backend's own status passes on: `default`.
-MODEL_ERRORS = (400, 401, 403, 404, 409, 413, 429, 502, 503, 504)
+# Without tenants, 403 and 415 as the admin routes' for a page of another site (proxy/serving/edge_guard.py).
+MODEL_ERRORS = (400, 401, 403, 404, 409, 413, 415, 429, 502, 503, 504)
 # Admin routes: 403 for a request from a page of another site (its Origin, or a rebinding Host),
 # 415 for a POST that is not application/json (proxy/serving/admin_guard.py).
 ADMIN_ERRORS = (400, 401, 403, 404, 409, 413, 415, 502, 503, 504)
@@ -46,7 +47,8 @@ STATUS_TEXT = {400: "the request is wrong (`param` says where)",
                401: "no or a wrong key: the admin token, or with tenants a tenant's API key",
                403: "not allowed for this request", 404: "no such model or route",
                409: "the pool's state forbids it now",
-               415: "an admin POST without `Content-Type: application/json` (even with no body)",
+               415: "an admin POST, or without tenants any POST, without `Content-Type: application/json` "
+                    "(even with no body)",
                413: "the body is over service.max_body_bytes", 429: "queue full or waited too long",
                502: "the model server failed", 503: "not available now; come back after Retry-After",
                504: "the model server did not answer in time"}

@@ -86,9 +86,15 @@ class TenantMetrics(Collector):
 def _presented_key(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        return value.strip()
-    return request.headers.get("x-api-key") or None
+    key = value.strip() if scheme.lower() == "bearer" and value.strip() else request.headers.get("x-api-key") or None
+    if key is not None and not key.isascii():
+        try:
+            key.encode()
+        except UnicodeEncodeError:
+            # aiohttp keeps a header's undecodable bytes as surrogates, which no key holds: a wrong
+            # key (401), not an encoding error of its digest (500).
+            raise Unauthorized("the API key is not valid for this pool", code="invalid_api_key") from None
+    return key
 
 
 class Tenancy:

@@ -7,6 +7,11 @@ time, so that it never holds a waiting load past its swap bound (the caller says
 take; a save still running then is cut short and its file removed). Restoring never fails a
 request: a file of other settings, model file or engine (its fingerprint), or one the engine
 refuses, is a miss, removed, and that conversation is prefilled again as it would have been.
+
+With tenants (`scoped`) every llama-server replica that generates text gets a table of its slots,
+store or not, each slot a tenant's (proxy/lifecycle/state/slots.py), and runs without llama-server's
+RAM prompt cache (--cache-ram), which hands a slot the saved state of whichever slot's prompt
+matched best, another tenant's too (measured on the pinned build).
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ STORE_FOLDER = "kv"
 # Flags whose files shape what a slot holds, beside the engine binary itself.
 FILE_FLAGS = frozenset({"--model", "-m", "--mmproj", "--lora", "--model-draft", "-md"})
 RESULTS = ("hit", "miss", "stale")
+# llama-server's --cache-ram, as its environment variable: a binary without the option ignores it.
+NO_RAM_CACHE = ("LLAMA_ARG_CACHE_RAM", "0")
 
 
 def fingerprint(key: str, spec: ProgramSpec) -> str:
@@ -69,25 +76,34 @@ class Counts:
 
 
 class KvKeeper:
-    def __init__(self, store: SlotStore, http: UpstreamHttp) -> None:
+    def __init__(self, store: SlotStore, http: UpstreamHttp, scoped: bool = False) -> None:
         self.store = store
         self.http = http
+        self.scoped = scoped   # tenants: slots are tenants' (above)
         self.counts: dict[str, Counts] = {}
         self._cut: list[tuple[str, str]] = []   # (folder, file) of saves cut short: see `stopped`
 
     @classmethod
-    def under(cls, state_dir: Path, budget_mib: float, http: UpstreamHttp) -> "KvKeeper":
-        return cls(SlotStore(state_dir / STORE_FOLDER, int(budget_mib * 1024 * 1024)), http)
+    def under(cls, state_dir: Path, budget_mib: float, http: UpstreamHttp, scoped: bool = False) -> "KvKeeper":
+        return cls(SlotStore(state_dir / STORE_FOLDER, int(budget_mib * 1024 * 1024)), http, scoped)
 
     def applies(self, config: ModelConfig) -> bool:
-        """Whether `config`'s replicas keep their slots: llama-server generating text (embeddings
-        and reranking hold nothing between requests), with a store to keep them in."""
-        return self.store.enabled and config.backend == BACKEND and \
+        """Whether `config`'s replicas keep their slots: llama-server generating text, with a store
+        to keep them in."""
+        return self.store.enabled and self.slotted(config)
+
+    @staticmethod
+    def slotted(config: ModelConfig) -> bool:
+        """llama-server generating text: embeddings and reranking hold nothing between requests."""
+        return config.backend == BACKEND and \
             not config.get("llama_server_embeddings") and not config.get("llama_server_reranking")
 
     def launch(self, config: ModelConfig, spec: ProgramSpec, local: bool) -> ProgramSpec:
         """`spec` with the store's folder for its settings as --slot-save-path (a replica on this
-        machine only: the files must be where the budget is kept)."""
+        machine only: the files must be where the budget is kept); with tenants, without the RAM
+        prompt cache."""
+        if self.scoped and self.slotted(config):
+            spec = replace(spec, env=(*spec.env, NO_RAM_CACHE))
         if not local or not self.applies(config):
             return spec
         folder = self.store.folder(settings_key(config))
@@ -188,14 +204,16 @@ class KvKeeper:
         replica of its index, and its table of which conversation is in which slot. Never raises:
         what does not restore is a miss, and those conversations are prefilled again."""
         config = runtime.active or runtime.config
-        if not self.applies(config) or replica.spec is None:
+        if replica.spec is None or not (self.applies(config) or (self.scoped and self.slotted(config))):
             replica.slots = None
             return
         # A process an earlier proxy started: which conversation sits in which slot died with that
-        # proxy, and llama-server's own prefix matching finds them better than a fresh table would.
+        # proxy, and llama-server's own prefix matching finds them better than a fresh table would;
+        # with tenants, its slots hold caches of unknown tenants, which no request may reuse.
         adopted, replica.adopted = replica.adopted, False
-        table = replica.slots = None if adopted else SlotTable(config.target_inflight)
-        if table is None:
+        table = replica.slots = SlotTable(config.target_inflight, scoped=True) if self.scoped else \
+            None if adopted else SlotTable(config.target_inflight)
+        if table is None or adopted or not self.applies(config):
             return
         entries = self.store.take(runtime.name, replica.index)
         if not entries:

@@ -5,16 +5,36 @@ at once. A request with an affinity key goes to its key's slot (`id_slot`) when 
 else to the free slot used least recently, which is then the key's. Without this, which slot a
 conversation sat in is known only to llama-server (its OpenAI answers do not say), so a slot saved
 before an eviction could not be given back to its conversation by name after the reload.
+
+With tenants, a slot's cache is also a tenant's: a request reuses the prefix a slot holds, and its
+answer's cached-token count (and its speed) says how much of another tenant's prompt it repeated.
+So a key names its scope (the tenant, after SCOPE_MARK; no tenants: one scope, ""), every slot
+remembers the scope whose cache it holds, and a request given a slot of another scope, or of an
+unknown one (a fresh table with tenants, an adopted replica, a restore of no key), is told so: it
+must not reuse that cache (the caller sends llama-server `cache_prompt: false`).
 """
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
 
+SCOPE_MARK = "@"
+
+
+def scoped(key: str, scope: str) -> str:
+    """`key` (never holding SCOPE_MARK) in `scope`: two tenants' equal keys are different keys."""
+    return f"{key}{SCOPE_MARK}{scope}" if scope else key
+
+
+def scope_of(key: str) -> str:
+    return key.partition(SCOPE_MARK)[2]
+
 
 class SlotTable:
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, scoped: bool = False) -> None:
         self.slots = max(1, slots)
+        # The scope whose cache each slot holds; None: unknown. Without tenants there is one scope.
+        self._scope: dict[int, str | None] = {s: None if scoped else "" for s in range(self.slots)}
         self._key_of: dict[int, str] = {}             # slot -> the key whose cache it holds
         self._slot_of: dict[str, int] = {}            # key -> its slot
         self._busy: dict[int, int] = {}               # slot -> requests the proxy has there now
@@ -22,19 +42,24 @@ class SlotTable:
         self._used: OrderedDict[int, None] = OrderedDict((s, None) for s in range(self.slots))
         self._at: dict[int, float] = {}               # slot -> when a request of ours last went there
 
-    def take(self, key: str) -> int:
-        """The slot for one request of `key`, marked busy until `release`."""
+    def take(self, key: str) -> tuple[int, bool]:
+        """The slot for one request of `key`, marked busy until `release`, and whether it holds
+        the cache of another scope (or an unknown one), which that request must not reuse."""
         slot = self._slot_of.get(key)
         if slot is None or self._busy.get(slot):
             free = [s for s in self._used if not self._busy.get(s)]
             # Every slot busy cannot happen while the proxy sends at most `slots` at once; should
             # it (a request the client left, still ending there), the least recent one waits.
             slot = free[0] if free else next(iter(self._used))
-            self.assign(key, slot)
+        foreign = self._scope[slot] != scope_of(key)
+        self.assign(key, slot)
+        if foreign:
+            # Still the other scope's cache until this request has run there (`ran`): one that the
+            # engine refused, or that never reached it, left that cache as it was.
+            self._scope[slot] = None
         self._busy[slot] = self._busy.get(slot, 0) + 1
-        self._used.move_to_end(slot)
         self._at[slot] = time.monotonic()
-        return slot
+        return slot, foreign
 
     def release(self, slot: int) -> None:
         left = self._busy.get(slot, 0) - 1
@@ -52,7 +77,14 @@ class SlotTable:
         if old_slot is not None:
             self._key_of.pop(old_slot, None)
         self._key_of[slot], self._slot_of[key] = key, slot
+        self._scope[slot] = scope_of(key)
         self._used.move_to_end(slot)
+
+    def ran(self, slot: int, key: str) -> None:
+        """The engine answered 200 to a request of `key` in `slot` (llama-server answers once the
+        prompt is in the slot): the slot holds that key's scope's cache, unless another key took it since."""
+        if self._key_of.get(slot) == key:
+            self._scope[slot] = scope_of(key)
 
     def key_of(self, slot: int) -> str | None:
         return self._key_of.get(slot)

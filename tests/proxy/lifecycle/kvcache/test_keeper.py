@@ -146,7 +146,7 @@ async def test_a_restore_gives_the_conversation_its_slot_back(world: Any) -> Non
     fake.restores[1] = {"n_restored": 80, "n_read": 200}
     await keeper.restore(runtime, replica, seconds=30)
     assert replica.slots is not None and replica.slots.key_of(1) == "s:one"
-    assert replica.slots.take("s:one") == 1
+    assert replica.slots.take("s:one") == (1, False)
     assert keeper.describe("m")["restored"] == {"hit": 2, "miss": 0, "stale": 0}
     assert keeper.store.entries() == [] and list(fake.folder.iterdir()) == []
 

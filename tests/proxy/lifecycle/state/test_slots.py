@@ -6,36 +6,36 @@ from proxy.lifecycle.state.slots import SlotTable
 
 def test_a_key_keeps_its_slot_and_new_keys_take_the_least_recently_used() -> None:
     table = SlotTable(3)
-    a = table.take("a")
+    a = table.take("a")[0]
     table.release(a)
-    b = table.take("b")
+    b = table.take("b")[0]
     table.release(b)
     assert a != b
-    assert table.take("a") == a      # its own slot, while free
+    assert table.take("a")[0] == a      # its own slot, while free
     table.release(a)
-    c = table.take("c")               # the one slot never used
+    c = table.take("c")[0]               # the one slot never used
     assert c not in (a, b)
     table.release(c)
-    d = table.take("d")               # then the least recently used: b's
+    d = table.take("d")[0]               # then the least recently used: b's
     assert d == b and table.key_of(b) == "d"
     table.release(d)
-    assert table.take("b") == a       # b lost its slot; a's is now the least recently used
+    assert table.take("b")[0] == a       # b lost its slot; a's is now the least recently used
 
 
 def test_a_busy_slot_is_never_given_to_a_second_request() -> None:
     table = SlotTable(2)
-    first = table.take("a")
-    second = table.take("a")          # the same conversation twice at once: another slot
+    first = table.take("a")[0]
+    second = table.take("a")[0]          # the same conversation twice at once: another slot
     assert first != second
     assert table.key_of(second) == "a" and table.key_of(first) is None
     table.release(first)
     table.release(second)
-    assert table.take("a") == second
+    assert table.take("a")[0] == second
 
 
 def test_a_restore_assigns_a_slot_and_recency_follows_our_requests() -> None:
     table = SlotTable(4)
     table.assign("x", 2)
-    assert table.take("x") == 2
+    assert table.take("x")[0] == 2
     assert table.last_used(2) > 0 and table.last_used(3) == 0.0
-    assert table.take("y") == 0
+    assert table.take("y")[0] == 0
