@@ -186,6 +186,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                 admin_host=service.get("admin_host"), admin_port=service.get("admin_port"),
                                 admin_allow_unauthenticated_remote=bool(
                                     service.get("admin_allow_unauthenticated_remote", False)),
+                                server_names=tuple(str(n) for n in service.get("server_names") or ()),
                                 **{k: type(v)(service.get(k, v)) for k, v in DEFAULT_RELIABILITY.items()}),
         supervisor=SupervisorSettings(mode=supervisor["mode"], url=supervisor.get("url"), programs_dir=programs_dir,
                                       port_range=(int(supervisor["port_range"][0]), int(supervisor["port_range"][1])),

@@ -46,6 +46,9 @@ class ServiceSettings:
     # Without a token, the admin API on an address other machines reach is refused at startup unless
     # this says it is meant (README: Security): anyone who reaches it can load and unload models.
     admin_allow_unauthenticated_remote: bool = False
+    # More Host names the proxy answers to where no key guards it (the admin API without a token, the
+    # data plane without tenants): a LAN name, a container's service name, a reverse proxy's own name.
+    server_names: tuple[str, ...] = ()
     first_byte_timeout_s: float = DEFAULT_RELIABILITY["first_byte_timeout_s"]
     stream_idle_timeout_s: float = DEFAULT_RELIABILITY["stream_idle_timeout_s"]
     max_response_bytes: int = DEFAULT_RELIABILITY["max_response_bytes"]

@@ -36,9 +36,9 @@ def admit(request: web.Request) -> None:
         _authorize(request, service.admin_token_env)
     elif not host_allowed(request.headers.get("Host", ""), service):
         raise Forbidden(f"Host {request.headers.get('Host', '')!r:.100} is not a name of this admin API: without a "
-                        "token it answers only to an address, localhost or service.host/admin_host (a "
-                        "DNS-rebinding page uses its own name); set service.admin_token_env to reach it under "
-                        "another name", code="host_not_allowed")
+                        "token it answers only to an address, localhost, service.host/admin_host or "
+                        "service.server_names (a DNS-rebinding page uses its own name); add the name to "
+                        "service.server_names or set service.admin_token_env to reach it under another name", code="host_not_allowed")
     if request.method == "POST":
         check_json(request, "admin POSTs")
 
@@ -85,9 +85,10 @@ def check_origin(request: web.Request, surface: str) -> None:
 
 def host_allowed(host: str, service: ServiceSettings) -> bool:
     """Whether `host` (a Host header) is a name this machine answers to: a literal address (no DNS
-    answer stands behind it), `localhost`, or service.host/admin_host."""
+    answer stands behind it), `localhost`, service.host/admin_host, or one of service.server_names."""
     name = _host_name(host)
-    return name in {n.lower() for n in ("localhost", service.host, service.admin_host) if n} or _is_address(name)
+    return name in {n.lower() for n in ("localhost", service.host, service.admin_host, *service.server_names) if n} \
+        or _is_address(name)
 
 
 def _host_name(host: str) -> str:

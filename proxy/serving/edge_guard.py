@@ -6,7 +6,8 @@ remote one too (`allow_remote`). A page on any site can make a visitor's browser
 requests (a `text/plain` or form POST: no preflight), and with DNS rebinding read the answers under
 its own host name. So every POST that is not the admin API's (which admin_guard checks) must have:
 - an `Origin`, when sent, of this listener's own (the status page's own requests have it);
-- a `Host` this machine answers to: a literal address, `localhost`, service.host/admin_host;
+- a `Host` this machine answers to: a literal address, `localhost`, service.host/admin_host,
+  service.server_names;
 - `Content-Type: application/json`.
 API clients (no Origin, a JSON body, the address or name they were given) are not affected. With
 tenants a request needs a key, which a page of another site cannot send without the CORS preflight
@@ -40,9 +41,9 @@ def edge_guard_middleware(service: ServiceSettings) -> Middleware:
             if host not in allowed:
                 if not host_allowed(host, service):
                     raise Forbidden(f"Host {host!r:.100} is not a name of this proxy: without tenants (keys) its "
-                                    "data plane answers only to an address, localhost or service.host (a "
-                                    "DNS-rebinding page uses its own name); configure tenants to reach it under "
-                                    "another name", code="host_not_allowed")
+                                    "data plane answers only to an address, localhost, service.host or "
+                                    "service.server_names (a DNS-rebinding page uses its own name); add the name "
+                                    "to service.server_names, or configure tenants, to reach it under that name", code="host_not_allowed")
                 if len(allowed) < KNOWN_HOSTS_MAX:
                     allowed.add(host)
             check_json(request, "requests to a pool without tenants")

@@ -22,7 +22,11 @@ BODIES = {"/v1/chat/completions": CHAT, "/v1/completions": {"model": "sim", "pro
 
 @pytest.fixture(scope="module")
 def proxy() -> Iterator[ProxyProcess]:
+    import yaml
+
     p = ProxyProcess({"sim": {"backend": "sim", "enabled": True, "sim": {"ttft_ms": 1}}})
+    p.config["service"]["server_names"] = ["gpu-box"]   # the LAN name its clients use
+    p.config_path.write_text(yaml.safe_dump(p.config))
     p.start()
     try:
         p.wait_state("sim", "loaded")
@@ -112,3 +116,11 @@ def test_with_tenants_a_key_is_the_guard_and_any_name_or_type_is_served() -> Non
                        "Authorization": "Bearer sk-edge-tenant"}) == (200, None)
     finally:
         assert not p.cleanup()
+
+
+def test_a_name_the_admin_lists_in_server_names_is_served(proxy: ProxyProcess) -> None:
+    port = own(proxy).rsplit(":", 1)[1]
+    for host in ("gpu-box", f"gpu-box:{port}", f"GPU-BOX:{port}"):
+        assert ask(proxy, {"Host": host, "Content-Type": "application/json"}) == (200, None)
+    assert ask(proxy, {"Host": f"gpu-box.evil.example:{port}", "Content-Type": "application/json"}) == \
+        (403, "host_not_allowed")
