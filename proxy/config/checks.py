@@ -207,7 +207,17 @@ def tenant_findings(settings: Settings, environ: Mapping[str, str],
                     warnings.append(note)
                 else:
                     errors.append(note + "; the tenant may use no model, so no request can be its")
+    warnings += [f"engine.models.{name}.llama_server_extra_args: {flag} turns llama-server's RAM prompt cache "
+                 "back on, which the pool turns off where there are tenants: it hands a slot the best-matching "
+                 "saved prompt of any slot, so one tenant's cached count can show what another sent"
+                 for name, model in settings.models.items() if model.backend == "llama_server"
+                 for flag in _RAM_CACHE_FLAGS & {str(a).split("=", 1)[0]
+                                                 for a in model.get("llama_server_extra_args") or ()}]
     return [settings.where(e) for e in errors], [settings.where(w) for w in warnings]
+
+
+# llama-server's RAM prompt cache (proxy/lifecycle/kvcache/keeper.py turns it off with tenants).
+_RAM_CACHE_FLAGS = frozenset({"--cache-ram", "-cram"})
 
 
 def _sha256(key: str) -> str:

@@ -38,7 +38,8 @@ def admit(request: web.Request) -> None:
         raise Forbidden(f"Host {request.headers.get('Host', '')!r:.100} is not a name of this admin API: without a "
                         "token it answers only to an address, localhost, service.host/admin_host or "
                         "service.server_names (a DNS-rebinding page uses its own name); add the name to "
-                        "service.server_names or set service.admin_token_env to reach it under another name", code="host_not_allowed")
+                        "service.server_names or set service.admin_token_env to reach it under another name",
+                        code="host_not_allowed")
     if request.method == "POST":
         check_json(request, "admin POSTs")
 

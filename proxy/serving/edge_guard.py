@@ -43,7 +43,8 @@ def edge_guard_middleware(service: ServiceSettings) -> Middleware:
                     raise Forbidden(f"Host {host!r:.100} is not a name of this proxy: without tenants (keys) its "
                                     "data plane answers only to an address, localhost, service.host or "
                                     "service.server_names (a DNS-rebinding page uses its own name); add the name "
-                                    "to service.server_names, or configure tenants, to reach it under that name", code="host_not_allowed")
+                                    "to service.server_names, or configure tenants, to reach it under that name",
+                                    code="host_not_allowed")
                 if len(allowed) < KNOWN_HOSTS_MAX:
                     allowed.add(host)
             check_json(request, "requests to a pool without tenants")

@@ -138,3 +138,20 @@ def test_a_model_glob_that_matches_no_model(tmp_path: Path, monkeypatch: pytest.
     assert check(tmp_path, tenants) == EXIT_CONFIG
     assert "  tenants.ui.models.0: 'gpt-*' matches no configured model; the tenant may use no model" \
         in capsys.readouterr().err
+
+
+def test_a_llama_server_ram_cache_turned_back_on_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # With tenants the pool runs llama-server without its RAM prompt cache (one tenant's cached count
+    # would show what another sent); an extra arg that turns it back on is named.
+    monkeypatch.setenv("UI_KEY", SECRET)
+    config = tmp_path / "pool.yaml"
+    llama = {"backend": "llama_server", "enabled": False, "model_path": str(tmp_path / "m.gguf"),
+             "llama_server_extra_args": ["--cache-ram", "512"]}
+    config.write_text(yaml.safe_dump({"service": {"state_dir": str(tmp_path / "s")},
+                                      "engine": {"models": {"chat-small": llama}},
+                                      "tenants": {"ui": {"fairness_key": "ui", "key_env": ["UI_KEY"]}}}))
+    main(["--config", str(config), "check-config"])
+    err, _ = lines(capsys)
+    assert any("engine.models.chat-small.llama_server_extra_args: --cache-ram turns llama-server's RAM prompt "
+               "cache back on" in line for line in err), err
