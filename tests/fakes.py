@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 from aiohttp import web
 from supervisor.xmlrpc import Faults
 
-from proxy.supervisord.supervisor import BadName, NotRunning, ProcessInfo, ProcessState, StillRunning
+from proxy.supervisord.supervisor import BadName, NotRunning, ProcessInfo, ProcessState, SpawnError, StillRunning
 
 
 class FakeSupervisor:
@@ -25,6 +25,7 @@ class FakeSupervisor:
         self.next_pid = 300
         self.calls: list[tuple[str, str]] = []
         self.log = "llama-server: error: model file is corrupt"
+        self.refuse_starts = False   # each start is supervisord's SPAWN_ERROR (a program that exits at once)
 
     def set(self, fullname: str, state: ProcessState, pid: int) -> ProcessInfo:
         group, name = fullname.split(":")
@@ -47,6 +48,8 @@ class FakeSupervisor:
 
     async def start_process(self, fullname: str) -> None:
         self.calls.append(("start", fullname))
+        if self.refuse_starts:
+            raise SpawnError(50, f"SPAWN_ERROR: {fullname}")
         self.set(fullname, ProcessState.STARTING, self.next_pid)
         self.next_pid += 1
 

@@ -33,7 +33,7 @@ from proxy.lifecycle.state.indices import free_indices
 from proxy.supervisord.hosts import Host
 from proxy.supervisord.orphans import PidRecord
 from proxy.supervisord.supervisor import (BadName, NotRunning, ProcessInfo, ProcessState, StillRunning,
-                                          SupervisorClient, SupervisorError)
+                                          SupervisorClient, SupervisorError, SupervisorFault)
 from proxy.upstream.reach import ProgramReach
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,21 @@ async def start_replica(client: SupervisorClient, replica: Replica) -> None:
     """Start a replica's program and take its PID at once. supervisord has spawned the process
     when startProcess returns, and a quick server passes its health check (READY) before the
     monitor's next poll would read the PID: the admin view showed a READY replica with none. (The
-    PID record for orphans is still written from the monitor's polls.)"""
-    await client.start_process(replica.fullname)
+    PID record for orphans is still written from the monitor's polls.)
+
+    A start supervisord refuses (SPAWN_ERROR) carries the program's log tail, as an exit during the
+    start does (watch/monitor.py): a server that exits at once is one or the other by the machine's
+    timing (on a busy machine, often the refusal), and only its log says why."""
+    try:
+        await client.start_process(replica.fullname)
+    except SupervisorFault as exc:
+        try:
+            tail = (await client.tail_log(replica.fullname, 2000)).strip()
+        except SupervisorError:
+            tail = ""
+        if not tail:
+            raise
+        raise type(exc)(exc.code, f"{exc.text}; log tail:\n{tail}") from exc
     info = await client.process_info(replica.fullname)
     if info.pid:
         replica.pid, replica.alive = info.pid, True
