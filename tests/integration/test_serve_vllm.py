@@ -207,6 +207,11 @@ def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> 
             if line.startswith(b"data: {"):
                 delta = json.loads(line[6:])["choices"][0]["delta"]
                 tokens += bool(delta.get("content"))
+        # The gauge is set from the engine's step statistics, which reach vLLM's API process beside
+        # the tokens but are not the tokens: on a busy machine they can come later than the first
+        # ones read here, so the gauge is waited for before the pause freezes it.
+        wait_for(lambda: vllm_metric(replica, "num_requests_running") == 1, timeout=120,
+                 what="vLLM's own gauge to show the request running")
         # vLLM generates whether or not its client reads, so left alone the request ends within
         # seconds, maybe before one of the proxy's scrapes (every 0.5 s) sees it. Paused, it stays
         # running for as long as the checks take, with the few tokens it made before the pause.
