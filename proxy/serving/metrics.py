@@ -312,7 +312,11 @@ def usage_in(raw: bytes) -> dict[str, Any] | None:
 
     Only what follows the last `"usage"` is decoded, so a long answer is not parsed a second time;
     inside a JSON string the quotes would be escaped, so the match is always a key."""
-    at = raw.rfind(b'"usage"')
+    return usage_at(raw, raw.rfind(b'"usage"'))
+
+
+def usage_at(raw: bytes, at: int) -> dict[str, Any] | None:
+    """The object that follows the `"usage"` key found at `at` in `raw` (-1: none found), or None."""
     if at < 0:
         return None
     text = raw[at + 7:].decode(errors="replace").lstrip()

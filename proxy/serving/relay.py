@@ -277,12 +277,7 @@ def backend_error(status: int, raw: bytes, label: str, retry_after: str | None =
                   mid_stream: bool = False) -> PoolError:
     """A backend's error answer as an OpenAI error. Its own envelope passes on with its status;
     anything else (an HTML page, a bare string) becomes 502 `backend_error` with an excerpt."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        doc = None
-    err = doc.get("error") if isinstance(doc, dict) else None
-    message = err.get("message") if isinstance(err, dict) else err
+    err, message = _error_of(raw)
     if status in CLIENT_STATUSES and not mid_stream:
         return _refused(status, err if isinstance(err, dict) else {}, message if isinstance(message, str) else None,
                         raw, label)
@@ -308,15 +303,20 @@ def backend_error(status: int, raw: bytes, label: str, retry_after: str | None =
     return out
 
 
-def input_refused(status: int, raw: bytes, label: str) -> PoolError:
-    """An engine's 500 to a request whose input only it could judge (ENGINE_JUDGES_INPUT), as the
-    client's 400 `invalid_request_error`, with the engine's own words."""
+def _error_of(raw: bytes) -> tuple[Any, Any]:
+    """An answer's `error` (an object, a string, or None where there is none) and its message."""
     try:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         doc = None
     err = doc.get("error") if isinstance(doc, dict) else None
-    message = err.get("message") if isinstance(err, dict) else err
+    return err, err.get("message") if isinstance(err, dict) else err
+
+
+def input_refused(status: int, raw: bytes, label: str) -> PoolError:
+    """An engine's 500 to a request whose input only it could judge (ENGINE_JUDGES_INPUT), as the
+    client's 400 `invalid_request_error`, with the engine's own words."""
+    _err, message = _error_of(raw)
     said = excerpt(message.encode()) if isinstance(message, str) and message else repr(excerpt(raw))
     out = RefusedByBackend(f"{label} could not take this request's input (HTTP {status}): {said}")
     out.metric_code = RefusedByBackend.code

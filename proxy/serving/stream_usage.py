@@ -12,7 +12,6 @@ is decoded once, from the first and last reads, when the stream is over.
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Mapping
 
@@ -20,7 +19,7 @@ from aiohttp import web
 
 from proxy.lifecycle.state.replicas import Replica
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, STREAM_ENDED, USAGE, USAGE_ESTIMATED
-from proxy.serving.metrics import usage_in
+from proxy.serving.metrics import usage_at, usage_in
 from proxy.serving.response_metrics import usage_numbers
 
 log = logging.getLogger(__name__)
@@ -35,7 +34,6 @@ ASK = b',"stream_options":{"include_usage":true}}'
 NO_CHOICES = (b'"choices":[]', b'"choices": []')
 # A prompt's characters per token, for an estimate: about what BPE vocabularies give for English.
 CHARS_PER_TOKEN = 4
-_DECODER = json.JSONDecoder()
 
 
 def ask_usage(body: dict[str, Any], raw: bytes | None) -> tuple[dict[str, Any], bytes | None] | None:
@@ -70,17 +68,7 @@ def without_usage_chunk(chunk: bytes) -> bytes:
 
 def first_usage_in(raw: bytes) -> dict[str, Any] | None:
     """The first `"usage": {...}` object in `raw` (Anthropic's message_start), or None."""
-    at = raw.find(b'"usage"')
-    if at < 0:
-        return None
-    text = raw[at + 7:].decode(errors="replace").lstrip()
-    if not text.startswith(":"):
-        return None
-    try:
-        value, _end = _DECODER.raw_decode(text[1:].lstrip())
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
+    return usage_at(raw, raw.find(b'"usage"'))
 
 
 def prompt_chars(body: Mapping[str, Any]) -> tuple[int, int]:
