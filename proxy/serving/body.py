@@ -19,8 +19,7 @@ from proxy.serving.keys import ADOPTING, CACHE_SCOPE, FAIRNESS_KEY, MODEL, SETTI
 from proxy.serving.shutdown import SHUTDOWN, handed_over_error
 from proxy.serving.strict_json import decode
 from proxy.serving.token_ids import check_token_ids
-from proxy.serving.tenancy import CALLER, TENANCY
-from proxy.tenants.keys import Caller
+from proxy.serving.tenancy import TENANCY, TICKET
 
 # What each pass-through endpoint cannot do without (OpenAI's, llama-server's and Anthropic's required
 # parameters, and their JSON types): checked here, so that a client hears a clear error, not an
@@ -67,9 +66,9 @@ def requested_model(body: dict[str, Any]) -> str:
 def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
     """From the body's `fairness_key`, else the X-Fairness-Key header (for plain OpenAI clients);
     a tenant's request waits in its tenant's queue whatever it names (README: Tenants)."""
-    caller: Caller | None = request.get(CALLER)
-    if caller is not None:
-        tenant_key: str = caller.tenant.fairness_key
+    ticket = request.get(TICKET)
+    if ticket is not None:
+        tenant_key: str = ticket.caller.tenant.fairness_key
         request[FAIRNESS_KEY] = tenant_key
         return tenant_key
     key = body.get("fairness_key")

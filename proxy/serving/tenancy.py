@@ -37,10 +37,24 @@ from proxy.tenants.spending import Spend
 log = logging.getLogger(__name__)
 
 LEDGER_FILE = "usage.sqlite3"
-# The request's caller, once its key was checked; the app's tenancy, only where tenants are configured.
-CALLER = web.RequestKey("caller", Caller)
-# What an admitted request reserved of its tenant's limits and budget: (tokens, cost), released when it ends.
-RESERVATION = web.RequestKey("tenant_reservation", tuple)
+
+
+class Ticket:
+    """A tenant's request from its key's check to its end: who sent it, and what it holds of its
+    tenant's limits and budget (`held`: from its admission until it ends). One object per request,
+    so that its end reads one request key, not one per figure."""
+
+    __slots__ = ("caller", "held", "tokens", "cost")
+
+    def __init__(self, caller: Caller) -> None:
+        self.caller = caller
+        self.held = False
+        self.tokens = 0
+        self.cost = 0.0
+
+
+# The request's ticket, once its key was checked; the app's tenancy, only where tenants are configured.
+TICKET = web.RequestKey("tenant_ticket", Ticket)
 TENANCY: web.AppKey["Tenancy"] = web.AppKey("tenancy")
 # How often the ledger's writer is looked at, for /ready's sake and the events.
 WATCH_S = 1.0
@@ -53,33 +67,40 @@ class TenantMetrics(Collector):
     increment takes a lock, and five of them ran for every request."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests: dict[tuple[str, int], int] = {}
-        self.tokens: dict[tuple[str, str], int] = {}
-        self.cost: dict[str, float] = {}
+        self.requests: dict[str, dict[int, int]] = {}    # tenant: status: requests
+        # tenant: [prompt, cached, output tokens, cost]: a list per tenant, so a request's count is
+        # four additions and no key built.
+        self.sums: dict[str, list[Any]] = {}
         registry.register(self)
 
     def count(self, tenant: str, status: int, prompt: int, cached: int, output: int, spent: float) -> None:
-        key = (tenant, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
-        for kind, value in (("prompt", prompt), ("cached", cached), ("output", output)):
-            if value:
-                self.tokens[(tenant, kind)] = self.tokens.get((tenant, kind), 0) + value
-        if spent:
-            self.cost[tenant] = self.cost.get(tenant, 0.0) + spent
+        statuses = self.requests.get(tenant)
+        if statuses is None:
+            statuses = self.requests[tenant] = {}
+            self.sums[tenant] = [0, 0, 0, 0.0]
+        statuses[status] = statuses.get(status, 0) + 1
+        sums = self.sums[tenant]
+        sums[0] += prompt
+        sums[1] += cached
+        sums[2] += output
+        sums[3] += spent
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily("llm_pool_tenant_requests", "Requests of each tenant, by final status",
                                        labels=["tenant", "status"])
-        for (tenant, status), n in list(self.requests.items()):
-            requests.add_metric([tenant, str(status)], n)
         tokens = CounterMetricFamily("llm_pool_tenant_tokens", "Tokens of each tenant's requests (usage)",
                                      labels=["tenant", "kind"])
-        for (tenant, kind), n in list(self.tokens.items()):
-            tokens.add_metric([tenant, kind], n)
         spent = CounterMetricFamily("llm_pool_tenant_cost", "What each tenant's requests cost (price_per_mtok)",
                                     labels=["tenant"])
-        for tenant, value in list(self.cost.items()):
-            spent.add_metric([tenant], value)
+        for tenant, statuses in list(self.requests.items()):
+            for status, n in list(statuses.items()):
+                requests.add_metric([tenant, str(status)], n)
+            prompt, cached, output, cost = self.sums[tenant]
+            for kind, value in (("prompt", prompt), ("cached", cached), ("output", output)):
+                if value:
+                    tokens.add_metric([tenant, kind], value)
+            if cost:
+                spent.add_metric([tenant], cost)
         yield from (requests, tokens, spent)
 
 
@@ -144,7 +165,7 @@ class Tenancy:
         caller = self.keys.identify(key)
         if caller is None:
             raise Unauthorized("the API key is not valid for this pool", code="invalid_api_key")
-        request[CALLER] = caller
+        request[TICKET] = Ticket(caller)
         return caller
 
     def allow(self, caller: Caller, runtime: ModelRuntime) -> None:
@@ -179,7 +200,8 @@ class Tenancy:
         refused = self.spend.admit(tenant, now, tokens, reserved_cost)
         if refused is not None:
             raise refused
-        request[RESERVATION] = (tokens, reserved_cost)
+        ticket = request[TICKET]
+        ticket.held, ticket.tokens, ticket.cost = True, tokens, reserved_cost
 
     def _read_predecessors_rows(self, now: float) -> None:
         assert self._predecessor is not None
@@ -195,17 +217,18 @@ class Tenancy:
     def finished(self, request: web.Request, runtime: ModelRuntime, status: int, duration_s: float) -> None:
         """A request of a tenant ended, whichever way: what it reserved is released and replaced by
         what it used, a ledger row, and its counters."""
-        caller = request.get(CALLER)
-        if caller is None or self.closed:
+        ticket = request.get(TICKET)
+        if ticket is None or self.closed:
             return
+        caller = ticket.caller
         name = caller.tenant.name
         prompt, cached, output = request.get(USAGE, _NO_USAGE)
         price = runtime.model.get("price_per_mtok")
         spent = cost(price, prompt, cached, output) if price else 0.0
         now = self.clock()
-        reserved = request.pop(RESERVATION, None)   # popped: a second call releases nothing twice
-        if reserved is not None:
-            self.spend.ended(name, now, prompt + output, spent, reserved[0], reserved[1])
+        if ticket.held:
+            ticket.held = False   # a second call releases nothing twice
+            self.spend.ended(name, now, prompt + output, spent, ticket.tokens, ticket.cost)
         else:   # refused before it was admitted: it counts, as it always did, with what it used (nothing)
             self.spend.ended(name, now, prompt + output, spent)
         replica = request.get(REPLICA)

@@ -1,33 +1,41 @@
-"""The usage ledger: one row per finished request, and the keys minted for tenants.
+"""The usage ledger: what every finished request used, and the keys minted for tenants.
 
-A row says when a request finished, for which tenant and key (a short id, never the key), on which
-model, backend and host, how it ended (the HTTP status), its prompt, cached and output tokens, its
-cost, how long it queued and ran, and whether its prompt count is the proxy's estimate (a stream
-that ended before the engine's usage came). Budgets and per-minute limits are sums over these rows
-(`spent`), so they survive a restart; the admin's usage report groups them (`usage`). The keys an
-admin mints are kept beside them as digests (`add_key`, `revoke_key`, `keys`).
+A row sums the requests that finished in one second for one tenant and key (a short id, never the
+key), on one model, backend and host, with one outcome (the HTTP status) and whether their prompt
+count is the proxy's estimate (a stream that ended before the engine's usage came): how many, their
+prompt, cached and output tokens, their cost, and how long they queued and ran. Budgets and
+per-minute limits are sums over these rows (`spent`), so they survive a restart; the admin's usage
+report groups them (`usage`). The keys an admin mints are kept beside them as digests (`add_key`,
+`revoke_key`, `keys`).
+
+Why a row per second and not per request: a row per request cost the proxy more CPU than all the
+rest of a tenant's checks (a tuple kept per request, its INSERT, and a writer thread taking the GIL
+from the event loop thousands of times a second), and grows the file by a row per request (at 1,000
+requests a second, 2.6 billion rows a month). Summed by second, a busy tenant is a few rows a
+second, and every figure the report and the budgets read is the same sum.
 
 Why SQLite, and one writer thread: the ledger must outlive the process and be queried by time range
 and group, and the standard library's sqlite3 does both in one local file with no server to run.
 The proxy records from its event loop, where a disk write would stall every request in flight, so
-`record()` only appends to a queue in memory; one background thread, on its own connection, writes
-what is queued in one transaction every `flush_interval_s` (or as soon as BATCH_ROWS are waiting).
-Reads run on their own connection; the file is in WAL mode, so they never wait for the writer. A
-row still queued is counted by `spent` and `usage` all the same: each row's id is its place in the
-order of `record()` calls, and a query that reads the highest id on disk in the same snapshot as its
-sums adds exactly the queued rows above it.
+`record()` only adds to a row in memory; one background thread, on its own connection, takes the
+rows and writes them in one transaction every `flush_interval_s` (or as soon as BATCH_ROWS are
+waiting); a request that finishes after that starts a new row, so a second may be two rows. Reads
+run on their own connection; the file is in WAL mode, so they never wait for the writer. A row not
+yet written is counted by `spent` and `usage` all the same: each row's id is its place in the order
+rows were begun, and a query that reads the highest id on disk in the same snapshot as its sums adds
+exactly the rows in memory above it.
 
-What a crash loses: a process killed at any moment (SIGKILL, the OOM killer) loses the rows queued
-since the last write, at most `flush_interval_s` plus one write's time (well under a second by
+What a crash loses: a process killed at any moment (SIGKILL, the OOM killer) loses the requests
+recorded since the last write, at most `flush_interval_s` plus one write's time (well under a second by
 default); every committed transaction is in the file. With `synchronous=NORMAL` a power cut may also
 lose the last transactions since a checkpoint, but never leaves the file inconsistent.
 
-What a bad row or a bad disk does: a row's numbers are checked when it is recorded (a count that is
-not an integer in 0..2**31, a cost that is not a finite number >= 0, is logged and taken as 0; see
-proxy/tenants/rows.py), and a row the file still refuses is logged and skipped, never the writer
-thread. A write the file
-refuses as a whole (a full disk, a read-only or locked file) keeps its rows queued and tried again;
-`failing()` says why meanwhile (the proxy's /ready shows it), and `close()` names the rows it leaves.
+What a bad row or a bad disk does: a request's numbers are checked when it is recorded (a count
+that is not an integer in 0..2**31, a cost that is not a finite number >= 0, is logged and taken as
+0; see proxy/tenants/rows.py), and a row the file still refuses is logged and skipped, never the
+writer thread. A write the file refuses as a whole (a full disk, a read-only or locked file) keeps
+its rows and tries again; `failing()` says why meanwhile (the proxy's /ready shows it), and
+`close()` names the rows it leaves.
 
 One `SqliteLedger` writes a file: the ids it hands out start past the highest on disk and past where
 the last ledger to open the file started (the `writers` table). Two proxies must not share one file
@@ -60,7 +68,8 @@ from typing import Any, Protocol
 
 from proxy.tenants.rows import (CACHED as _CACHED, COLUMN as _COLUMN, COST as _COST, DURATION as _DURATION,
                                 ESTIMATED as _ESTIMATED, ID as _ID, OUTPUT as _OUTPUT, PROMPT as _PROMPT,
-                                QUEUE_WAIT as _QUEUE_WAIT, ROW_ERRORS as _ROW_ERRORS, STATUS as _STATUS,
+                                QUEUE_WAIT as _QUEUE_WAIT, REQUESTS as _REQUESTS, ROW_ERRORS as _ROW_ERRORS,
+                                STATUS as _STATUS,
                                 TENANT as _TENANT, TIME as _TIME, Params as _Params, UsageRow as UsageRow,
                                 checked as _checked, insert_rows as _insert_rows)
 from proxy.tenants.schema import connect, migrate
@@ -68,8 +77,8 @@ from proxy.tenants.sums import DiskSums, Totals
 
 log = logging.getLogger(__name__)
 
-# The writer does not wait for the interval once this many rows are queued; it is also the most rows
-# one transaction takes, so the event loop never waits long for the queue's lock.
+# The writer does not wait for the interval once this many rows wait; it is also the most rows one
+# transaction takes, so the event loop never waits long for the lock.
 BATCH_ROWS = 1000
 # How far a newly opened ledger's ids start past the highest on disk and the last ledger's start (see
 # SqliteLedger.__init__).
@@ -112,21 +121,21 @@ class Ledger(Protocol):
     """Where usage and minted keys are kept. Times are passed in, never read from a clock here."""
 
     def record(self, row: UsageRow) -> None:
-        """Queue one row; never blocks (called on the event loop)."""
+        """Add one finished request to its second's row; never blocks (called on the event loop)."""
 
     def spent(self, tenant: str, since: float) -> Spent:
-        """The tenant's rows with time >= since, those still queued included."""
+        """The tenant's requests with time >= since, those not yet written included."""
 
     def usage(self, start: float | None, end: float | None, group_by: Sequence[str]) -> list[dict[str, Any]]:
         """Rows with start <= time < end (None: unbounded), summed by the `group_by` fields (a subset
         of GROUP_FIELDS; "day" is the UTC date "YYYY-MM-DD"), ordered by them. Each dict holds the
         grouped fields and requests, prompt_tokens, cached_tokens, output_tokens, cost, errors
-        (status >= 400), estimated (rows whose prompt count is an estimate), queue_wait_ms and
+        (status >= 400), estimated (requests whose prompt count is an estimate), queue_wait_ms and
         duration_ms (sums). ValueError for an unknown field."""
 
-    def others(self) -> list[tuple[str, float, int, float]]:
+    def others(self) -> list[tuple[str, float, int, int, float]]:
         """Rows another process recorded to the same store since the last call (a reload's
-        predecessor while it drains): (tenant, time, tokens, cost) each, oldest first."""
+        predecessor while it drains): (tenant, time, requests, tokens, cost) each, oldest first."""
 
     def failing(self) -> str | None:
         """Why recorded rows cannot be written now (they are kept and tried again), or None."""
@@ -152,7 +161,7 @@ class Ledger(Protocol):
 def _plus(totals: Totals, rows: Iterable[_Params]) -> Totals:
     requests, prompt, cached, output, cost = totals
     for params in rows:
-        requests += 1
+        requests += params[_REQUESTS]
         prompt += params[_PROMPT]
         cached += params[_CACHED]
         output += params[_OUTPUT]
@@ -218,8 +227,11 @@ class SqliteLedger:
         self._others_conn: sqlite3.Connection | None = None
         self._latest: float = latest                      # the latest row time recorded
         self._written = last_id                           # the highest id on disk
-        self._queue: deque[_Params] = deque()             # not yet taken by the writer: INSERT parameters
-        self._unwritten: dict[str, deque[_Params]] = {}   # not yet on disk, by tenant, in id order
+        # Rows requests are still added to, by their key (second, tenant, key id, model, backend,
+        # host, status, estimated), in id order; the writer takes them all at once.
+        self._open: dict[tuple[Any, ...], list[Any]] = {}
+        self._queue: deque[_Params] = deque()             # taken by the writer, not yet written
+        self._unwritten: dict[str, deque[_Params]] = {}   # not yet on disk (open or queued), by tenant, in id order
         self._flush_wanted = 0
         self._attempts = 0
         self._failure: sqlite3.Error | None = None
@@ -236,29 +248,43 @@ class SqliteLedger:
     # -- recording (the event loop) ------------------------------------------------------------
 
     def record(self, row: UsageRow) -> None:
+        row = _checked(row)
+        (at, tenant, key_id, model, backend, host, status, prompt, cached, output, spent, waited, took,
+         estimated) = row
+        key = (int(at), tenant, key_id, model, backend, host, status, estimated)
         with self._lock:
             if self._closing:
                 raise RuntimeError(f"usage ledger {self._path} is closed")
+            sums = self._open.get(key)
+            if sums is not None:
+                if at > sums[_TIME]:
+                    sums[_TIME] = at
+                sums[_PROMPT] += prompt
+                sums[_CACHED] += cached
+                sums[_OUTPUT] += output
+                sums[_COST] += spent
+                sums[_QUEUE_WAIT] += waited
+                sums[_DURATION] += took
+                sums[_REQUESTS] += 1
+                return
             self._last_id += 1
-            # The row's parameters are built here, not in the writer: the writer's Python code holds
-            # the GIL, and a thread waiting for the GIL waits up to the switch interval (5 ms).
-            params = _checked((self._last_id, *row))
-            self._queue.append(params)
-            unwritten = self._unwritten.get(row.tenant)
+            sums = self._open[key] = [self._last_id, *row, 1]
+            unwritten = self._unwritten.get(tenant)
             if unwritten is None:
-                unwritten = self._unwritten[row.tenant] = deque()
-            unwritten.append(params)
-            if row.time > self._latest:
-                self._latest = row.time
+                unwritten = self._unwritten[tenant] = deque()
+            unwritten.append(sums)
+            if at > self._latest:
+                self._latest = at
             # The first row starts the writer's interval; a full batch ends it early.
-            if len(self._queue) == 1 or len(self._queue) >= BATCH_ROWS:
+            waiting = len(self._open) + len(self._queue)
+            if waiting == 1 or waiting >= BATCH_ROWS:
                 self._wake.notify()
 
     # -- reading -------------------------------------------------------------------------------
 
     def spent(self, tenant: str, since: float) -> Spent:
-        with self._lock:
-            unwritten = tuple(self._unwritten.get(tenant, ()))
+        with self._lock:   # copies: record() adds to an open row from another thread
+            unwritten = [tuple(p) for p in self._unwritten.get(tenant, ())]
         top, on_disk = self._sums.totals(tenant, since, self._latest)
         # Taken before the query: every row above `top` in it was not on disk when the query ran.
         totals = _plus(on_disk, (p for p in unwritten if p[_ID] > top and p[_TIME] >= since))
@@ -276,14 +302,14 @@ class SqliteLedger:
             where.append("time < ?")
             params.append(end)
         sql = ("SELECT " + "".join(e + ", " for e in exprs)
-               + "COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
-                 "COALESCE(SUM(output_tokens), 0), COALESCE(SUM(cost), 0.0), COALESCE(SUM(status >= 400), 0), "
-                 "COALESCE(SUM(queue_wait_ms), 0.0), COALESCE(SUM(duration_ms), 0.0), "
-                 "COALESCE(SUM(estimated), 0) FROM usage"
+               + "COALESCE(SUM(requests), 0), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
+                 "COALESCE(SUM(output_tokens), 0), COALESCE(SUM(cost), 0.0), "
+                 "COALESCE(SUM((status >= 400) * requests), 0), COALESCE(SUM(queue_wait_ms), 0.0), "
+                 "COALESCE(SUM(duration_ms), 0.0), COALESCE(SUM(estimated * requests), 0) FROM usage"
                + (" WHERE " + " AND ".join(where) if where else "")
                + (" GROUP BY " + ", ".join(exprs) if exprs else ""))
         with self._lock:
-            unwritten = [item for rows in self._unwritten.values() for item in rows]
+            unwritten = [tuple(p) for rows in self._unwritten.values() for p in rows]
         conn = connect(self._path)
         try:
             # One read transaction: the highest id and the sums from the same snapshot.
@@ -304,8 +330,10 @@ class SqliteLedger:
                 continue
             group = tuple(_day(t) if field == "day" else p[_COLUMN[field]] for field in fields)
             sums = groups.setdefault(group, [0, 0, 0, 0, 0.0, 0, 0.0, 0.0, 0])
-            for i, value in enumerate((1, p[_PROMPT], p[_CACHED], p[_OUTPUT], p[_COST], int(p[_STATUS] >= 400),
-                                       p[_QUEUE_WAIT], p[_DURATION], int(p[_ESTIMATED]))):
+            n_requests = p[_REQUESTS]
+            for i, value in enumerate((n_requests, p[_PROMPT], p[_CACHED], p[_OUTPUT], p[_COST],
+                                       n_requests if p[_STATUS] >= 400 else 0, p[_QUEUE_WAIT], p[_DURATION],
+                                       n_requests if p[_ESTIMATED] else 0)):
                 sums[i] += value
         # All grouped fields are text: Python's order of str is SQLite's BINARY collation on UTF-8.
         return [{**dict(zip(fields, group)), "requests": sums[0], "prompt_tokens": sums[1],
@@ -314,22 +342,22 @@ class SqliteLedger:
                  "duration_ms": float(sums[7])}
                 for group, sums in sorted(groups.items())]
 
-    def others(self) -> list[tuple[str, float, int, float]]:
+    def others(self) -> list[tuple[str, float, int, int, float]]:
         # A range of the rowid: nothing to read is one seek. Called from one thread (the event loop);
         # closed from another (close() runs in a thread on a busy loop).
         if self._others_conn is None:
             self._others_conn = connect(self._path, check_same_thread=False)
         found = self._others_conn.execute(
-            "SELECT id, tenant, time, prompt_tokens + output_tokens, cost FROM usage WHERE id > ? AND id <= ? "
-            "ORDER BY id", (self._others_after, self._own_from)).fetchall()
+            "SELECT id, tenant, time, requests, prompt_tokens + output_tokens, cost FROM usage "
+            "WHERE id > ? AND id <= ? ORDER BY id", (self._others_after, self._own_from)).fetchall()
         if not found:
             return []
         self._others_after = found[-1][0]
-        return [(tenant, t, tokens, cost) for _, tenant, t, tokens, cost in found]
+        return [(tenant, t, requests, tokens, cost) for _, tenant, t, requests, tokens, cost in found]
 
     def failing(self) -> str | None:
         with self._lock:
-            failure, since, queued = self._failure, self._failing_since, len(self._queue)
+            failure, since, queued = self._failure, self._failing_since, len(self._queue) + len(self._open)
         if failure is None or since is None:
             return None
         return (f"the usage ledger {self._path} cannot be written since "
@@ -388,19 +416,20 @@ class SqliteLedger:
         if self._others_conn is not None:
             self._others_conn.close()
         with self._lock:
-            if self._queue:
-                raise RuntimeError(f"usage ledger {self._path}: {len(self._queue)} row(s) not written: "
+            left = len(self._queue) + len(self._open)
+            if left:
+                raise RuntimeError(f"usage ledger {self._path}: {left} row(s) not written: "
                                    f"{self._failure}") from self._failure
 
     def _write_now(self) -> bool:
-        return (len(self._queue) >= BATCH_ROWS or self._closing
-                or (self._flush_wanted > self._written and bool(self._queue)))
+        waiting = len(self._queue) + len(self._open)
+        return waiting >= BATCH_ROWS or self._closing or (self._flush_wanted > self._written and waiting > 0)
 
     def _write_loop(self, conn: sqlite3.Connection) -> None:
         try:
             while True:
                 with self._lock:
-                    while not self._queue and not self._closing:
+                    while not self._queue and not self._open and not self._closing:
                         self._wake.wait()
                     if self._failure is not None:
                         # Pause after a failed write rather than spin on a full disk; close() still
@@ -408,6 +437,9 @@ class SqliteLedger:
                         self._wake.wait_for(lambda: self._closing, timeout=self._flush_interval_s)
                     elif not self._write_now():
                         self._wake.wait_for(self._write_now, timeout=self._flush_interval_s)
+                    # The open rows are closed here: a request that ends from now on begins a new one.
+                    self._queue.extend(tuple(sums) for sums in self._open.values())
+                    self._open.clear()
                     if len(self._queue) <= BATCH_ROWS:
                         batch = list(self._queue)
                         self._queue.clear()
@@ -426,7 +458,7 @@ class SqliteLedger:
                                   self._path, len(self._queue), failure)
                         return
                 with self._lock:
-                    if self._closing and not self._queue:
+                    if self._closing and not self._queue and not self._open:
                         return
         finally:
             conn.close()

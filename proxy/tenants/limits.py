@@ -97,17 +97,20 @@ def output_limit(body: Mapping[str, Any], default: int | None) -> int:
     """The most output tokens the request may get: its own limit (times `n` choices), else `default`
     (engine.decoding.max_tokens), else DEFAULT_OUTPUT_TOKENS."""
     limit = None
-    for name in OUTPUT_FIELDS:
-        limit = _count(body.get(name))
-        if limit is not None:
+    for name in OUTPUT_FIELDS:   # read on every admission: no call per field
+        value = body.get(name)
+        if type(value) is int and value >= 0:
+            limit = value
             break
     if limit is None:
         decoding = body.get("decoding")
         limit = _count(decoding.get("max_tokens")) if isinstance(decoding, Mapping) else None
     if limit is None:
         limit = default if default is not None and default >= 0 else DEFAULT_OUTPUT_TOKENS
-    choices = _count(body.get("n")) or 1
-    return min(MAX_RESERVED, limit * min(choices, 128))
+    choices = body.get("n")
+    if type(choices) is int and choices > 1:
+        limit *= min(choices, 128)
+    return min(MAX_RESERVED, limit)
 
 
 def prompt_estimate(body: Mapping[str, Any], size: int | None = None) -> int:

@@ -1,8 +1,10 @@
-"""A usage ledger's row: what `record()` is given (UsageRow), the INSERT parameters it becomes (id
-first, then the row's fields in the table's order), the check of its numbers, and the INSERT itself.
+"""A usage ledger's rows: what `record()` is given (UsageRow, one request), the check of its numbers,
+the row it is added to (a Sum: the requests of one second that share tenant, key, model, backend,
+host, status and `estimated`), and the INSERT of those rows.
 
-The ledger (proxy/tenants/ledger.py) keeps rows as these parameter tuples from `record()` until
-they are on disk; each is checked once, on the event loop, where it is recorded.
+The ledger (proxy/tenants/ledger.py) checks each request's UsageRow once, on the event loop, where
+it is recorded, and adds it to its second's Sum; a Sum is the INSERT's parameters (id first, then
+the table's columns in order), a list while requests are added to it, a tuple once the writer took it.
 """
 from __future__ import annotations
 
@@ -43,17 +45,19 @@ class UsageRow(NamedTuple):
     estimated: bool = False   # prompt_tokens is the proxy's estimate, not the engine's figure
 
 
-# A recorded row as it waits to be written: the INSERT's parameters, id first. Plain values only: a
-# tuple of them is left alone by the garbage collector, however many are queued.
-Params = tuple[Any, ...]
+# A ledger row as it waits to be written: the INSERT's parameters, id first (a list while requests
+# are added to it). Plain values only: a tuple of them is left alone by the garbage collector.
+Params = Sequence[Any]
 ID, TIME, TENANT = 0, 1, 2
 COLUMN = {"tenant": 2, "key_id": 3, "model": 4, "backend": 5, "host": 6}
-PROMPT, CACHED, OUTPUT, COST, STATUS, QUEUE_WAIT, DURATION, ESTIMATED = 8, 9, 10, 11, 7, 12, 13, 14
-_COUNTS = (("status", STATUS), ("prompt_tokens", PROMPT), ("cached_tokens", CACHED), ("output_tokens", OUTPUT))
-_AMOUNTS = (("time", TIME), ("cost", COST), ("queue_wait_ms", QUEUE_WAIT), ("duration_ms", DURATION))
+STATUS, PROMPT, CACHED, OUTPUT, COST, QUEUE_WAIT, DURATION, ESTIMATED, REQUESTS = 7, 8, 9, 10, 11, 12, 13, 14, 15
+# A UsageRow's fields are the row's columns after the id, in order.
+_COUNTS = (("status", STATUS - 1), ("prompt_tokens", PROMPT - 1), ("cached_tokens", CACHED - 1),
+           ("output_tokens", OUTPUT - 1))
+_AMOUNTS = (("time", TIME - 1), ("cost", COST - 1), ("queue_wait_ms", QUEUE_WAIT - 1), ("duration_ms", DURATION - 1))
 _INSERT_HEAD = ("INSERT INTO usage (id, time, tenant, key_id, model, backend, host, status, prompt_tokens, "
-                "cached_tokens, output_tokens, cost, queue_wait_ms, duration_ms, estimated) VALUES ")
-_INSERT_SQL = {n: _INSERT_HEAD + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * n)
+                "cached_tokens, output_tokens, cost, queue_wait_ms, duration_ms, estimated, requests) VALUES ")
+_INSERT_SQL = {n: _INSERT_HEAD + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * n)
                for n in _ROWS_PER_INSERT}
 # What a row the file refuses on its own raises (a value SQLite cannot bind or store, a taken id):
 # that row is skipped. Any other sqlite3.Error is the file's (full, read-only, locked): all are kept.
@@ -61,35 +65,46 @@ ROW_ERRORS = (sqlite3.IntegrityError, sqlite3.InterfaceError, sqlite3.Programmin
                TypeError, ValueError)
 
 
-def checked(params: Params) -> Params:
-    """The row's parameters with each count an int in 0..MAX_COUNT and each amount a finite float >= 0
+def checked(row: UsageRow) -> UsageRow:
+    """The request's row with each count an int in 0..MAX_COUNT and each amount a finite float >= 0
     (time included); what is not is logged and taken as 0. The usage of an engine or a provider is
     checked where it is read (proxy/serving/response_metrics.py): this is the ledger's own guard."""
-    status, prompt, cached, output = params[STATUS], params[PROMPT], params[CACHED], params[OUTPUT]
-    at, spent, waited, took = params[TIME], params[COST], params[QUEUE_WAIT], params[DURATION]
+    at, _, _, _, _, _, status, prompt, cached, output, spent, waited, took, estimated = row
     # One expression for the row every request makes (ints and floats in range): it runs on the event loop.
     if type(status) is int and type(prompt) is int and type(cached) is int and type(output) is int \
             and type(at) is float and type(spent) is float and type(waited) is float and type(took) is float \
             and 0 <= status <= MAX_COUNT and 0 <= prompt <= MAX_COUNT and 0 <= cached <= MAX_COUNT \
             and 0 <= output <= MAX_COUNT and 0.0 <= at < math.inf and 0.0 <= spent < math.inf \
-            and 0.0 <= waited < math.inf and 0.0 <= took < math.inf and type(params[ESTIMATED]) is bool:
-        return params
-    bad = [name for name, i in _COUNTS if type(params[i]) is not int or not 0 <= params[i] <= MAX_COUNT]
-    bad += [name for name, i in _AMOUNTS if type(params[i]) not in (int, float) or not 0 <= params[i] < math.inf]
-    if not bad and type(params[ESTIMATED]) is bool:
-        return params
-    fixed = list(params)
-    for name, i in (*_COUNTS, *_AMOUNTS):
-        if name in bad:
-            log.warning("usage ledger: a row of tenant %r has %s = %.40r; recorded as 0", params[TENANT], name,
-                        params[i])
-            fixed[i] = 0 if i in (STATUS, PROMPT, CACHED, OUTPUT) else 0.0
-    fixed[ESTIMATED] = bool(fixed[ESTIMATED]) if type(fixed[ESTIMATED]) in (bool, int) else False
-    return tuple(fixed)
+            and 0.0 <= waited < math.inf and 0.0 <= took < math.inf and type(estimated) is bool:
+        return row
+    fixed: list[Any] = list(row)
+    for name, i in _COUNTS:
+        value = row[i]
+        if type(value) is not int or not 0 <= value <= MAX_COUNT:
+            log.warning("usage ledger: a row of tenant %r has %s = %.40r; recorded as 0", row.tenant, name, value)
+            fixed[i] = 0
+    for name, i in _AMOUNTS:
+        fixed[i] = _amount(row[i])
+        if fixed[i] is None:
+            log.warning("usage ledger: a row of tenant %r has %s = %.40r; recorded as 0", row.tenant, name, row[i])
+            fixed[i] = 0.0
+    fixed[ESTIMATED - 1] = bool(estimated) if type(estimated) in (bool, int) else False
+    return UsageRow(*fixed)
+
+
+def _amount(value: Any) -> float | None:
+    """`value` as a finite float >= 0, or None."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:   # an int past what a float holds
+        return None
+    return value if 0.0 <= value < math.inf else None
 
 
 def insert_rows(conn: sqlite3.Connection, batch: Sequence[Params]) -> None:
-    """INSERT the batch in statements of _ROWS_PER_INSERT rows (within the caller's transaction)."""
+    """INSERT the batch's rows in statements of _ROWS_PER_INSERT (within the caller's transaction)."""
     at = 0
     for size in _ROWS_PER_INSERT:
         while len(batch) - at >= size:

@@ -64,9 +64,20 @@ def _version_2(conn: sqlite3.Connection) -> None:
     conn.execute("CREATE TABLE writers (base INTEGER PRIMARY KEY, opened REAL NOT NULL)")
 
 
+def _version_3(conn: sqlite3.Connection) -> None:
+    # A row sums the requests of one second that share tenant, key, model, backend, host, status and
+    # `estimated` (proxy/tenants/ledger.py); the rows before it were one request each. Its queue_wait_ms
+    # and duration_ms are sums too. The covering index takes the count, as `spent` sums it.
+    conn.execute("ALTER TABLE usage ADD COLUMN requests INTEGER NOT NULL DEFAULT 1")
+    conn.execute("DROP INDEX usage_tenant_time")
+    conn.execute("CREATE INDEX usage_tenant_time ON usage "
+                 "(tenant, time, requests, prompt_tokens, cached_tokens, output_tokens, cost)")
+
+
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {
     1: _version_1,
     2: _version_2,
+    3: _version_3,
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 

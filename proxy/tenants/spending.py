@@ -107,7 +107,11 @@ class Spend:
         """A request of `tenant` that would reserve `tokens` and `cost`: admitted (`started`), or the
         429 it gets (limits.refusal; nothing is counted then). Per request: the sums are compared as
         they are, and only a refusal builds what refusal() reads."""
-        w = self._window(tenant.name, now)
+        w = self._windows[tenant.name]   # _window(), inlined: this runs for every request
+        if now >= w.end:
+            self._roll(tenant.name, w, now)
+        if w.minute and w.minute[0][0] <= now - MINUTE_S:
+            w.expire(now - MINUTE_S)
         rpm, tpm, budget_tokens, budget_cost = (tenant.requests_per_minute, tenant.tokens_per_minute,
                                                 tenant.budget_tokens, tenant.budget_cost)
         held = w.reserved_tokens
@@ -135,7 +139,9 @@ class Spend:
               reserved_cost: float = 0.0) -> None:
         """A request of the tenant ended, having used `tokens` (prompt and output) and `cost`; what it
         reserved at its start is released."""
-        window = self._window(name, now)
+        window = self._windows[name]   # the minute is expired where it is read (`admit`, `now`)
+        if now >= window.end:
+            self._roll(name, window, now)
         window.reserved_tokens = max(0, window.reserved_tokens - reserved_tokens)
         window.reserved_cost = max(0.0, window.reserved_cost - reserved_cost)
         window.requests += 1
@@ -144,16 +150,16 @@ class Spend:
         if tokens:
             window.add(now, 0, tokens)
 
-    def recorded_elsewhere(self, rows: Iterable[tuple[str, float, int, float]], now: float) -> None:
-        """Rows another process wrote to the ledger (a reload's predecessor): (tenant, time, tokens,
-        cost), counted as if this process had ended those requests."""
-        for name, at, tokens, cost in rows:
+    def recorded_elsewhere(self, rows: Iterable[tuple[str, float, int, int, float]], now: float) -> None:
+        """Rows another process wrote to the ledger (a reload's predecessor): (tenant, time, requests,
+        tokens, cost), counted as if this process had ended those requests."""
+        for name, at, requests, tokens, cost in rows:
             window = self._windows.get(name)
             if window is None:
                 continue
             window = self._window(name, now)
             if window.start <= at < window.end:
-                window.requests += 1
+                window.requests += requests
                 window.tokens += tokens
                 window.cost += cost
             if at > now - MINUTE_S and tokens:

@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-Totals = tuple[int, int, int, int, float]    # requests, prompt, cached, output tokens, cost
+Totals = tuple[int, int, int, int, float]    # requests, prompt, cached, output tokens, cost (sums of rows)
 
 # Sums kept per tenant (a budget's, a limit's, spares), most recently used last, and tenants kept.
 SUMS_PER_TENANT = 4
@@ -23,7 +23,7 @@ TENANTS_KEPT = 1024
 # A sum moved forward this many times is read afresh: each move subtracts costs, and floats drift.
 MAX_MOVES = 1000
 
-_SUMS = ("COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
+_SUMS = ("COALESCE(SUM(requests), 0), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
          "COALESCE(SUM(output_tokens), 0), COALESCE(SUM(cost), 0.0)")
 _TOP = "(SELECT COALESCE(MAX(id), 0) FROM usage)"
 _FRESH_SQL = f"SELECT {_SUMS}, {_TOP} FROM usage WHERE tenant = ? AND time >= ?"

@@ -1,5 +1,6 @@
-"""The usage ledger from an event loop: rows/s onto disk, how long the loop is held meanwhile, and
-`spent()` calls/s.
+"""The usage ledger from an event loop: requests/s onto disk, how long the loop is held meanwhile,
+and `spent()` calls/s. A "row" below is one request's UsageRow as `record()` takes it; the ledger
+sums a second's requests of one tenant, key, model, ... into one row of its file.
 
 (a) `record()` is called for `--rows` rows as fast as the loop can (bursts of `--burst` rows, then
     one turn of the loop) while a probe task sleeps 1 ms again and again and measures how late it
@@ -138,7 +139,7 @@ async def main() -> None:
             lag_max = max(lags_ms)
             print(f"(a) {args.rows} rows recorded from the loop in bursts of {args.burst}, "
                   f"{args.tenants} tenants, written and flushed in {seconds:.2f} s")
-            print(f"    rows/s onto disk        {rate:10,.0f}   target >= {TARGET_ROWS_PER_S:,}   "
+            print(f"    requests/s onto disk    {rate:10,.0f}   target >= {TARGET_ROWS_PER_S:,}   "
                   f"{'ok' if rate >= TARGET_ROWS_PER_S else 'MISSED'}")
             print(f"    loop lag p50/p99/max    {pct(lags_ms, 0.5):.3f} / {pct(lags_ms, 0.99):.3f} / {lag_max:.3f} ms"
                   f"   target max <= {TARGET_LAG_MS} ms   {'ok' if lag_max <= TARGET_LAG_MS else 'MISSED'}"
@@ -165,7 +166,7 @@ async def main() -> None:
             end_time = start_time + total * 0.001
             budget = spent_rate(ledger, args.tenants, start_time, None, args.spent_seconds)
             window = spent_rate(ledger, args.tenants, 0.0, end_time - 60, args.spent_seconds)
-            print(f"(b) spent() over {total} rows on disk ({total // args.tenants} per tenant)")
+            print(f"(b) spent() over {total} requests on disk ({total // args.tenants} per tenant)")
             print(f"    a budget's period (same start, sum kept)       {budget:10,.0f} calls/s")
             print(f"    a per-minute window (new start every call)     {window:10,.0f} calls/s")
             for t in range(args.tenants):

@@ -2,6 +2,7 @@
 groups and bounds, minted keys, a restart, the schema's migration and refusal, and a SIGKILL."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import selectors
@@ -115,7 +116,8 @@ def _match_plain_sums(ledger: SqliteLedger) -> None:
         ledger.record(recorded[-1])
         if rng.random() < 0.1:
             ledger.flush()
-        window = now - 60 - (rng.uniform(0, 30) if rng.random() < 0.05 else 0)
+        # Whole seconds, as the edge asks: a row sums a second's requests, and carries its last one's time.
+        window = float(int(now - 60 - (rng.uniform(0, 30) if rng.random() < 0.05 else 0)))
         for since in (DAY1, window):
             rows_in = [r for r in recorded if r.tenant == tenant and r.time >= since]
             expected = Spent(len(rows_in), sum(r.prompt_tokens for r in rows_in),
@@ -137,6 +139,28 @@ def test_a_full_batch_is_written_without_waiting_for_the_interval(ledger: Sqlite
         time.sleep(0.01)
     assert rows_on_disk(path) == BATCH_ROWS
     assert ledger.spent("webui", DAY1).requests == BATCH_ROWS
+
+
+def test_the_requests_of_a_second_are_one_row_that_sums_them(ledger: SqliteLedger, path: Path) -> None:
+    for i in range(300):
+        ledger.record(row(DAY1 + i / 1000, prompt=1, output=2, cost=0.25, queue_wait_ms=1.0, duration_ms=10.0,
+                          status=500 if i % 3 == 0 else 200, estimated=i % 2 == 0))
+    ledger.record(row(DAY1 + 1, prompt=5))                 # the next second: a row of its own
+    ledger.record(row(DAY1 + 0.5, tenant="batch"))        # another tenant: its own row
+    ledger.flush()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        rows = conn.execute("SELECT tenant, time, status, estimated, requests, prompt_tokens, output_tokens, cost, "
+                            "queue_wait_ms, duration_ms FROM usage ORDER BY id").fetchall()
+    # One row per status and `estimated`, in the order each began, with the time of its last request.
+    assert rows == [("webui", DAY1 + 0.294, 500, 1, 50, 50, 100, 12.5, 50.0, 500.0),
+                    ("webui", DAY1 + 0.299, 200, 0, 100, 100, 200, 25.0, 100.0, 1000.0),
+                    ("webui", DAY1 + 0.298, 200, 1, 100, 100, 200, 25.0, 100.0, 1000.0),
+                    ("webui", DAY1 + 0.297, 500, 0, 50, 50, 100, 12.5, 50.0, 500.0),
+                    ("webui", DAY1 + 1, 200, 0, 1, 5, 5, 0.0, 0.0, 0.0),
+                    ("batch", DAY1 + 0.5, 200, 0, 1, 10, 5, 0.0, 0.0, 0.0)]
+    assert ledger.spent("webui", DAY1) == Spent(301, 305, 0, 605, 75.0)
+    [total] = ledger.usage(None, None, ["tenant"])[1:]
+    assert (total["requests"], total["errors"], total["estimated"]) == (301, 100, 150)
 
 
 def _report_rows(ledger: SqliteLedger) -> None:
@@ -336,14 +360,13 @@ def test_a_sigkill_loses_at_most_the_last_second(path: Path) -> None:
             if stream is not None:
                 stream.close()
 
-    older = {t for t in printed if t < killed_at - 1.0}
+    older = [t for t in printed if t < killed_at - 1.0]
     assert older, "the child ran less than a second"
-    conn = sqlite3.connect(path)
-    try:
-        on_disk = {t for (t,) in conn.execute("SELECT time FROM usage")}
-    finally:
-        conn.close()
-    assert older <= on_disk, f"{len(older - on_disk)} row(s) older than 1 s lost"
+    # Rows are begun and written in the order of the requests: those on disk are the first ones printed.
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        requests, latest = conn.execute("SELECT COALESCE(SUM(requests), 0), MAX(time) FROM usage").fetchone()
+    assert requests >= len(older), f"{len(older) - requests} request(s) older than 1 s lost"
+    assert latest >= max(older)
     # And the file opens as a ledger again, with those rows in its sums.
     ledger = SqliteLedger(path)
     try:
@@ -396,7 +419,7 @@ def test_a_row_the_file_refuses_is_skipped_and_the_writer_lives(ledger: SqliteLe
     assert rows_on_disk(path) == 3 and ledger.failing() is None
 
 
-def test_a_version_1_file_is_migrated_with_its_rows_not_estimated(path: Path) -> None:
+def test_a_version_1_file_is_migrated_with_its_rows_one_request_each_not_estimated(path: Path) -> None:
     conn = sqlite3.connect(path, isolation_level=None)
     MIGRATIONS[1](conn)
     conn.execute("PRAGMA user_version = 1")
@@ -410,6 +433,7 @@ def test_a_version_1_file_is_migrated_with_its_rows_not_estimated(path: Path) ->
         for flushed in (False, True):
             (total,) = ledger.usage(None, None, [])
             assert (total["requests"], total["prompt_tokens"], total["estimated"]) == (2, 20, 1), flushed
+            assert ledger.spent("webui", DAY1) == Spent(2, 20, 0, 10, 0.0), flushed
             ledger.flush()
     finally:
         ledger.close()
@@ -425,11 +449,12 @@ def test_others_are_the_rows_a_predecessor_writes_after_this_ledger_opened(path:
     try:
         assert new.others() == []
         old.record(row(DAY1 + 1, tenant="old", prompt=3, output=4, cost=0.25))
+        old.record(row(DAY1 + 1.5, tenant="old", prompt=3, output=4, cost=0.25))   # the same second: one row
         new.record(row(DAY1 + 2, tenant="new"))   # its own: never among the others
         new.flush()
         assert new.others() == []                  # not on disk yet
         old.close()
-        assert new.others() == [("old", DAY1 + 1, 7, 0.25)]
+        assert new.others() == [("old", DAY1 + 1.5, 2, 14, 0.5)]
         assert new.others() == []                  # each row once
         assert rows_on_disk(path) == 2 + old_wrote   # no id of one met the other's
     finally:
