@@ -11,17 +11,17 @@ import asyncio
 import contextlib
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
 
 from fakes import FakeProvider
 from in_process import tenant_proxy
+from metered import PROVIDER_KEY
 from proxy.tenants.limits import output_limit, prompt_estimate
 
 KEY = "sk-tenant-SECRET-71"
-PROVIDER_KEY = "sk-provider-SECRET-72"
 GUARD = aiohttp.ClientTimeout(total=30)
 BODY = {"model": "r", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 50}
 RESERVATION = prompt_estimate(BODY) + output_limit(BODY, None)
@@ -31,17 +31,9 @@ BUDGET = RESERVATION + RESERVATION // 2     # room for one request, not two
 
 
 @pytest.fixture
-def provider() -> Any:
-    fake = FakeProvider(PROVIDER_KEY).start()
-    fake.usage = USED
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-async def stack() -> AsyncIterator[contextlib.AsyncExitStack]:
-    async with contextlib.AsyncExitStack() as s:
-        yield s
+def provider(provider: FakeProvider) -> FakeProvider:
+    provider.usage = USED   # the conftest's stand-in, answering every request with this usage
+    return provider
 
 
 async def post(client: aiohttp.ClientSession, url: str, **fields: Any) -> tuple[int, Any]:

@@ -13,19 +13,19 @@ import json
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
 
 from fakes import FakeProvider
 from in_process import tenant_proxy
+from metered import PROVIDER_KEY
 from proxy.events import LEDGER
 from proxy.serving.tenancy import LEDGER_FILE, WATCH_S
 from proxy.tenants import schema
 
 KEY = "sk-tenant-SECRET-31"
-PROVIDER_KEY = "sk-provider-SECRET-32"
 GUARD = aiohttp.ClientTimeout(total=30)
 HOSTILE = [
     {"prompt_tokens": 10 ** 30, "completion_tokens": 5},
@@ -38,19 +38,6 @@ HOSTILE = [
     {"prompt_tokens": 7, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 10 ** 30}},
     {"prompt_tokens": [1], "completion_tokens": {"n": 5}},
 ]
-
-
-@pytest.fixture
-def provider() -> Any:
-    fake = FakeProvider(PROVIDER_KEY).start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-async def stack() -> AsyncIterator[contextlib.AsyncExitStack]:
-    async with contextlib.AsyncExitStack() as s:
-        yield s
 
 
 async def chat(client: aiohttp.ClientSession, url: str, stream: bool) -> tuple[int, bytes]:
