@@ -216,6 +216,10 @@ def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> 
     # engine can make all LONG tokens while a busy machine runs the test's few lines to the pause
     # (seen: 3,000 made before it): such a try is over before it began, and is made again.
     for _ in range(5):
+        # From an idle engine: a request still generating (an earlier test's, or a try's whose abort
+        # is on its way) would count its tokens toward this one's and hold the gauge up.
+        wait_for(lambda: vllm_metric(replica, "num_requests_running") == 0
+                 and vllm_metric(replica, "num_requests_waiting") == 0, timeout=300, what="vLLM to be idle")
         generated = vllm_metric(replica, "generation_tokens_total")
         resp = _long_stream(proxy)
         try:
