@@ -25,7 +25,7 @@ ADDRESS = re.compile(r"(?<![\w.-])(?:localhost|127\.0\.0\.1|0\.0\.0\.0|\[[0-9a-f
 # A port the docs give explicitly (`--port 9000`, `port: 9000`, `admin_port: 9124`) may be used
 # in their own examples.
 SET_PORT = re.compile(r"(?:--port[ =]|port: *)(\d{2,5})\b")
-FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+FENCE = re.compile(r"^ *```.*?^ *```", re.M | re.S)
 # A link's target, however its text wraps: [text](target) and ![alt](target).
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6} +(.+?) *#*$", re.M)
