@@ -1,5 +1,5 @@
 #!/bin/sh
-# The status page's screenshots in the README (docs/status-page.png, docs/status-page-host-down.png):
+# The status page's screenshots in docs/operating.md (docs/status-page.png, docs/status-page-host-down.png):
 # ten simulated models on this machine and a node, an eviction, a crash, an admin unload, then the
 # node's supervisord killed. Needs Chromium (`llm-pool setup --all-engines`) and the test extras.
 set -eu

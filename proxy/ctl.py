@@ -1,6 +1,6 @@
 """`llm-pool ctl`: operate a running proxy through its admin API.
 
-Human tables by default, `--json` for scripts. Exit codes (documented in the README):
+Human tables by default, `--json` for scripts. Exit codes (documented in docs/operating.md):
 0 success; 1 the server refused the request (4xx: unknown model, bad override, missing token);
 2 usage error (bad arguments, caught before anything is sent); 3 the server failed or did not
 answer (5xx, connection refused, timeout): worth retrying later.

@@ -1,4 +1,4 @@
-"""`llm-pool ctl usage` and `ctl keys`: the tenants' usage report and keys as text (README: Tenants)."""
+"""`llm-pool ctl usage` and `ctl keys`: the tenants' usage report and keys as text (docs/tenants.md)."""
 from __future__ import annotations
 
 import csv

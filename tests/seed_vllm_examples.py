@@ -1,4 +1,4 @@
-"""The seed's three vLLM model definitions, verbatim (README sections "vLLM" and "vllm_serve").
+"""The seed's three vLLM model definitions, verbatim (docs/engines.md, "vLLM: `vllm_serve` and `vllm`").
 
 Golden tests pin the program each renders to; integration tests load each with its paths pointed
 at the tiny model and CPU-friendly settings, through `cpu_variant`.

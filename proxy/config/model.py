@@ -10,7 +10,7 @@ from proxy.config.merge import deep_merge
 # The per-model keys that default to the same key under engine.lifecycle.
 MODEL_LIFECYCLE_FIELDS = ("load_on_demand", "idle_unload_s", "pinned")
 DEFAULT_MODEL = {"enabled": False, "replicas": 1, "target_inflight": 1, "modalities": ["text"], "gpus": []}
-# Replica routing (README: Replica routing and affinity). Affinity by default: every engine reuses
+# Replica routing (docs/routing.md: Replica routing and affinity). Affinity by default: every engine reuses
 # only the KV cache it holds, so a conversation that comes back to its replica skips its prefill,
 # and the load bound keeps that from costing balance. A model sets its own; engine.routing changes
 # the default for all.

@@ -12,7 +12,7 @@ from proxy.config.origins import Origins
 
 DEFAULT_SERVICE = {"host": "127.0.0.1", "port": 8011, "log_level": "info", "max_body_bytes": 32 * 1024 * 1024,
                    "drain_timeout_s": 30.0, "reload_timeout_s": 120.0, "admin_token_env": None}
-# Reliability defaults (README: Timeouts, health and ejection). A long prefill on a big model is
+# Reliability defaults (docs/routing.md: Timeouts, health checks and ejection). A long prefill on a big model is
 # legitimate, so the first byte gets minutes; a stream that goes quiet mid-answer does not.
 DEFAULT_RELIABILITY: dict[str, Any] = {"first_byte_timeout_s": 600.0, "stream_idle_timeout_s": 120.0,
                        "max_response_bytes": 64 * 1024 * 1024, "health_interval_s": 5.0, "health_timeout_s": 5.0,
@@ -20,7 +20,7 @@ DEFAULT_RELIABILITY: dict[str, Any] = {"first_byte_timeout_s": 600.0, "stream_id
                        "load_retry_base_s": 5.0, "load_retry_max_s": 300.0}
 DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "port_range": [18100, 18999],
                       "poll_interval_s": 0.2, "rpc_timeout_s": 10.0, "stopwaitsecs": 15, "pass_env": []}
-# engine.lifecycle (README: More models than memory). Every default keeps the behaviour from before
+# engine.lifecycle (docs/lifecycle.md: More models than memory). Every default keeps the behaviour from before
 # it existed: models load only when enabled or an admin loads them, stay until unloaded, and no load
 # is refused for memory.
 DEFAULT_LIFECYCLE: dict[str, Any] = {"load_on_demand": False, "idle_unload_s": None, "pinned": False,
@@ -44,7 +44,7 @@ class ServiceSettings:
     admin_host: str | None = None       # with admin_port: the admin API listens there, and only there
     admin_port: int | None = None
     # Without a token, the admin API on an address other machines reach is refused at startup unless
-    # this says it is meant (README: Security): anyone who reaches it can load and unload models.
+    # this says it is meant (docs/security.md): anyone who reaches it can load and unload models.
     admin_allow_unauthenticated_remote: bool = False
     # More Host names the proxy answers to where no key guards it (the admin API without a token, the
     # data plane without tenants): a LAN name, a container's service name, a reverse proxy's own name.
@@ -131,7 +131,7 @@ class LifecycleSettings:
 
 @dataclass(frozen=True)
 class TenantSettings:
-    """tenants.NAME: one client service of the data plane (README: Tenants). Its keys are named by
+    """tenants.NAME: one client service of the data plane (docs/tenants.md). Its keys are named by
     the variables holding them or by their digests: never a key itself."""
 
     name: str

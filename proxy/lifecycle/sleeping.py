@@ -1,4 +1,4 @@
-"""Evicted into sleep, and woken again (vllm_sleep_on_evict; README: "Sleep instead of stop").
+"""Evicted into sleep, and woken again (vllm_sleep_on_evict; docs/engines.md: "Sleep instead of stop").
 
 A model whose replicas were started able to sleep (their spec's `sleep`, vLLM's sleep mode) is
 put to sleep when placement evicts it, instead of stopped: each replica moves its weights to host

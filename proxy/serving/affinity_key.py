@@ -1,4 +1,4 @@
-"""A request's affinity key (README: Replica routing and affinity): what sends a conversation back
+"""A request's affinity key (docs/routing.md: Replica routing and affinity): what sends a conversation back
 to the replica that has its prefix cached. The first that applies:
 
 1. the body's `prompt_cache_key` (OpenAI's field, on chat completions, completions and responses);

@@ -183,7 +183,7 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
 
 
 async def tenancy_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The tenants' keys and ledger (README: Tenants), for as long as the app runs."""
+    """The tenants' keys and ledger (docs/tenants.md), for as long as the app runs."""
     pool = app[POOL]
     tenancy = await asyncio.to_thread(Tenancy.open, app[SETTINGS], os.environ, app[METRICS].registry,
                                       pool.predecessor_gone)

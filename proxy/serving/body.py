@@ -65,7 +65,7 @@ def requested_model(body: dict[str, Any]) -> str:
 
 def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
     """From the body's `fairness_key`, else the X-Fairness-Key header (for plain OpenAI clients);
-    a tenant's request waits in its tenant's queue whatever it names (README: Tenants)."""
+    a tenant's request waits in its tenant's queue whatever it names (docs/tenants.md)."""
     ticket = request.get(TICKET)
     if ticket is not None:
         tenant_key: str = ticket.caller.tenant.fairness_key

@@ -1,4 +1,4 @@
-"""The admin API of tenants (README: Tenants): the usage ledger's report, the tenants and their keys
+"""The admin API of tenants (docs/tenants.md): the usage ledger's report, the tenants and their keys
 by id, and minting and revoking keys. Without `tenants` configured each answers 409
 `tenants_not_configured`."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a relayed stream used, however it ended (README: Tenants).
+"""What a relayed stream used, however it ended (docs/tenants.md).
 
 A stream that ends whole carries its engine's usage near its end (OpenAI's usage chunk, Anthropic's
 message_delta) and, for Anthropic's events, its prompt's count near its start (message_start). A

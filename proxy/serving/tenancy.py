@@ -1,4 +1,4 @@
-"""The data plane's tenants at run time (README: Tenants): with `tenants` configured, every request
+"""The data plane's tenants at run time (docs/tenants.md): with `tenants` configured, every request
 to a model needs a key, the key's tenant decides what it may use and whose queue it waits in, and
 each finished request is a row of the usage ledger. Without `tenants` none of this is built and a
 request costs what it did.

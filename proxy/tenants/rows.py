@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 
-# The largest token count a row may hold (README: Tenants): more is an engine's or a provider's
+# The largest token count a row may hold (docs/tenants.md): more is an engine's or a provider's
 # nonsense, and past 2**63 SQLite cannot store it at all.
 MAX_COUNT = 2 ** 31
 # Rows per INSERT statement: one statement binds many rows, so the writer releases and takes back

@@ -1,5 +1,5 @@
 """conf/systemd/llm-pool.service: its commands are real llm-pool commands, its stop and reload
-semantics are the ones the README promises, and systemd itself accepts it where systemd is installed."""
+semantics are the ones docs/operating.md promises, and systemd itself accepts it where systemd is installed."""
 from __future__ import annotations
 
 import configparser

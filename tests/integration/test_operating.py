@@ -198,7 +198,7 @@ def test_a_reload_after_a_settings_change_rolls_every_replica_of_the_changed_mod
     other = proxy.wait_state("other", "loaded")["replicas"][0]["pid"]
     proxy.config["engine"]["models"]["pair"]["llama_server_n_ctx"] = 2048
     proxy.config_path.write_text(yaml.safe_dump(proxy.config))
-    assert proxy.reload() == 0     # the README's restart without unloading
+    assert proxy.reload() == 0     # docs/operating.md's restart without unloading
     old = {r["pid"] for r in before}
 
     def rolled() -> list[dict[str, Any]] | None:

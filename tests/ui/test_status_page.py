@@ -115,7 +115,7 @@ def test_a_load_from_the_form_with_an_override_then_its_log_followed_then_an_unl
     expect(result).to_contain_text("demo is loaded: 1 of 1 replicas ready", timeout=LOAD_S)
     expect(demo.locator('[data-field="overrides"]')).to_have_text("llama_server_n_ctx=2048")
     expect(demo.locator('[data-field="kv"]')).to_have_text(
-        "0 stored (0.0 MiB); saved 0; restored 0 hit, 0 missed, 0 stale")   # its slot store (README: KV cache)
+        "0 stored (0.0 MiB); saved 0; restored 0 hit, 0 missed, 0 stale")   # its slot store (docs/lifecycle.md: KV cache)
     expect(demo.locator("table.replicas tbody tr")).to_have_count(1)
     expect(demo.locator("table.replicas tbody tr td").nth(1)).to_have_text("local")   # its host
     expect(demo.locator("table.replicas tbody tr td").nth(2)).to_have_text("ready")

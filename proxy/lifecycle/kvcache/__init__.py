@@ -1,6 +1,6 @@
 """Swaps that keep the cache (issue 33): llama-server slots saved before the pool unloads a model
-(idle, or evicted for another) and restored into its next replicas before they serve (README: KV
-cache across swaps).
+(idle, or evicted for another) and restored into its next replicas before they serve (docs/lifecycle.md:
+KV cache across swaps).
 
 `store` (the slot files under <state_dir>/kv, their index and the disk budget), `slots_api`
 (llama-server's /slots endpoints, their answers checked), `keeper` (what is saved and restored,

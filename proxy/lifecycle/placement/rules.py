@@ -4,7 +4,7 @@ Pure, synchronous and free of I/O, like fairness.py: a picture of the models (th
 each needs on each device, usage, queue) and the limits (budgets per device, a count cap, the swap
 bound) go in, a decision comes out, and the pool (pool.py) carries it out. The clock is an argument.
 
-The rules (README: More models than memory):
+The rules (docs/lifecycle.md: More models than memory):
 - A load fits when every limited device it uses has its need free (the budget minus what loaded,
   loading and unloading models hold there) and `max_loaded_models` is not reached.
 - To make room, idle, unpinned, loaded models that hold what is short are evicted, least recently
@@ -296,7 +296,7 @@ def _mib(n: int) -> float:
 def spread(count: int, per_replica: Mapping[str, int], hosts: Sequence[str], free: Mapping[str, int],
            budgets: Mapping[str, int], qualify: Callable[[str, str], str],
            already: Sequence[str] = ()) -> tuple[str, ...]:
-    """The host of each of `count` new replicas (README: Several hosts): where it fits beside what
+    """The host of each of `count` new replicas (docs/hosts.md): where it fits beside what
     the hosts hold (`free`, bytes per limited device, host-qualified), fewest of the model's replicas
     there first (`already`: the hosts of those it has), then the most room, then the order of
     `hosts`. A replica that fits nowhere goes where the budget is largest: there, room_for says

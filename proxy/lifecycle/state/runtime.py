@@ -173,7 +173,7 @@ class ModelRuntime:
         return bool(self.model.get("routing") == "affinity")
 
     def max_imbalance(self) -> float:
-        """affinity_max_imbalance, or its default: target_inflight (README: why)."""
+        """affinity_max_imbalance, or its default: target_inflight (docs/routing.md: why)."""
         margin = self.model.get("affinity_max_imbalance")
         return float(margin) if margin is not None else float(self.target_inflight)
 

@@ -97,7 +97,7 @@
     return card;
   }
 
-  // The slot store's figures for a llama-server model (README: KV cache across swaps); "–" for others.
+  // The slot store's figures for a llama-server model (docs/lifecycle.md: KV cache across swaps); "–" for others.
   function kvStore(kv) {
     if (!kv) return "–";
     const r = kv.restored || {};
@@ -162,7 +162,7 @@
       setText(c.host, r.host || "local");
       stateBadge(c.badge, r.state, r.state + (r.ejected_for_s > 0 ? ` (ejected ${r.ejected_for_s} s)` : "") +
         (r.outdated ? " (out of date)" : ""));
-      // Adopted with other settings than it is configured with now: its roll replaces it (README,
+      // Adopted with other settings than it is configured with now: its roll replaces it (docs/operating.md,
       // "What a reload keeps"); the title names the settings.
       c.badge.title = r.outdated ? String(r.outdated) : "";
       setText(c.pid, r.pid === null ? "–" : r.pid);

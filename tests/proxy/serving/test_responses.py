@@ -59,7 +59,7 @@ def test_shape_rules(body: dict[str, Any], code: str, param: str) -> None:
 
 
 def test_unknown_fields_are_ignored_and_named_at_both_levels() -> None:
-    # One policy (README: /v1/responses): a top-level and a decoding field alike are ignored, never a
+    # One policy (docs/api.md: /v1/responses): a top-level and a decoding field alike are ignored, never a
     # 400 for one and silence for the other, and the response names them.
     body = {"model": "m", "input": "x", "min_tokens": 2, "decoding": {"min_p": 0.05, "temperature": 0.2}}
     req = parse(body)

@@ -1,4 +1,4 @@
-"""placement.spread: the host of each new replica, by the memory rules (README: Several hosts)."""
+"""placement.spread: the host of each new replica, by the memory rules (docs/hosts.md)."""
 from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
