@@ -305,10 +305,13 @@ class Monitor:
             if state != ReplicaState.STOPPED:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "program no longer known to supervisord")
             return
-        pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid)
-        if replica.pid and replica.pid != replica.crashed_pid and (pid_changed or info.state in EXITED_STATES):
+        was_alive = replica.alive
+        # A process after the one an admin stopped is a start, not a restart (nor a failure, nor a crash).
+        pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid) and replica.pid != replica.stopped_pid
+        if replica.pid and replica.pid not in (replica.crashed_pid, replica.stopped_pid) and \
+                (pid_changed or info.state in EXITED_STATES):
             # Its process ended and nobody here asked (a stop by the pool is STOPPING, returned above;
-            # an admin's supervisorctl stop is STOPPED, no exit): said once per process.
+            # an admin's supervisorctl stop is STOPPING then STOPPED, no exit): said once per process.
             replica.crashed_pid = replica.pid
             await self._crashed(replica, info, pid_changed)
         # A replica is checked from the moment its process exists, so it can be READY while
@@ -333,7 +336,7 @@ class Monitor:
         if state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
             if info.state in DOWN_STATES:
                 # An admin's `supervisorctl stop`: respected, never undone by the pool.
-                runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
+                self._stopped(runtime, replica)
             elif info.state != ProcessState.RUNNING or pid_changed:
                 runtime.set_replica_state(replica, ReplicaState.STARTING,
                                           f"process exited ({info.description or info.state.name}); restarting")
@@ -348,7 +351,7 @@ class Monitor:
                 await self._stop_quietly(replica)
                 return
             if info.state in DOWN_STATES and runtime.state == ModelState.LOADED:
-                runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
+                self._stopped(runtime, replica)
                 return
             # From the moment the process exists, not from supervisord's RUNNING: that comes only
             # after startsecs, and an engine that is healthy sooner would wait for it.
@@ -358,8 +361,30 @@ class Monitor:
             return
         # STOPPED or FAILED: an admin may bring the process back with supervisorctl start.
         if runtime.state == ModelState.LOADED and info.state in (ProcessState.STARTING, ProcessState.RUNNING):
+            if replica.stopped_pid or not was_alive:
+                # Not a FAILED replica whose process runs on (unhealthy): that one is only checked again.
+                replica.stopped_pid = 0
+                self.events.record(ev.STARTED, f"model {replica.model} replica {replica.index}{self._on(replica)} "
+                                   f"was started in supervisord (pid {info.pid}): back in rotation once its "
+                                   "health check passes", model=replica.model, replica=replica.index,
+                                   host=replica.host)
             runtime.set_replica_state(replica, ReplicaState.STARTING)
             self.wake()
+
+    def _stopped(self, runtime: ModelRuntime, replica: Replica) -> None:
+        """supervisord says STOPPING or STOPPED of a replica the pool did not stop: someone asked it
+        (supervisorctl stop, or its XML-RPC), and the process ends because it was asked. Said now,
+        and its end is never a crash, nor what supervisord starts next a restart."""
+        replica.stopped_pid = replica.pid
+        runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
+        self.events.record(ev.STOPPED, f"model {replica.model} replica {replica.index} (pid {replica.pid}"
+                           f"{self._on(replica)}) was stopped in supervisord, not by the pool: out of rotation "
+                           "until it is started there again", model=replica.model, replica=replica.index,
+                           host=replica.host, level=logging.WARNING)
+
+    @staticmethod
+    def _on(replica: Replica) -> str:
+        return f" on host {replica.host}" if replica.host != LOCAL_HOST else ""
 
     async def _probe(self, runtime: ModelRuntime, replica: Replica, spec: ProgramSpec, pid: int) -> None:
         """Check a starting replica until it is healthy or leaves STARTING (its process exits, the
@@ -430,9 +455,8 @@ class Monitor:
             main_log = ""   # no log file (syslog), or the host just stopped answering
         program = replica.spec.program if replica.spec is not None else replica.fullname
         crash = crashes.describe(program, info, replaced, main_log)
-        where = f" on host {replica.host}" if replica.host != LOCAL_HOST else ""
         self.events.record(ev.CRASH, crash.sentence(f"model {replica.model} replica {replica.index} "
-                                                        f"(pid {replica.pid}{where})"),
+                                                        f"(pid {replica.pid}{self._on(replica)})"),
                            model=replica.model, replica=replica.index, host=replica.host, reason=crash.how,
                            level=logging.WARNING)
 

@@ -66,6 +66,28 @@ async def test_an_admin_stop_is_respected_and_an_admin_start_rejoins(world: Any)
     assert await observe(world, STARTING, 103) == ReplicaState.STARTING
 
 
+async def test_an_admin_stop_is_a_stopped_event_when_it_happens_and_the_start_a_started_event_not_a_crash(
+        world: Any) -> None:
+    pool, _, replica, _ = world
+    assert await observe(world, ProcessState.STOPPING, 100) == ReplicaState.STOPPED   # supervisord was asked
+    assert [(e.kind, e.model, e.replica) for e in pool.events.since(0)] == [("stopped", "m", 0)]
+    assert await observe(world, STOPPED, 0) == ReplicaState.STOPPED
+    assert await observe(world, STARTING, 103) == ReplicaState.STARTING
+    feed = pool.events.since(0)
+    assert [(e.kind, e.model, e.replica) for e in feed] == [("stopped", "m", 0), ("started", "m", 0)]
+    assert "(pid 100) was stopped in supervisord, not by the pool" in feed[0].message
+    assert "was started in supervisord (pid 103)" in feed[1].message
+    # A start, not a restart: nothing counts against the replica.
+    assert (replica.pid, replica.restarts, replica.failures) == (103, 0, 0)
+
+
+async def test_an_admin_start_after_supervisord_gave_up_is_a_started_event(world: Any) -> None:
+    pool, _, _, _ = world
+    assert await observe(world, FATAL, 0) == ReplicaState.FAILED
+    assert await observe(world, STARTING, 104) == ReplicaState.STARTING
+    assert [e.kind for e in pool.events.since(0)] == ["crash", "started"]
+
+
 async def test_supervisord_giving_up_fails_the_replica_with_its_log(world: Any) -> None:
     _, _, replica, _ = world
     assert await observe(world, FATAL, 0) == ReplicaState.FAILED
