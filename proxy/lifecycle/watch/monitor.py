@@ -2,8 +2,9 @@
 
 It polls supervisord's process table (every supervisor.poll_interval_s, or at once when woken),
 so that a crash costs one replica until supervisord has restarted it and it answers again, and an
-admin's `supervisorctl stop` is respected; probes a starting replica until its health check (and
-warm-up) passes; runs the periodic health checks and outlier ejection of proxy/lifecycle/watch/health.py;
+admin's `supervisorctl stop` is respected and said (a `stopped` event, a later start `started`);
+probes a starting replica until its health check (and warm-up) passes; runs the periodic health
+checks and outlier ejection of proxy/lifecycle/watch/health.py;
 scrapes the engines' load gauges for routing; and takes the data path's reports of how a request
 to a replica ended. The pool waits on it for a load's or a scale's replicas to become healthy.
 When supervisord stops answering it says so (once, then every DOWN_LOG_INTERVAL_S) and, in managed
@@ -463,7 +464,7 @@ class Monitor:
             main_log = ""   # no log file (syslog), or the host just stopped answering
         program = replica.spec.program if replica.spec is not None else replica.fullname
         if replaced and crashes.asked_to_stop(program, main_log):
-            self._say_stopped(replica, "and started again")
+            self._say_stopped(replica, "started again at once (a restart)")
             self._say_started(replica, info.pid)
             return True
         crash = crashes.describe(program, info, replaced, main_log)
