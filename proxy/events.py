@@ -28,8 +28,12 @@ RELOAD = "reload"            # SIGUSR1: a new process took over (reason: took_ov
 SLEEP = "sleep"              # an evicted model was put to sleep instead of stopped (cause: the model it made room for)
 WAKE = "wake"                # an asleep model woke (reason: on_demand, admin), or its wake failed (reason: failed)
 LEDGER = "ledger"            # the usage ledger cannot write (reason: failed), or writes again (reason: recovered)
+THRASH = "thrash"            # a model evicted and loaded again within lifecycle.thrash_window_s (cause: what it evicts)
+OVER_BUDGET = "over_budget"  # a device's loaded models hold more than its budget (a smaller budget, adopted models)
+STOPPED = "stopped"          # a replica was stopped in supervisord (an admin's supervisorctl stop), not by the pool
+STARTED = "started"          # a replica stopped there was started there again (an admin's supervisorctl start)
 KINDS = (LOAD, LOAD_FAILED, UNLOAD, EVICT, SCALE, RESTART, CRASH, EJECT, HOST_DOWN, HOST_UP, ADMIN, RELOAD, SLEEP,
-         WAKE, LEDGER)
+         WAKE, LEDGER, THRASH, OVER_BUDGET, STOPPED, STARTED)
 
 DEFAULT_CAPACITY = 1000
 

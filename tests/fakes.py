@@ -26,6 +26,7 @@ class FakeSupervisor:
         self.calls: list[tuple[str, str]] = []
         self.log = "llama-server: error: model file is corrupt"
         self.refuse_starts = False   # each start is supervisord's SPAWN_ERROR (a program that exits at once)
+        self.main_log = ""           # supervisord's own log, as a test writes it
 
     def set(self, fullname: str, state: ProcessState, pid: int) -> ProcessInfo:
         group, name = fullname.split(":")
@@ -40,8 +41,8 @@ class FakeSupervisor:
         return self.log
 
     async def main_log_tail(self, length: int) -> str:
-        """supervisord's own log: this fake writes none."""
-        return ""
+        """supervisord's own log: this fake writes none, a test may (`main_log`)."""
+        return self.main_log[-length:]
 
     async def stop_process(self, fullname: str) -> None:
         self.calls.append(("stop", fullname))

@@ -204,6 +204,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                     swap_max_wait_s=float(lifecycle["swap_max_wait_s"]),
                                     min_residence_s=float(lifecycle["min_residence_s"]),
                                     kv_store_mib=float(lifecycle["kv_store_mib"]),
+                                    thrash_window_s=float(lifecycle["thrash_window_s"]),
                                     gpu_headroom_mib=memory["gpu_headroom_mib"],
                                     cpu_budget_mib=memory["cpu_budget_mib"],
                                     footprint_margin=float(memory["footprint_margin"]),

@@ -25,7 +25,7 @@ DEFAULT_SUPERVISOR = {"mode": "managed", "url": None, "programs_dir": None, "por
 # is refused for memory.
 DEFAULT_LIFECYCLE: dict[str, Any] = {"load_on_demand": False, "idle_unload_s": None, "pinned": False,
                                      "max_loaded_models": None, "swap_max_wait_s": 10.0, "min_residence_s": 5.0,
-                                     "kv_store_mib": 0}
+                                     "kv_store_mib": 0, "thrash_window_s": 60.0}
 DEFAULT_MEMORY: dict[str, Any] = {"gpu_headroom_mib": None, "cpu_budget_mib": None, "footprint_margin": 0.1,
                                   "footprint_percentile": 90}
 
@@ -123,6 +123,9 @@ class LifecycleSettings:
     min_residence_s: float = DEFAULT_LIFECYCLE["min_residence_s"]
     # Disk for llama-server slots kept across swaps (proxy/lifecycle/kvcache/); 0: none are kept.
     kv_store_mib: float = DEFAULT_LIFECYCLE["kv_store_mib"]
+    # A model evicted and loaded again within this is a working set bigger than the budget (placement/
+    # thrash.py): an event and a counter say so. 0: never said.
+    thrash_window_s: float = DEFAULT_LIFECYCLE["thrash_window_s"]
     gpu_headroom_mib: float | None = None    # None: GPU memory does not limit loads
     cpu_budget_mib: float | None = None      # None: CPU memory does not limit loads
     footprint_margin: float = DEFAULT_MEMORY["footprint_margin"]

@@ -205,12 +205,19 @@ class PoolCollector(Collector):
         used = GaugeMetricFamily("llm_pool_memory_used_bytes", "Memory admitted to loaded models per device", labels=d)
         reserved = GaugeMetricFamily("llm_pool_memory_reserved_bytes", "Memory reserved by loads in flight per device",
                                      labels=d)
-        for row in self.pool.memory_report()["devices"]:
+        thrash = CounterMetricFamily("llm_pool_thrash", "Loads of a model evicted within "
+                                     "engine.lifecycle.thrash_window_s that evict another while the models in use "
+                                     "need more than the budget holds (the `thrash` event says it once per window)",
+                                     labels=["model"])
+        report = self.pool.memory_report()
+        for row in report["devices"]:
             if row["budget_bytes"] is not None:
                 budget.add_metric([row["device"]], row["budget_bytes"])
             used.add_metric([row["device"]], row["used_bytes"])
             reserved.add_metric([row["device"]], row["reserved_bytes"])
-        yield from (budget, used, reserved)
+        for model, count in report["thrash"]["counts"].items():
+            thrash.add_metric([model], count)
+        yield from (budget, used, reserved, thrash)
 
 
 class ProxyMetrics:

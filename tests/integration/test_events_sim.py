@@ -116,3 +116,34 @@ def test_a_sigkilled_replica_is_a_crash_event_once(start_proxy) -> None:
     assert ask(proxy, "m") == 200
     assert brief(events(proxy, "?kind=crash"), "model", "replica") == [("crash", "m", 0)]
     assert f"pid {pid}" in crashes[0]["message"]
+
+
+def test_a_supervisorctl_stop_start_and_restart_are_stopped_and_started_events_when_they_happen_not_crashes(
+        start_proxy) -> None:
+    proxy = start_proxy({"m": {"backend": "sim", "enabled": True, "replicas": 2, "replica_max": 2}})
+    replica = proxy.wait_replicas_ready("m", 2)["replicas"][1]
+    out = proxy.supervisorctl("stop", replica["program"])
+    assert "stopped" in out.stdout, out
+    # Said while it is stopped, not later: supervisord's own state says it was asked to stop.
+    stopped = wait_for(lambda: events(proxy, "?kind=stopped") or None, what="a stopped event")
+    assert brief(stopped, "model", "replica") == [("stopped", "m", 1)]
+    assert f"(pid {replica['pid']}) was stopped in supervisord, not by the pool" in stopped[0]["message"]
+    assert proxy.admin_model("m")["replicas"][1]["state"] == "stopped"
+    assert ask(proxy, "m") == 200   # served by the other replica
+
+    out = proxy.supervisorctl("start", replica["program"])
+    assert "started" in out.stdout, out
+    again = proxy.wait_replicas_ready("m", 2)["replicas"][1]
+    assert brief(events(proxy, "?kind=stopped,started,crash,restart"), "model", "replica") == [
+        ("stopped", "m", 1), ("started", "m", 1)]
+    assert f"was started in supervisord (pid {again['pid']})" in events(proxy, "?kind=started")[0]["message"]
+    assert again["restarts"] == 0   # a start an admin asked for, not a restart after a crash
+
+    # A restart, however quick: seen by its states, or only by its new pid and supervisord's log.
+    out = proxy.supervisorctl("restart", replica["program"])
+    assert "started" in out.stdout, out
+    wait_for(lambda: len(events(proxy, "?kind=started")) == 2, what="the restart's started event")
+    restarted = proxy.wait_replicas_ready("m", 2)["replicas"][1]
+    assert brief(events(proxy, "?kind=stopped,started,crash,restart"), "model", "replica") == [
+        ("stopped", "m", 1), ("started", "m", 1)] * 2
+    assert restarted["pid"] != again["pid"] and restarted["restarts"] == 0

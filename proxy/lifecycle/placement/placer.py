@@ -49,6 +49,7 @@ from proxy.lifecycle.placement.load_retry import retry_delay, worth_retrying
 from proxy.lifecycle.placement.memory import CPU, Memory, qualify
 from proxy.lifecycle.placement.rules import HOLDING, Limits, ModelView, Shortfall, Status, plan, room_for, spread
 from proxy.lifecycle.placement.usage import UsageTimes
+from proxy.lifecycle.placement.working_set import WorkingSet
 from proxy.lifecycle.state.replicas import ModelState, ReplicaState
 from proxy.lifecycle.state.runtime import Backoff, ModelRuntime
 from proxy.lifecycle.state.wake import Wake
@@ -92,6 +93,8 @@ class Placer:
         # What each asleep model is charged per replica, by host (its weights in host RAM): fixed when
         # it fell asleep, dropped when it wakes or stops. While one is here it is charged this alone.
         self._asleep: dict[str, dict[str, dict[str, int]]] = {}
+        # Models that take each other's room in turn, and devices over their budget (working_set.py).
+        self.working_set = WorkingSet(settings.lifecycle.thrash_window_s)
 
     # -- hosts ------------------------------------------------------------------------------------
 
@@ -352,6 +355,10 @@ class Placer:
             runtime.admission.set_stall(insufficient(name, short) if short is not None else None)
         for name, short in decided.too_large.items():
             self.models[name].admission.close(too_large(name, short))
+        if not self._loading and not self._evicting and not self.pending:
+            # Only once nothing is in flight: a swap holds the old model's room and the new one's together.
+            for overrun in self.working_set.over_budget(views, limits.budgets):
+                self.events.record(ev.OVER_BUDGET, overrun.sentence(), level=logging.WARNING)
         if not settled:   # plan again soon: the predecessor's exit wakes nothing here
             return 1.0 if decided.wake_in_s is None else min(decided.wake_in_s, 1.0)
         return decided.wake_in_s
@@ -382,6 +389,7 @@ class Placer:
     async def make_room(self, runtime: ModelRuntime, evict: tuple[str, ...]) -> None:
         """Unload `evict` (drained, their waiters kept) so that `runtime`'s load fits."""
         self._evicting.update(evict)
+        self._say_thrash(runtime.name, evict)
         for name in evict:
             self.events.record(ev.EVICT, f"model {name} is evicted to make room for {runtime.name}", model=name,
                                reason="evicted", cause=runtime.name)
@@ -393,6 +401,15 @@ class Placer:
         failed = [f"{name}: {r}" for name, r in zip(evict, results) if isinstance(r, BaseException)]
         if failed:
             raise Unavailable("could not make room: " + "; ".join(failed), code="insufficient_memory", retry_after=5)
+
+    def _say_thrash(self, name: str, evict: tuple[str, ...]) -> None:
+        mono = self.clock.monotonic()
+        said = self.working_set.swap(name, evict, self.views(), self.limits(), self.clock.time(), mono)
+        if said is not None:
+            self.events.record(ev.THRASH, said.sentence(self.working_set.window_s), model=name,
+                               cause=", ".join(evict), level=logging.WARNING)
+        for evicted in evict:
+            self.working_set.evicted(evicted, mono)
 
     async def _unload(self, name: str, reason: str, cause: str) -> None:
         try:
@@ -500,7 +517,7 @@ class Placer:
     def describe(self) -> dict[str, Any]:
         """GET /v1/admin/memory (placer_view.py)."""
         return placer_view.memory_report(self.views(), self.memory, self.settings.lifecycle, self.pending,
-                                         self.waiting, self.models)
+                                         self.waiting, self.models, self.working_set, self.clock.monotonic())
 
 
 def too_large(name: str, short: Shortfall) -> Conflict:

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence
 from proxy.config.settings import LifecycleSettings
 from proxy.lifecycle.placement.memory import Memory, qualify
 from proxy.lifecycle.placement.rules import MIB, ModelView, Shortfall
+from proxy.lifecycle.placement.working_set import WorkingSet
 from proxy.lifecycle.state.runtime import ModelRuntime
 
 
@@ -40,9 +41,11 @@ def _charged(charges: Mapping[str, Mapping[str, int]] | None) -> dict[str, float
 
 
 def memory_report(views: Sequence[ModelView], memory: Memory, life: LifecycleSettings, loading: Sequence[str],
-                  waiting: Mapping[str, Shortfall], models: Mapping[str, ModelRuntime]) -> dict[str, Any]:
+                  waiting: Mapping[str, Shortfall], models: Mapping[str, ModelRuntime],
+                  working_set: WorkingSet, mono: float) -> dict[str, Any]:
     """GET /v1/admin/memory: per device its budget, what loaded models hold, what loads in flight
-    reserve; the loads in flight (`loading`) and those waiting for room, in order."""
+    reserve; the loads in flight (`loading`) and those waiting for room, in order; the thrashes
+    counted and the last one while it is within its window (`mono`: now, monotonic)."""
     budgets = memory.budgets()
     devices: dict[str, dict[str, Any]] = {}
     for view in views:
@@ -73,5 +76,8 @@ def memory_report(views: Sequence[ModelView], memory: Memory, life: LifecycleSet
             "swap_max_wait_s": life.swap_max_wait_s,
             "min_residence_s": life.min_residence_s,
             "loading": list(loading),
+            "thrash": {"window_s": working_set.window_s, "counts": dict(working_set.counts),
+                       "recent": None if (last := working_set.recent(mono)) is None
+                       else last.as_dict(working_set.window_s)},
             "waiting_for_room": [{"model": n, "waited_s": round(models[n].admission.oldest_wait_s(), 3),
                                   **waiting[n].as_dict()} for n in order]}

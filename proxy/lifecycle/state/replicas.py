@@ -136,6 +136,7 @@ class Replica:
     failures_before: int = 0
     exited_pid: int = 0
     crashed_pid: int = 0              # the process whose crash was recorded (an event, a log line)
+    stopped_pid: int = 0              # the process an admin stopped in supervisord: its end is no crash
     ejected_total: int = 0
     eject_until: float = 0.0
     # For /metrics: requests sent to it, failed health checks (in rotation or ejected) and failed

@@ -20,6 +20,9 @@ _EXITED = re.compile(r"exited: (?P<name>[A-Za-z0-9_.-]+) \((?:exit status (?P<st
                      r"(?P<expected>not expected|expected)\)")
 # How much of the main log's end is read: an exit line and the few lines a restart adds after it.
 MAIN_LOG_TAIL = 16384
+# Any end of a process: `stopped:` when supervisord was asked to stop it (supervisorctl stop or
+# restart), `exited:` when it ended by itself (process.py `finish()`).
+_END = re.compile(r"(?P<end>exited|stopped): (?P<name>[A-Za-z0-9_.-]+) \(")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,13 @@ class Crash:
 
     def sentence(self, who: str) -> str:
         return f"{who} {self.how}; {self.after}"
+
+
+def asked_to_stop(program: str, main_log: str) -> bool:
+    """Whether `program`'s last end in supervisord's main log (its end, "" if unreadable) was a
+    stop supervisord was asked for, not an exit."""
+    ends = [m["end"] for m in _END.finditer(main_log) if m["name"] == program]
+    return bool(ends) and ends[-1] == "stopped"
 
 
 def describe(program: str, info: ProcessInfo, replaced: bool, main_log: str) -> Crash:

@@ -2,8 +2,9 @@
 
 It polls supervisord's process table (every supervisor.poll_interval_s, or at once when woken),
 so that a crash costs one replica until supervisord has restarted it and it answers again, and an
-admin's `supervisorctl stop` is respected; probes a starting replica until its health check (and
-warm-up) passes; runs the periodic health checks and outlier ejection of proxy/lifecycle/watch/health.py;
+admin's `supervisorctl stop` is respected and said (a `stopped` event, a later start `started`);
+probes a starting replica until its health check (and warm-up) passes; runs the periodic health
+checks and outlier ejection of proxy/lifecycle/watch/health.py;
 scrapes the engines' load gauges for routing; and takes the data path's reports of how a request
 to a replica ended. The pool waits on it for a load's or a scale's replicas to become healthy.
 When supervisord stops answering it says so (once, then every DOWN_LOG_INTERVAL_S) and, in managed
@@ -305,22 +306,26 @@ class Monitor:
             if state != ReplicaState.STOPPED:
                 runtime.set_replica_state(replica, ReplicaState.STOPPED, "program no longer known to supervisord")
             return
-        pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid)
-        if replica.pid and replica.pid != replica.crashed_pid and (pid_changed or info.state in EXITED_STATES):
+        was_alive = replica.alive
+        asked = False   # a restart in supervisord (supervisorctl restart) seen only by its new pid
+        # A process after the one an admin stopped is a start, not a restart (nor a failure, nor a crash).
+        pid_changed = bool(replica.pid) and info.pid not in (0, replica.pid) and replica.pid != replica.stopped_pid
+        if replica.pid and replica.pid not in (replica.crashed_pid, replica.stopped_pid) and \
+                (pid_changed or info.state in EXITED_STATES):
             # Its process ended and nobody here asked (a stop by the pool is STOPPING, returned above;
-            # an admin's supervisorctl stop is STOPPED, no exit): said once per process.
+            # an admin's supervisorctl stop is STOPPING then STOPPED, no exit): said once per process.
             replica.crashed_pid = replica.pid
-            await self._crashed(replica, info, pid_changed)
+            asked = await self._ended(replica, info, pid_changed)
         # A replica is checked from the moment its process exists, so it can be READY while
         # supervisord still says STARTING (its startsecs): that is the same process, running.
         process_state = ProcessState.RUNNING if (
             info.state == ProcessState.STARTING and state in (ReplicaState.READY, ReplicaState.UNHEALTHY)
             and not pid_changed and info.pid == replica.pid) else info.state
         info = replace(info, state=process_state)
-        if pid_changed or (state in (ReplicaState.READY, ReplicaState.UNHEALTHY) and
-                           info.state in EXITED_STATES + (ProcessState.STARTING,)):
+        if not asked and (pid_changed or (state in (ReplicaState.READY, ReplicaState.UNHEALTHY) and
+                                          info.state in EXITED_STATES + (ProcessState.STARTING,))):
             note_exit(replica)  # a process that keeps crashing is ejected like one that keeps failing
-        if pid_changed:
+        if pid_changed and not asked:
             replica.restarts += 1
         if info.pid:
             replica.pid = info.pid
@@ -333,9 +338,9 @@ class Monitor:
         if state in (ReplicaState.READY, ReplicaState.UNHEALTHY):
             if info.state in DOWN_STATES:
                 # An admin's `supervisorctl stop`: respected, never undone by the pool.
-                runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
+                self._stopped(runtime, replica)
             elif info.state != ProcessState.RUNNING or pid_changed:
-                runtime.set_replica_state(replica, ReplicaState.STARTING,
+                runtime.set_replica_state(replica, ReplicaState.STARTING, "restarted in supervisord" if asked else
                                           f"process exited ({info.description or info.state.name}); restarting")
             elif state == ReplicaState.UNHEALTHY:
                 self.checks.maybe_recheck(runtime, replica)
@@ -348,7 +353,7 @@ class Monitor:
                 await self._stop_quietly(replica)
                 return
             if info.state in DOWN_STATES and runtime.state == ModelState.LOADED:
-                runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
+                self._stopped(runtime, replica)
                 return
             # From the moment the process exists, not from supervisord's RUNNING: that comes only
             # after startsecs, and an engine that is healthy sooner would wait for it.
@@ -358,8 +363,34 @@ class Monitor:
             return
         # STOPPED or FAILED: an admin may bring the process back with supervisorctl start.
         if runtime.state == ModelState.LOADED and info.state in (ProcessState.STARTING, ProcessState.RUNNING):
+            if replica.stopped_pid or not was_alive:
+                # Not a FAILED replica whose process runs on (unhealthy): that one is only checked again.
+                replica.stopped_pid = 0
+                self._say_started(replica, info.pid)
             runtime.set_replica_state(replica, ReplicaState.STARTING)
             self.wake()
+
+    def _stopped(self, runtime: ModelRuntime, replica: Replica) -> None:
+        """supervisord says STOPPING or STOPPED of a replica the pool did not stop: someone asked it
+        (supervisorctl stop, or its XML-RPC), and the process ends because it was asked. Said now,
+        and its end is never a crash, nor what supervisord starts next a restart."""
+        replica.stopped_pid = replica.pid
+        runtime.set_replica_state(replica, ReplicaState.STOPPED, "stopped in supervisord")
+        self._say_stopped(replica, "out of rotation until it is started there again")
+
+    def _say_stopped(self, replica: Replica, after: str) -> None:
+        self.events.record(ev.STOPPED, f"model {replica.model} replica {replica.index} (pid {replica.pid}"
+                           f"{self._on(replica)}) was stopped in supervisord, not by the pool: {after}",
+                           model=replica.model, replica=replica.index, host=replica.host, level=logging.WARNING)
+
+    def _say_started(self, replica: Replica, pid: int) -> None:
+        self.events.record(ev.STARTED, f"model {replica.model} replica {replica.index}{self._on(replica)} was "
+                           f"started in supervisord (pid {pid}): back in rotation once its health check passes",
+                           model=replica.model, replica=replica.index, host=replica.host)
+
+    @staticmethod
+    def _on(replica: Replica) -> str:
+        return f" on host {replica.host}" if replica.host != LOCAL_HOST else ""
 
     async def _probe(self, runtime: ModelRuntime, replica: Replica, spec: ProgramSpec, pid: int) -> None:
         """Check a starting replica until it is healthy or leaves STARTING (its process exits, the
@@ -422,19 +453,26 @@ class Monitor:
             replica.reported = read_gauges(text, metrics) if text else {}
             replica.inflight_at_scrape = max(ours, replica.inflight)
 
-    async def _crashed(self, replica: Replica, info: ProcessInfo, replaced: bool) -> None:
+    async def _ended(self, replica: Replica, info: ProcessInfo, replaced: bool) -> bool:
+        """The replica's process ended and the pool did not ask: a crash, said with how it ended.
+        Or, when another process replaced it and supervisord's log says it was asked to stop, a
+        `supervisorctl restart` between two looks at its table: a stop and a start, and True."""
         client = self.programs.host_of(replica).client
         try:
             main_log = await client.main_log_tail(crashes.MAIN_LOG_TAIL)
         except SupervisorError:
             main_log = ""   # no log file (syslog), or the host just stopped answering
         program = replica.spec.program if replica.spec is not None else replica.fullname
+        if replaced and crashes.asked_to_stop(program, main_log):
+            self._say_stopped(replica, "started again at once (a restart)")
+            self._say_started(replica, info.pid)
+            return True
         crash = crashes.describe(program, info, replaced, main_log)
-        where = f" on host {replica.host}" if replica.host != LOCAL_HOST else ""
         self.events.record(ev.CRASH, crash.sentence(f"model {replica.model} replica {replica.index} "
-                                                        f"(pid {replica.pid}{where})"),
+                                                        f"(pid {replica.pid}{self._on(replica)})"),
                            model=replica.model, replica=replica.index, host=replica.host, reason=crash.how,
                            level=logging.WARNING)
+        return False
 
     async def _log_tail(self, replica: Replica, length: int = 2000) -> str:
         try:

@@ -219,6 +219,11 @@
     if (memory.loading.length) notes.push(`Loading: ${memory.loading.join(", ")}.`);
     for (const w of memory.waiting_for_room) notes.push(`${w.model} waits for room (${w.waited_s} s).`);
     setText(document.getElementById("memory-note"), notes.join(" "));
+    // Models that take each other's room in turn (a `thrash` within engine.lifecycle.thrash_window_s).
+    const thrash = memory.thrash ? memory.thrash.recent : null;
+    const warning = document.getElementById("memory-warning");
+    setText(warning, thrash ? `Working set too big: ${thrash.message}` : "");
+    warning.hidden = !thrash;
     if (gpu !== null) state.gpu = gpu;
     const report = state.gpu;
     if (report) {

@@ -66,6 +66,46 @@ async def test_an_admin_stop_is_respected_and_an_admin_start_rejoins(world: Any)
     assert await observe(world, STARTING, 103) == ReplicaState.STARTING
 
 
+async def test_an_admin_stop_is_a_stopped_event_when_it_happens_and_the_start_a_started_event_not_a_crash(
+        world: Any) -> None:
+    pool, _, replica, _ = world
+    assert await observe(world, ProcessState.STOPPING, 100) == ReplicaState.STOPPED   # supervisord was asked
+    assert [(e.kind, e.model, e.replica) for e in pool.events.since(0)] == [("stopped", "m", 0)]
+    assert await observe(world, STOPPED, 0) == ReplicaState.STOPPED
+    assert await observe(world, STARTING, 103) == ReplicaState.STARTING
+    feed = pool.events.since(0)
+    assert [(e.kind, e.model, e.replica) for e in feed] == [("stopped", "m", 0), ("started", "m", 0)]
+    assert "(pid 100) was stopped in supervisord, not by the pool" in feed[0].message
+    assert "was started in supervisord (pid 103)" in feed[1].message
+    # A start, not a restart: nothing counts against the replica.
+    assert (replica.pid, replica.restarts, replica.failures) == (103, 0, 0)
+
+
+async def test_a_restart_in_supervisord_between_two_looks_is_a_stop_and_a_start_by_its_log_not_a_crash(
+        world: Any) -> None:
+    pool, runtime, replica, fake = world
+    program = replica.spec.program
+    # supervisorctl restart: supervisord's log says it was asked to stop it; its table shows only the new pid.
+    fake.main_log = (f"2026-12-03 10:00:00,001 INFO stopped: {program} (terminated by SIGTERM)\n"
+                     f"2026-12-03 10:00:00,101 INFO spawned: '{program}' with pid 105\n")
+    assert await observe(world, RUNNING, 105) == ReplicaState.STARTING
+    assert [(e.kind, e.replica) for e in pool.events.since(0)] == [("stopped", 0), ("started", 0)]
+    assert (replica.pid, replica.restarts, replica.failures) == (105, 0, 0)
+    # An exit after it is a crash again.
+    runtime.set_replica_state(replica, ReplicaState.READY)
+    fake.main_log += f"2026-12-03 10:01:00,001 WARN exited: {program} (terminated by SIGKILL; not expected)\n"
+    assert await observe(world, RUNNING, 106) == ReplicaState.STARTING
+    assert [e.kind for e in pool.events.since(0)] == ["stopped", "started", "crash"]
+    assert replica.restarts == 1
+
+
+async def test_an_admin_start_after_supervisord_gave_up_is_a_started_event(world: Any) -> None:
+    pool, _, _, _ = world
+    assert await observe(world, FATAL, 0) == ReplicaState.FAILED
+    assert await observe(world, STARTING, 104) == ReplicaState.STARTING
+    assert [e.kind for e in pool.events.since(0)] == ["crash", "started"]
+
+
 async def test_supervisord_giving_up_fails_the_replica_with_its_log(world: Any) -> None:
     _, _, replica, _ = world
     assert await observe(world, FATAL, 0) == ReplicaState.FAILED

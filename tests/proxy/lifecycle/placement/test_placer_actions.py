@@ -7,6 +7,7 @@ Models are sim replicas counted on the CPU budget (100 MiB here); each model's m
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +214,56 @@ async def test_the_count_cap_evicts_an_idle_model_and_waits_for_a_busy_one(tmp_p
     assert world.placer.waiting["c"].device == COUNT
     stall = world.models["c"].admission.stall
     assert stall is not None and "max_loaded_models is 1" in stall.message
+
+
+async def swap(world: World, name: str, evict: tuple[str, ...]) -> None:
+    """`name` loaded as the pool loads it once placement chose `evict` for it (Pool._load_locked),
+    and used."""
+    runtime = world.models[name]
+    world.placer.reserve(name, runtime.config)
+    await world.placer.make_room(runtime, evict)
+    runtime.move(ModelState.LOADING)
+    runtime.move(ModelState.LOADED)
+    runtime.loaded_at = world.clock.monotonic()
+    runtime.admission.last_used = world.clock.time()
+    world.placer.settled(name)
+
+
+async def test_models_that_take_each_others_room_in_turn_are_one_thrash_event_and_each_swap_is_counted(
+        tmp_path: Path) -> None:
+    world = World(tmp_path, {"a": {}, "b": {}, "c": {}}, mib=40)     # room for two of the three
+    world.loaded("a", idle_s=2)
+    world.loaded("b", idle_s=1)
+    await swap(world, "c", ("a",))      # c's first load: a swap, and nothing came back
+    world.clock.advance(8)
+    await swap(world, "a", ("b",))      # a is back 8 s after its eviction: the three are in use
+    world.clock.advance(8)
+    await swap(world, "b", ("c",))      # and b: the same models, counted and not said again
+    feed = world.placer.events.since(0)
+    assert [(e.kind, e.model, e.cause) for e in feed] == [
+        (ev.EVICT, "a", "c"), (ev.THRASH, "a", "b"), (ev.EVICT, "b", "a"), (ev.EVICT, "c", "b")]
+    assert feed[1].message == (
+        "model a is loaded again 8.0s after its eviction (thrash_window_s 60), evicting b: the models in use "
+        "(a, b, c) need 120.0 MiB together on cpu, more than its budget of 100.0 MiB (a budget of 120.0 MiB "
+        "would hold them); each swap is a reload")
+    thrash = world.placer.describe()["thrash"]
+    assert thrash["window_s"] == 60 and thrash["counts"] == {"a": 1, "b": 1}
+    recent = thrash["recent"]
+    assert (recent["model"], recent["models"], recent["needed_mib"], recent["budget_mib"]) == \
+        ("b", ["a", "b", "c"], 120.0, 100.0)
+    world.clock.advance(61)
+    assert world.placer.describe()["thrash"]["recent"] is None   # the page's warning ends with its window
+
+
+async def test_loaded_models_over_a_smaller_budget_are_said_once_by_how_much(tmp_path: Path) -> None:
+    world = World(tmp_path, {"a": {}, "b": {}}, mib=40)
+    world.loaded("a")
+    world.loaded("b")
+    world.placer._plan_once()
+    # As after a reload to a smaller budget that adopted both: they hold 80 MiB of its 60.
+    world.placer.memory.lifecycle = replace(world.placer.memory.lifecycle, cpu_budget_mib=60)
+    world.placer._plan_once()
+    world.placer._plan_once()
+    assert [(e.kind, e.message) for e in world.placer.events.since(0)] == [
+        (ev.OVER_BUDGET, "device cpu holds 80.0 MiB of loaded models (a, b), 20.0 MiB more than its budget of "
+                         "60.0 MiB: the next load there first evicts until it fits")]

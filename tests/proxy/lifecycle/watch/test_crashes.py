@@ -30,6 +30,14 @@ def test_without_a_readable_log_the_table_says_what_it_can() -> None:
     assert crashes.describe("p", info(ProcessState.RUNNING, 7), True, "").how.startswith("exited (")
 
 
+def test_a_stop_supervisord_was_asked_for_is_told_from_an_exit_by_the_programs_last_line() -> None:
+    stop = "2026-12-03 10:00:00,001 INFO stopped: m-0123abcd-r0 (terminated by SIGTERM)\n"
+    assert crashes.asked_to_stop("m-0123abcd-r0", LOG + stop)
+    assert not crashes.asked_to_stop("m-0123abcd-r0", LOG)                 # its last end was an exit
+    assert not crashes.asked_to_stop("m-0123abcd-r0", stop + LOG)          # a stop, then a crash
+    assert not crashes.asked_to_stop("m-0123abcd-r", stop) and not crashes.asked_to_stop("p", "")
+
+
 def test_a_line_that_only_looks_like_an_exit_line_is_not_taken() -> None:
     forged = "exited: p (terminated by SIGKILL; rm -rf /)\nexited: p (exit status 1; not expected)\n"
     assert crashes.describe("p", info(ProcessState.EXITED), False, forged).how == "exited with status 1"
