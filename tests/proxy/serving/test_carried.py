@@ -77,6 +77,7 @@ def test_a_successor_shows_its_own_counts_plus_its_predecessors_and_never_less()
     new.requests.labels("a", "500").inc()
     new.latency.labels("a").observe(0.5)
     new.tenants.count("t", 200, 1, 0, 1, 0.25)
+    new.active.labels("a").set(1)
     after = new.scrape()
     assert all(after[k] >= v for k, v in counters(before).items())
     assert after[("llm_pool_requests_total", (("model", "a"), ("status", "200")))] == 6
@@ -88,24 +89,31 @@ def test_a_successor_shows_its_own_counts_plus_its_predecessors_and_never_less()
     assert after[("llm_pool_tenant_requests_total", (("status", "200"), ("tenant", "t")))] == 2
     assert after[("llm_pool_tenant_tokens_total", (("kind", "output"), ("tenant", "t")))] == 8
     assert after[("llm_pool_tenant_cost_total", (("tenant", "t"),))] == 0.75
-    assert after[("llm_pool_requests_active", (("model", "a"),))] == 0       # a gauge is the process's own
+    assert after[("llm_pool_requests_active", (("model", "a"),))] == 1       # a gauge is the process's own
     # The series keeps its first creation time: a new one would read as a reset too.
     created = ("llm_pool_requests_created", (("model", "a"), ("status", "200")))
     assert after[created] == before[created]
 
 
-def test_the_predecessors_last_snapshot_replaces_its_first_and_a_chain_of_reloads_adds_up() -> None:
+def test_the_predecessors_last_snapshot_raises_its_first_and_a_chain_of_reloads_adds_up() -> None:
     old = Process()
     old.requests.labels("a", "200").inc(5)
     new = Process()
     new.carried.carry(parse(old.handed_over()))
     old.requests.labels("a", "200").inc(3)         # finished while it drained
+    old.requests.remove("a", "200")                # a series it no longer shows as it exits...
+    old.requests.labels("b", "200").inc(3)
     new.carried.carry(parse(old.handed_over()))    # as it exits
+    assert new.scrape()[("llm_pool_requests_total", (("model", "a"), ("status", "200")))] == 5   # ...keeps its value
+    new.carried.carry(parse([{"name": "llm_pool_requests", "type": "counter", "help": "h",
+                              "samples": [["llm_pool_requests_total", {"model": "a", "status": "200"}, 8.0]]}]))
     new.requests.labels("a", "200").inc()
     third = Process()
     third.carried.carry(parse(new.handed_over()))
     third.requests.labels("a", "200").inc()
-    assert third.scrape()[("llm_pool_requests_total", (("model", "a"), ("status", "200")))] == 10
+    shown = third.scrape()
+    assert shown[("llm_pool_requests_total", (("model", "a"), ("status", "200")))] == 10
+    assert shown[("llm_pool_requests_total", (("model", "b"), ("status", "200")))] == 3
 
 
 def test_loads_and_unloads_go_on_in_the_runtimes_not_on_top_of_them() -> None:
