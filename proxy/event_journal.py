@@ -1,21 +1,23 @@
 """The events feed's journal: the events in a file of the state folder, one JSON object a line, so
 that a reload or a restart after a crash keeps the record (proxy/events.py).
 
-Each event is appended with one write(2) as it is recorded (a few hundred bytes into the page cache:
-no fsync, which on a busy disk could hold the event loop for a long time; what the kernel has is
-kept when the proxy is killed). The file stays bounded: once it holds twice the feed's capacity, it
-is replaced by the feed's ring (write_atomic), at most once per `capacity` events. Reading it back
-skips what is not an event, such as a line cut short by a crash.
+Each event is appended with one write(2) as it is recorded (a few hundred bytes into the page cache;
+what the kernel has is kept when the proxy is killed). The file stays bounded: once it holds twice
+the feed's capacity, it is replaced by the feed's ring (a temporary file renamed over it), at most
+once per `capacity` events. Neither fsyncs: on a busy disk an fsync can hold the event loop for
+long, and the record is worth less than that (a power loss may take its last events). Reading it
+back skips what is not an event, such as a line cut short by a crash.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from proxy.atomic_file import PRIVATE_MODE, write_atomic
+from proxy.atomic_file import PRIVATE_MODE
 from proxy.events import Event
 
 log = logging.getLogger(__name__)
@@ -62,12 +64,22 @@ class EventJournal:
         """Replace the file with `events`, and append to the new one from now on."""
         text = "".join(_line(e) for e in events)
         self.close()
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path, text, PRIVATE_MODE)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_MODE)
+            try:
+                data = memoryview(text.encode())
+                while data:
+                    data = data[os.write(fd, data):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
             self._lines = text.count("\n")
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             self._failed(exc)
             return
         self._written()

@@ -7,7 +7,7 @@ over and once more as it exits (proxy/serving/reload.py). The successor exposes 
 own value plus the predecessor's for the same name and labels (`CarriedCounters`, a collector over
 the app's registry: prometheus_client's public collector API, nothing of its internals), and keeps
 exposing the series it did not count itself. A `_created` sample keeps the earliest time. The
-predecessor's last snapshot replaces its first: both are totals.
+predecessor's last snapshot raises what its first gave: both are totals.
 
 Two counter families are continued by the pool itself instead (`SEEDED`): the admin view shows each
 model's loads and unloads too, so the successor's runtimes start from the handed-over counts.
@@ -85,19 +85,30 @@ class CarriedCounters:
         self._base: dict[str, Family] = {}
 
     def carry(self, families: Mapping[str, Family]) -> None:
-        """The predecessor's counters, replacing what it handed before (each snapshot is a total)."""
-        self._base = {name: f for name, f in families.items() if name not in SEEDED}
+        """The predecessor's counters. Each snapshot is a total, so a later one raises what an earlier
+        one gave, and never lowers it: a series the predecessor no longer shows as it exits (its
+        replicas let go, say) keeps the value it had."""
+        for name, family in families.items():
+            if name in SEEDED:
+                continue
+            kept = self._base.get(name)
+            if kept is None or kept.type != family.type:
+                self._base[name] = kept = Family(family.type, family.help)
+            for key, value in family.samples.items():
+                before = kept.samples.get(key)
+                kept.samples[key] = value if before is None else \
+                    min(before, value) if key[0].endswith(CREATED_SUFFIX) else max(before, value)
 
     def collect(self) -> Iterator[Metric]:
         seen = set()
         for metric in self.source.collect():
+            seen.add(metric.name)
             base = self._base.get(metric.name)
             if base is not None and metric.type == base.type:
-                seen.add(metric.name)
                 metric.samples = _merged(metric.samples, base.samples)
             yield metric
         for name, base in self._base.items():
-            if name not in seen:   # a series only the predecessor counted (a model no longer loaded, say)
+            if name not in seen:   # a family only the predecessor had (its tenants, gone from the settings, say)
                 metric = Metric(name, base.help, base.type)
                 metric.samples = [Sample(n, dict(labels), v) for (n, labels), v in base.samples.items()]
                 yield metric

@@ -189,11 +189,10 @@ class Succession:
         try:
             await self._writer.drain()
             answer = await self._reader.readline()
-            if answer == GO:
-                self.counters = await self._counters()
-        except (OSError, ValueError):   # ValueError: a line past MESSAGE_LIMIT
+        except (OSError, ValueError):
             answer = b""
         if answer == GO:
+            self.counters = await self._counters()
             self._switch_output()   # the caller records (and so logs) the takeover
             return True
         log.error("reload: pid %d %s; exiting and leaving supervisord and the models as they are",
@@ -205,10 +204,13 @@ class Succession:
         """The counters line that comes with `go` (in the same write), or None from a predecessor
         too old to send one (after COUNTERS_WAIT_S). After `go`, not before: a successor too old to
         read it then ignores it, where a line before `go` would make it exit with nobody serving."""
+        assert self._reader is not None
         try:
-            assert self._reader is not None
             line = await asyncio.wait_for(self._reader.readline(), COUNTERS_WAIT_S)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, OSError, ValueError):   # ValueError: a line past MESSAGE_LIMIT
+            # Taken over all the same: the counters start from zero, as they did before they were handed.
+            log.warning("reload: pid %d sent no counters with `go`; the counters start from zero",
+                        self.inherited.predecessor)
             return None
         parsed = parse_message(line)
         return parsed[1] if parsed is not None and parsed[0] == COUNTERS else None
