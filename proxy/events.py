@@ -63,7 +63,7 @@ class Event:
         if not isinstance(data, Mapping):
             return None
         checks = {"id": _positive, "time": _number, "kind": _text, "message": _text, "replica": _index}
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(cls):
             value = data.get(f.name)
             if not checks.get(f.name, _optional_text)(value):

@@ -1,19 +1,28 @@
 """Counters that go on across a reload (proxy/serving/carried.py): a successor's /metrics shows each
 counter, histogram and the tenants' sums as its own count plus its predecessor's, never less than
-the predecessor showed; gauges are its own; a snapshot is checked before it is used."""
+the predecessor showed; gauges are its own; a snapshot is checked before it is used; and during a
+reload only the process that holds the service answers /metrics."""
 from __future__ import annotations
 
 import json
 from typing import Iterator
 
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config.model import ModelConfig
 from proxy.lifecycle.state.runtime import ModelRuntime
+from proxy.serving import routes_public
 from proxy.serving.carried import CarriedCounters, parse, seed, snapshot
+from proxy.serving.errors_http import error_middleware
+from proxy.serving.keys import METRICS
+from proxy.serving.metrics import ProxyMetrics
+from proxy.serving.shutdown import SHUTDOWN, Shutdown
 from proxy.serving.tenancy import TenantMetrics
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -145,3 +154,32 @@ def test_a_snapshot_is_checked_before_it_is_used() -> None:
     assert list(families) == ["llm_pool_requests"]
     assert families["llm_pool_requests"].samples == {("llm_pool_requests_total", (("model", "a"),)): 1.0}
     assert parse({"not": "a list"}) == {} and parse(None) == {}
+
+
+async def test_only_the_process_that_holds_the_service_answers_metrics() -> None:
+    """Before a reload's successor has its predecessor's counters, or after the predecessor handed
+    them over, a scrape would see a counter go down: 503, a gap instead."""
+    app = web.Application(middlewares=[error_middleware])
+    app[METRICS] = metrics = ProxyMetrics()
+    app[SHUTDOWN] = shutdown = Shutdown(keep_models=False, successor=True)
+    app.add_routes(routes_public.routes)
+    metrics.carried.carry(parse([{"name": "llm_pool_requests", "type": "counter", "help": "h", "samples": [
+        ["llm_pool_requests_total", {"model": "a", "endpoint": "/v1/chat/completions", "status": "200", "code": "",
+                                     "key": "other"}, 7.0]]}]))
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(server.make_url("/metrics")) as resp:
+                body = await resp.json()
+                assert (resp.status, body["error"]["code"], resp.headers["Retry-After"]) == (503, "reloading", "1")
+            shutdown.took_over()
+            async with session.get(server.make_url("/metrics")) as resp:
+                assert resp.status == 200
+                assert 'llm_pool_requests_total{code="",endpoint="/v1/chat/completions",key="other",model="a",' \
+                       'status="200"} 7.0' in await resp.text()
+            shutdown.hand_over()
+            async with session.get(server.make_url("/metrics")) as resp:
+                assert (resp.status, (await resp.json())["error"]["code"]) == (503, "shutting_down")
+    finally:
+        await server.close()
