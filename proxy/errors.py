@@ -207,6 +207,7 @@ CODES: dict[str, str] = {
     "no_free_port": "no free port in supervisor.port_range",
     "supervisor_unavailable": "supervisord does not answer",
     "shutting_down": "the proxy is stopping and takes no new work",
+    "reloading": "GET /metrics reached a reload's new process before it took over (it shows the counters then)",
 }
 
 

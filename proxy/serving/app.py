@@ -25,11 +25,13 @@ from proxy.serving import routes_tenants
 from proxy.serving import ui
 from proxy.config.settings import Settings
 from proxy.errors import NotFound
+from proxy.event_journal import EVENTS_FILE, EventJournal
 from proxy.events import RELOAD
 from proxy.serving.edge_guard import edge_guard_middleware
 from proxy.serving.errors_http import ERROR_CODE, error_middleware
 from proxy.serving.forward import upstream_session
-from proxy.serving.handover import Inherited, Succession
+from proxy.serving.carried import parse, seed
+from proxy.serving.handover import COUNTERS, EVENT, Inherited, Succession
 from proxy.serving.keys import (ADOPTING, FAIRNESS_KEY, HTTP, METRICS, MODEL, ON_ADMIN_LISTENER, POOL, SETTINGS,
                                 STARTED, STREAM_ENDED, STREAM_ERROR, VOCABULARIES, VRAM)
 from proxy.serving.metrics import ProxyMetrics
@@ -158,7 +160,9 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
                         pid_record=PidRecord(settings.service.state_dir) if managed_mode else None,
                         managed=managed.ManagedSupervisord(settings, supervisor) if managed_mode else None)
             if successor:
-                pool.predecessor_gone.clear()
+                pool.predecessor_gone.clear()   # and the events journal is its predecessor's until it took over
+            else:
+                continue_events(pool)
             await pool.start()
             app[ADOPTING] = pool.adopting()
         except BaseException:
@@ -173,6 +177,7 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
         try:
             await release_pool(app)
         finally:
+            pool.events.close()
             await supervisor.close()
             await http.close()
 
@@ -257,12 +262,17 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
             if succession is None:
                 notify("READY=1", f"STATUS=serving (pid {os.getpid()})")
             elif await succession.take_over():
+                # Before anything else reads them: the counters and the events go on from the predecessor's.
+                counters = parse(succession.counters)
+                app[METRICS].carried.carry(counters)
+                seed(app[POOL].models, counters)
+                continue_events(app[POOL])
                 shutdown.took_over()
                 app[POOL].events.record(RELOAD, f"reload: took over from pid {succession.inherited.predecessor}; "
                                         f"pid {os.getpid()} serves now", reason="took_over")
                 if lock is not None:
                     managed.record_owner(lock)
-                watching = asyncio.create_task(_mark_gone(succession, app[POOL].predecessor_gone))
+                watching = asyncio.create_task(_follow(succession, app))
             else:
                 # Never handed the service (called off as it got ready): the predecessor serves on,
                 # so this one stops accepting at once and ends as a handed-over process does.
@@ -274,6 +284,8 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
                 await reloader.cancel()   # a stop signal during a reload: the successor goes first
             if shutdown.handed_over:
                 await _finish_handed_over(app, runner, sites, socks)
+                if reloader is not None:
+                    await reloader.finish()   # drained: what its requests counted goes to the successor
                 return
         drain_timeout_s = app[SETTINGS].service.drain_timeout_s
         if not await shutdown.drained(drain_timeout_s):
@@ -305,9 +317,25 @@ async def _until_adopted(app: web.Application) -> None:
     log.info("reload: adoption done (%s); accepting", ", ".join(f"{n}: {s}" for n, s in adopted.items()) or "none")
 
 
-async def _mark_gone(succession: Succession, gone: asyncio.Event) -> None:
+def continue_events(pool: Pool) -> None:
+    """The events feed goes on from the state folder's journal, and writes it from now on. Read on
+    the event loop: at most the feed's capacity of lines, once per start or takeover."""
+    events = pool.events
+    journal = EventJournal(pool.settings.service.state_dir / EVENTS_FILE, events.capacity)
+    events.continue_from(journal.read(), journal)
+
+
+async def _follow(succession: Succession, app: web.Application) -> None:
+    """Until the predecessor has exited: its events go into this feed, its last counters under this
+    process's; then the pool may act on the replicas alone."""
+    pool = app[POOL]
+    async for kind, body in succession.messages():
+        if kind == EVENT:
+            pool.events.received(body)
+        elif kind == COUNTERS:
+            app[METRICS].carried.carry(parse(body))
     await succession.predecessor_exited()
-    gone.set()
+    pool.predecessor_gone.set()
 
 
 async def _finish_handed_over(app: web.Application, runner: web.AppRunner, sites: list[web.SockSite],

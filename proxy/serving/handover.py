@@ -15,27 +15,53 @@ LISTEN_FDS, with the numbers themselves since there are several kinds):
 
 These come from the process environment (trusted), and are checked all the same: a variable left
 in an environment by mistake must fail clearly, not serve on a stray descriptor.
+
+Besides `go`, the predecessor sends its record on the control socket, one line each
+(`<kind> <JSON>`): with `go`, its counters (`counters`, proxy/serving/carried.py), which the
+successor goes on from; after that, each event it records while it drains (`event`); and as it exits,
+its counters once more. The events journal (proxy/event_journal.py) passes with the service: the
+predecessor writes it until `go`, the successor from then on.
 """
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import os
 import socket
 import stat
 import sys
 from dataclasses import dataclass, field
-from typing import MutableMapping
+from typing import Any, AsyncIterator, MutableMapping
 
 log = logging.getLogger(__name__)
 LISTEN_FDS_ENV = "LLM_POOL_LISTEN_FDS"
 HANDOVER_ENV = "LLM_POOL_HANDOVER"
 HANDOVER_FIELDS = ("predecessor", "control", "lock", "stdout", "stderr")
 READY, GO, ABORT = b"ready\n", b"go\n", b"abort\n"
+COUNTERS, EVENT = "counters", "event"
+# How long a successor waits for the counters that come with `go` (in the same write, so at once),
+# in case its predecessor is a version that sends none.
+COUNTERS_WAIT_S = 2.0
+# The longest line on the control socket: a snapshot of the counters of many models and tenants.
+MESSAGE_LIMIT = 64 * 1024 * 1024
 # After the predecessor's end of the control socket closes, how long its exit may take to show
 # (this process is handed to another parent): the fds close just before that, in the same exit.
 REPARENT_WAIT_S = 10.0
+
+
+def message(kind: str, body: Any) -> bytes:
+    """One line of the predecessor's record for the successor."""
+    return f"{kind} {json.dumps(body, separators=(',', ':'))}\n".encode()
+
+
+def parse_message(line: bytes) -> tuple[str, Any] | None:
+    kind, _, body = line.partition(b" ")
+    try:
+        return kind.decode("ascii"), json.loads(body)
+    except ValueError:
+        return None
 
 
 class HandoverError(Exception):
@@ -149,26 +175,45 @@ class Succession:
         self.inherited = inherited
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        # The predecessor's counters as it handed over (proxy/serving/carried.py), once taken over.
+        self.counters: Any = None
 
     async def take_over(self) -> bool:
         """Tell the predecessor this process accepts (its startup adoption is done) and wait for its
-        answer: True on `go` (this process is the proxy now), False on `abort` or when the
-        predecessor exited without answering (then it was never handed the service: it leaves the
-        models as they are for whatever runs next)."""
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=self.inherited.control)
+        answer: True on `go` (this process is the proxy now, and `counters` holds the predecessor's),
+        False on `abort` or when the predecessor exited without answering (then it was never handed
+        the service: it leaves the models as they are for whatever runs next)."""
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=self.inherited.control,
+                                                                        limit=MESSAGE_LIMIT)
         self._writer.write(READY)
         try:
             await self._writer.drain()
             answer = await self._reader.readline()
-        except OSError:
+        except (OSError, ValueError):
             answer = b""
         if answer == GO:
+            self.counters = await self._counters()
             self._switch_output()   # the caller records (and so logs) the takeover
             return True
         log.error("reload: pid %d %s; exiting and leaving supervisord and the models as they are",
                   self.inherited.predecessor, "called the reload off" if answer == ABORT else
                   "exited before it handed over")
         return False
+
+    async def _counters(self) -> Any:
+        """The counters line that comes with `go` (in the same write), or None from a predecessor
+        too old to send one (after COUNTERS_WAIT_S). After `go`, not before: a successor too old to
+        read it then ignores it, where a line before `go` would make it exit with nobody serving."""
+        assert self._reader is not None
+        try:
+            line = await asyncio.wait_for(self._reader.readline(), COUNTERS_WAIT_S)
+        except (asyncio.TimeoutError, OSError, ValueError):   # ValueError: a line past MESSAGE_LIMIT
+            # Taken over all the same: the counters start from zero, as they did before they were handed.
+            log.warning("reload: pid %d sent no counters with `go`; the counters start from zero",
+                        self.inherited.predecessor)
+            return None
+        parsed = parse_message(line)
+        return parsed[1] if parsed is not None and parsed[0] == COUNTERS else None
 
     def _switch_output(self) -> None:
         """From now on write to the predecessor's stdout and stderr (the journal), not through it:
@@ -180,16 +225,30 @@ class Succession:
         os.close(self.inherited.stdout_fd)
         os.close(self.inherited.stderr_fd)
 
-    async def predecessor_exited(self) -> None:
-        """Return once the predecessor process has exited: its end of the control socket closes when
-        its process ends (whatever way it ends), and then this process gets another parent. Both,
-        since waitpid is no use for a process that is not a child."""
+    async def messages(self) -> AsyncIterator[tuple[str, Any]]:
+        """What the predecessor sends after `go`, as (kind, JSON) pairs, until its end of the control
+        socket closes (its process ends, whatever way it ends): the events it records while it
+        drains, and its last counters."""
         assert self._reader is not None
-        try:
-            while await self._reader.read(4096):
-                pass
-        except OSError:
-            pass
+        while True:
+            try:
+                line = await self._reader.readline()
+            except ValueError:
+                log.warning("reload: a message from pid %d was longer than %d bytes; dropped",
+                            self.inherited.predecessor, MESSAGE_LIMIT)
+                continue
+            except OSError:
+                return
+            if not line:
+                return
+            parsed = parse_message(line)
+            if parsed is not None:
+                yield parsed
+
+    async def predecessor_exited(self) -> None:
+        """Return once the predecessor process has exited, after `messages` has ended: its end of
+        the control socket is closed, and this process gets another parent (waitpid is no use for a
+        process that is not a child)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REPARENT_WAIT_S
         while os.getppid() == self.inherited.predecessor and loop.time() < deadline:  # noqa: ASYNC110

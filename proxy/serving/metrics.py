@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from proxy.lifecycle.kvcache.keeper import RESULTS
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import Replica, ReplicaState
+from proxy.serving.carried import CarriedCounters, snapshot
 from proxy.serving.response_metrics import checked_usage
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -221,10 +222,15 @@ class PoolCollector(Collector):
 
 
 class ProxyMetrics:
-    """One registry per app: no process-wide default registry, so two apps never share counters."""
+    """One registry per app: no process-wide default registry, so two apps never share counters.
+    `registry` holds what this process counts; `exposed` (GET /metrics) adds what a reload's
+    predecessor had counted (proxy/serving/carried.py)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.carried = CarriedCounters(self.registry)
+        self.exposed = CollectorRegistry()
+        self.exposed.register(self.carried)
         r = self.registry
         self.requests = Counter("llm_pool_requests", "Requests answered, by final status and error code",
                                 ["model", "endpoint", "status", "code", "key"], registry=r)
@@ -253,6 +259,10 @@ class ProxyMetrics:
         # and locks on every call, which was a measurable share of a request's CPU. Bounded as the
         # labels are (configured models, endpoints, statuses, known codes, named keys).
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every counter as /metrics shows it, for a reload's successor to go on from."""
+        return snapshot(self.carried.collect())
 
     def watch(self, pool: Pool) -> None:
         self.named_keys = frozenset(str(k) for k in (pool.settings.fairness.get("weights") or {}))

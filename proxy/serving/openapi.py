@@ -116,8 +116,9 @@ def operations() -> tuple[Operation, ...]:
                       extra={"503": {"description": "loading, shutting down, or the usage ledger failing",
                                      "headers": _retry_after(),
                                      "content": _json(schemas.ready(["loading", "shutting_down", "ledger_failing"]))}}),
-            Operation("get", "/metrics", "Prometheus metrics",
-                      {"text/plain": {"schema": {"type": "string"}}}),
+            Operation("get", "/metrics", "Prometheus metrics; during a reload 503 (`reloading`, `shutting_down`) "
+                      "from the process that does not hold the service: a missed scrape, never a counter reset",
+                      {"text/plain": {"schema": {"type": "string"}}}, errors=(503,)),
             Operation("get", "/openapi.json", "this document", _json({"type": "object"})),
             Operation("get", "/v1/admin/models", "every configured model: state, replicas, load constraints, "
                       "definition (secrets redacted)", _json(schemas.admin_models()), errors=ADMIN_READ_ERRORS,

@@ -5,10 +5,12 @@ The successor is the same `llm-pool serve` command (so the code and settings on 
 ones it runs), given this process's listening sockets, the state folder's lock, a control socket
 and this process's stdout and stderr (proxy/serving/handover.py). Meanwhile this process serves
 as before. The successor adopts every running replica, starts accepting on the shared sockets and
-writes `ready`; only then does this process answer `go`, tell systemd the main PID changed, and
-stop accepting (serve, in proxy/serving/app.py: it stops its lifecycle decisions, answers what
-still comes on its open connections with `Connection: close`, lets its requests finish, and exits
-0 leaving supervisord and the models running).
+writes `ready`; only then does this process answer `go` (with its counters, and the events journal
+becomes the successor's, so that the record goes on: proxy/serving/carried.py, proxy/events.py),
+tell systemd the main PID changed, and stop accepting (serve, in proxy/serving/app.py: it stops
+its lifecycle decisions, answers what still comes on its open connections with `Connection:
+close`, lets its requests finish, sends its last counters, and exits 0 leaving supervisord and
+the models running).
 
 A successor that exits first (a settings mistake: exit 2), or is not ready within
 service.reload_timeout_s, or is overtaken by a stop signal, is stopped; this process logs why
@@ -26,13 +28,14 @@ import signal
 import socket
 import subprocess
 import sys
+from functools import partial
 from typing import IO, Sequence
 
 from aiohttp import web
 
-from proxy.events import RELOAD
-from proxy.serving.handover import ABORT, GO, READY, handover_environ
-from proxy.serving.keys import POOL, SETTINGS
+from proxy.events import RELOAD, Event
+from proxy.serving.handover import ABORT, COUNTERS, EVENT, GO, READY, handover_environ, message
+from proxy.serving.keys import METRICS, POOL, SETTINGS
 from proxy.serving.sd_notify import monotonic_usec, notify
 from proxy.serving.shutdown import SHUTDOWN
 
@@ -171,12 +174,30 @@ class Reloader:
     def _commit(self, pid: int, control: asyncio.StreamWriter) -> None:
         """The successor accepts on the shared sockets: it is the proxy from now on."""
         notify(f"MAINPID={pid}", "READY=1", f"STATUS=serving (pid {pid}, took over from {os.getpid()})")
-        control.write(GO)
+        # The record goes with the service: the events journal is the successor's to write from now
+        # on (this process's later events go to it on the control socket), and the counters go with
+        # `go`, in the same write, so the successor never shows fewer than this process did.
+        self.app[POOL].events.hand_over(partial(_send_event, control))
+        control.write(GO + message(COUNTERS, self.app[METRICS].snapshot()))
         self._control = control
         log.info("reload: handing over to pid %d; this process (pid %d) stops accepting, makes no more "
                  "lifecycle decisions, finishes its requests and exits, leaving supervisord and the models running",
                  pid, os.getpid())
         self.shutdown.hand_over()
+
+    async def finish(self) -> None:
+        """A handed-over process about to exit: its final counters, for the successor to go on from
+        (what it counted while it drained)."""
+        if self._control is None:
+            return
+        with contextlib.suppress(OSError):
+            self._control.write(message(COUNTERS, self.app[METRICS].snapshot()))
+            await self._control.drain()
+
+
+def _send_event(control: asyncio.StreamWriter, event: Event) -> None:
+    if not control.is_closing():
+        control.write(message(EVENT, event.to_json()))
 
 
 async def _relay(stream: asyncio.StreamReader, pid: int, tail: collections.deque[str]) -> None:

@@ -5,6 +5,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.config.settings import LOCAL_HOST
+from proxy.errors import Unavailable
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.affinity_key import affinity_key
@@ -13,7 +14,7 @@ from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import METRICS, ON_ADMIN_LISTENER, POOL, SETTINGS, VOCABULARIES
 from proxy.serving.relay import ENGINE_JUDGES_INPUT
-from proxy.serving.shutdown import SHUTDOWN, stopping_error
+from proxy.serving.shutdown import SHUTDOWN, handed_over_error, stopping_error
 from proxy.serving.tenancy import TENANCY
 
 routes = web.RouteTableDef()
@@ -141,5 +142,14 @@ async def ready(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
+    # Only the process that holds the service answers: a reload's successor before it has its
+    # predecessor's counters, or the predecessor after it handed them over, would show a counter
+    # going down, which `rate()` reads as a reset. A missed scrape is only a gap.
+    shutdown = request.app[SHUTDOWN]
+    if shutdown.handed_over:
+        raise handed_over_error()
+    if shutdown.succeeding:
+        raise Unavailable("llm-pool is reloading: this process shows the counters once it has taken over from its "
+                          "predecessor; scrape again", code="reloading", retry_after=1)
+    body = generate_latest(request.app[METRICS].exposed)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

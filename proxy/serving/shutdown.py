@@ -10,7 +10,8 @@ are still answered, and the requests that were in flight finish.
 A reload (SIGUSR1, proxy/serving/reload.py) ends a process differently: once its successor took
 over, it is `handed_over`. Nothing is refused then (the successor serves the same port): what
 still comes on its open connections is answered as usual, with `Connection: close`, while its
-requests in flight finish.
+requests in flight finish; but for an admin's action and /metrics (the counters are the
+successor's to show now: routes_public.metrics), answered 503 so that the client asks again.
 """
 from __future__ import annotations
 
@@ -51,6 +52,11 @@ class Shutdown:
         self._idle = asyncio.Event()
         self._idle.set()
         self.pool_released = False
+
+    @property
+    def succeeding(self) -> bool:
+        """A reload's successor that has not been handed the service yet."""
+        return self._successor_pending
 
     def on_signal(self, sig: signal.Signals) -> None:
         """SIGINT, SIGTERM: stop, and unload the models unless they are kept.

@@ -12,7 +12,9 @@ from typing import Iterator
 
 import pytest
 
-from proxy.serving.handover import HANDOVER_ENV, LISTEN_FDS_ENV, HandoverError, handover_environ, take_inherited
+from proxy.serving import handover
+from proxy.serving.handover import (COUNTERS, EVENT, GO, HANDOVER_ENV, LISTEN_FDS_ENV, READY, HandoverError, Inherited,
+                                    Succession, handover_environ, message, take_inherited)
 from proxy.serving.sd_notify import notify
 from proxy.supervisord.managed import claim_state_dir, inherited_lock
 
@@ -109,3 +111,33 @@ def test_sd_notify_sends_one_datagram_to_the_socket_systemd_names(tmp_path: Path
         assert sock.recv(4096) == b"READY=1\nSTATUS=serving"
     assert not notify("READY=1", environ={})                              # not under systemd: nothing
     assert not notify("READY=1", environ={"NOTIFY_SOCKET": str(tmp_path / "gone")})   # logged, not raised
+
+
+def succession_on(control: socket.socket) -> Succession:
+    """A successor's side of the control socket (its stdout and stderr stay where they are)."""
+    return Succession(Inherited(predecessor=os.getppid(), listeners=[], control=control, lock_fd=-1,
+                                stdout_fd=os.dup(1), stderr_fd=os.dup(2)))
+
+
+async def test_the_successor_takes_the_counters_with_go_then_the_predecessors_record_until_it_closes() -> None:
+    predecessor, theirs = socket.socketpair()
+    with predecessor:
+        # All at once, as the predecessor's buffered writes may arrive; a line that is not a message is skipped.
+        predecessor.sendall(GO + message(COUNTERS, [{"name": "x"}]) + message(EVENT, {"id": 4}) + b"junk\n"
+                            + message(COUNTERS, [{"name": "y"}]))
+        predecessor.shutdown(socket.SHUT_WR)   # it exited
+        succession = succession_on(theirs)
+        assert await succession.take_over()
+        assert succession.counters == [{"name": "x"}]
+        assert [m async for m in succession.messages()] == [(EVENT, {"id": 4}), (COUNTERS, [{"name": "y"}])]
+        assert predecessor.recv(100) == READY
+
+
+async def test_a_predecessor_that_sends_no_counters_still_hands_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older version's `go` comes alone: the successor takes over with nothing to go on from."""
+    monkeypatch.setattr(handover, "COUNTERS_WAIT_S", 0.05)
+    predecessor, theirs = socket.socketpair()
+    with predecessor:
+        predecessor.sendall(GO)
+        succession = succession_on(theirs)
+        assert await succession.take_over() and succession.counters is None
