@@ -158,9 +158,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
     one mapping among them). Unknown keys are returned as `Settings.warnings` (the ConfigError's
     `warnings` when there are problems), or are problems too when `strict`."""
     doc, sources, origins, duplicates = load_document(config)
-    problems, warnings = schema_findings(doc, origins)
-    if strict:
-        problems, warnings = sorted(problems + warnings), []
+    problems, warnings = schema_findings(doc, origins, strict)
     problems = duplicates + problems
     if problems:
         raise ConfigError(problems, tuple(warnings))
