@@ -59,7 +59,8 @@ def schema_findings(doc: Mapping[str, Any], origins: Origins | None = None,
     origins = origins or Origins()
     schema = json.loads(files.SCHEMA_PATH.read_text(encoding="utf-8"))
     validator = jsonschema.Draft202012Validator(schema)
-    problems, warnings = [], []
+    problems: list[str] = []
+    warnings: list[str] = []
     for err in validator.iter_errors(_with_effective_backends(doc)):
         where = list(err.absolute_path)
         if err.validator == "additionalProperties" and isinstance(err.instance, dict):
