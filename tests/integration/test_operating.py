@@ -295,6 +295,16 @@ def test_ctl_finds_a_proxy_started_with_port_and_still_finds_it_when_the_setting
     env = {"XDG_STATE_HOME": str(home)}
     found = ctl(proxy, "models", env=env)
     assert (found.returncode, found.stderr) == (0, "") and "sim" in found.stdout
+
+    def recorded_pid() -> int | None:
+        try:
+            return int(json.loads(record.read_text())["pid"])
+        except FileNotFoundError:
+            return None
+
+    # A reload: the successor records itself once it has taken over; its predecessor, gone, leaves it.
+    proxy.reload()
+    wait_for(lambda: recorded_pid() == proxy.serving_pid, what="the successor's address record")
     for broken in ("service: {port: eighty}\n", "service: {port: [unclosed\n"):   # a wrong value; not YAML
         proxy.config_path.write_text(broken)
         found = ctl(proxy, "models", env=env)
