@@ -20,15 +20,13 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 import yaml
 
 from proxy import ctl_tenants
-from proxy.config.loading import ConfigError, load_settings
+from proxy.ctl_target import resolve_target
 from proxy.masking import shown_url
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_SERVER = 3
-TOKEN_ENV = "LLM_POOL_ADMIN_TOKEN"
-DEFAULT_URL = "http://127.0.0.1:8011"
 FOLLOW_INTERVAL_S = 1.0
 
 
@@ -42,12 +40,14 @@ class CtlError(Exception):
 
 
 class AdminClient:
-    """The admin API over HTTP; errors become CtlError with the exit code they mean."""
+    """The admin API over HTTP; errors become CtlError with the exit code they mean. `token_source`:
+    which variable the token came from (or that none was set), added to a 401."""
 
-    def __init__(self, url: str, token: str | None, timeout: float) -> None:
+    def __init__(self, url: str, token: str | None, timeout: float, token_source: str = "") -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        self.token_source = token_source
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         headers = {"Content-Type": "application/json"}
@@ -59,7 +59,10 @@ class AdminClient:
             with urllib.request.urlopen(request, timeout=self.timeout) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as err:
-            raise CtlError(_error_text(err), EXIT_REFUSED if err.code < 500 else EXIT_SERVER) from None
+            text = _error_text(err)
+            if err.code == 401 and self.token_source:
+                text += f" ({self.token_source})"
+            raise CtlError(text, EXIT_REFUSED if err.code < 500 else EXIT_SERVER) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise CtlError(f"no answer from {shown_url(self.url)}: {reason}", EXIT_SERVER) from None
@@ -306,7 +309,8 @@ def event_line(e: dict[str, Any], when: Callable[[float], str] | None = None) ->
     error text is in some) is shown as `?`, so nothing it holds can drive the terminal."""
     stamp = (when or (lambda t: time.strftime("%m-%d %H:%M:%S", time.localtime(t))))(float(e.get("time") or 0))
     message = "".join(c if c.isprintable() else "?" for c in str(e.get("message", "")))
-    model = e.get("model") or "-"
+    # A host's event names no model: the host is what it is about.
+    model = e.get("model") or (f"host {e['host']}" if e.get("host") else "-")
     if e.get("replica") is not None:
         model = f"{model}/r{e['replica']}"
     return f"{e.get('id', 0):>6}  {stamp:<14}  {str(e.get('kind')):<11}  {model:<16}  {message}"
@@ -431,38 +435,12 @@ def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
         return value if defaults else argparse.SUPPRESS
 
     parser.add_argument("--url", default=default(None),
-                        help="the proxy's base URL (default: service.host and service.port of the settings)")
+                        help="the proxy's base URL (default: where the running proxy recorded it listens, in its "
+                             "state folder; else service.host and service.port of the settings)")
     parser.add_argument("--json", action="store_true", default=default(False),
                         help="print the API's JSON instead of tables")
     parser.add_argument("--timeout", type=float, default=default(600.0),
                         help="seconds to wait for an answer (a load waits until the model is ready)")
-
-
-def resolve_target(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str | None]:
-    """The proxy's URL and the admin token: --url, else the settings' admin listener (service.admin_host
-    and admin_port) or host and port; the token from
-    the variable service.admin_token_env names, else LLM_POOL_ADMIN_TOKEN."""
-    token_env = None
-    url = args.url
-    try:
-        settings = load_settings(getattr(args, "config", None))
-    except ConfigError as exc:
-        if url is None:
-            print(f"llm-pool ctl: settings unusable ({exc.problems[0]}); trying {DEFAULT_URL}", file=sys.stderr)
-        settings = None
-    if settings is not None:
-        token_env = settings.service.admin_token_env
-        if url is None:
-            service = settings.service
-            # The admin API answers on its own listener when service.admin_port is set.
-            host, port = ((service.admin_host or service.host, service.admin_port) if service.admin_port is not None
-                          else (service.host, service.port))
-            # A wildcard listen address is reached on loopback.
-            host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-            host = f"[{host}]" if ":" in host else host
-            url = f"http://{host}:{port}"
-    token = (environ.get(token_env) if token_env else None) or environ.get(TOKEN_ENV)
-    return url or DEFAULT_URL, token
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout, environ: Mapping[str, str] | None = None) -> int:
@@ -471,8 +449,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, environ: Mapping[str
         print("llm-pool ctl keys: mint needs TENANT, revoke needs TENANT and ID", file=sys.stderr)
         return EXIT_USAGE
     try:
-        url, token = resolve_target(args, os.environ if environ is None else environ)
-        COMMANDS[args.ctl_command](AdminClient(url, token, args.timeout), args, out)
+        target = resolve_target(args, os.environ if environ is None else environ)
+        COMMANDS[args.ctl_command](AdminClient(target.url, target.token, args.timeout, target.token_source()),
+                                   args, out)
     except CtlError as exc:
         print(f"llm-pool ctl: {exc}", file=sys.stderr)
         return exc.exit_code

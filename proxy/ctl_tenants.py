@@ -36,14 +36,24 @@ def keys_table(tenants: Sequence[dict[str, Any]]) -> str:
     for t in tenants:
         lines.append(f"{t['name']}  fairness_key={t['fairness_key']}  models={','.join(t['models'])}"
                      f"  allow_remote={str(t['allow_remote']).lower()}")
+        ids = t.get("key_env_ids")   # None from a proxy older than this ctl
         for var in t["key_env"]:
-            lines.append(f"  key from ${var}")
+            lines.append(_env_key(var, ids))
         for kid in t["key_sha256_ids"]:
             lines.append(f"  key {kid} (key_sha256)")
         for key in t["minted_keys"]:
             state = f"revoked {_when(key['revoked'])}" if key["revoked"] else "live"
             lines.append(f"  key {key['id']} minted {_when(key['created'])}, {state}")
     return "\n".join(lines) if lines else "no tenants"
+
+
+def _env_key(var: str, ids: dict[str, str | None] | None) -> str:
+    if ids is None:
+        return f"  key from ${var}"
+    if ids.get(var):
+        return f"  key {ids[var]} from ${var}"
+    return (f"  key from ${var}: none in use (the variable was unset or empty at the start, or holds the admin "
+            "token or another tenant's key)")
 
 
 def _when(at: float) -> str:

@@ -147,8 +147,9 @@ class ProxyProcess:
     def supervisord_conf(self) -> Path:
         return self.state_dir / "supervisord.conf"
 
-    def start(self, keep_models: bool = False) -> "ProxyProcess":
-        argv = [sys.executable, "-m", "proxy.cli", "--config", str(self.config_path), "serve"]
+    def start(self, keep_models: bool = False, serve_args: tuple[str, ...] = ()) -> "ProxyProcess":
+        """`serve_args`: more of `serve`'s options (`--port N`)."""
+        argv = [sys.executable, "-m", "proxy.cli", "--config", str(self.config_path), "serve", *serve_args]
         if keep_models:
             argv.append("--keep-models")
         env = {**os.environ, "LLM_POOL_LOCAL_SETTINGS_PATH": str(self.state_dir / "no-local.yaml"), **self.env}

@@ -38,8 +38,9 @@ def did_you_mean(given: str, known: Any) -> str:
     return f"; did you mean `{close[0]}`?" if close else ""
 
 
-def _unknown_key(path: list[Any], key: str, known: Any) -> str:
-    return f"{json_path(path + [key])}: unknown field, ignored{did_you_mean(key, known)}"
+def _unknown_key(path: list[Any], key: str, known: Any, strict: bool) -> str:
+    verdict = "refused under --strict" if strict else "ignored"
+    return f"{json_path(path + [key])}: unknown field, {verdict}{did_you_mean(key, known)}"
 
 
 def model_properties() -> dict[str, Any]:
@@ -50,18 +51,22 @@ def model_properties() -> dict[str, Any]:
     return properties
 
 
-def schema_findings(doc: Mapping[str, Any], origins: Origins | None = None) -> tuple[list[str], list[str]]:
-    """(errors, warnings): errors break a rule and stop the start; warnings are unknown keys. Without
-    `origins`, messages say no file."""
+def schema_findings(doc: Mapping[str, Any], origins: Origins | None = None,
+                    strict: bool = False) -> tuple[list[str], list[str]]:
+    """(errors, warnings): errors break a rule and stop the start; warnings are unknown keys, or
+    errors too when `strict` (check-config --strict), each message saying which. Without `origins`,
+    messages say no file."""
     origins = origins or Origins()
     schema = json.loads(files.SCHEMA_PATH.read_text(encoding="utf-8"))
     validator = jsonschema.Draft202012Validator(schema)
-    problems, warnings = [], []
+    problems: list[str] = []
+    warnings: list[str] = []
     for err in validator.iter_errors(_with_effective_backends(doc)):
         where = list(err.absolute_path)
         if err.validator == "additionalProperties" and isinstance(err.instance, dict):
             allowed = set(err.schema.get("properties", {}))
-            warnings += [_unknown_key(where, key, allowed) for key in sorted(set(err.instance) - allowed)]
+            unknown = [_unknown_key(where, key, allowed, strict) for key in sorted(set(err.instance) - allowed)]
+            (problems if strict else warnings).extend(unknown)
             continue
         # A backend-specific rule (an if/then of the schema) says why in its description.
         why = err.schema.get("description") if "then" in err.absolute_schema_path else None
@@ -86,8 +91,7 @@ def schema_findings(doc: Mapping[str, Any], origins: Origins | None = None) -> t
 
 def schema_problems(doc: Mapping[str, Any], origins: Origins | None = None) -> list[str]:
     """Every rule broken, unknown keys included (what `check-config --strict` reports)."""
-    problems, warnings = schema_findings(doc, origins)
-    return sorted(problems + warnings)
+    return schema_findings(doc, origins, strict=True)[0]
 
 
 def secret_env_names(settings: Settings) -> set[str]:

@@ -88,6 +88,26 @@ def load_document(config: str | os.PathLike[str] | None = None
     return doc, tuple(sources), Origins(by_key, base), duplicates
 
 
+def default_state_dir() -> str:
+    return os.path.join(os.environ.get("XDG_STATE_HOME") or "~/.local/state", "llm-pool")
+
+
+def service_hints(config: str | os.PathLike[str] | None = None) -> tuple[Path, str | None]:
+    """What `llm-pool ctl` can still use of settings that do not load: service.state_dir (where a
+    running proxy records its address) and service.admin_token_env, each where the merged document
+    gives it as a string, else the default folder and no variable."""
+    try:
+        doc, sources, _, _ = load_document(config)
+    except ConfigError:
+        doc, sources = {}, (settings_paths(config)[0],)
+    service = doc.get("service")
+    service = service if isinstance(service, dict) else {}
+    given, env = service.get("state_dir"), service.get("admin_token_env")
+    state_dir = Path(_resolve(given if isinstance(given, str) and given else default_state_dir(),
+                              sources[0].resolve().parent))
+    return state_dir, env if isinstance(env, str) and env else None
+
+
 def _resolve(value: str, base_dir: Path) -> str:
     path = Path(os.path.expandvars(value)).expanduser()
     return str(path if path.is_absolute() else (base_dir / path).resolve())
@@ -158,9 +178,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
     one mapping among them). Unknown keys are returned as `Settings.warnings` (the ConfigError's
     `warnings` when there are problems), or are problems too when `strict`."""
     doc, sources, origins, duplicates = load_document(config)
-    problems, warnings = schema_findings(doc, origins)
-    if strict:
-        problems, warnings = sorted(problems + warnings), []
+    problems, warnings = schema_findings(doc, origins, strict)
     problems = duplicates + problems
     if problems:
         raise ConfigError(problems, tuple(warnings))
@@ -170,9 +188,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
     engine = doc.get("engine", {})
     lifecycle = {**DEFAULT_LIFECYCLE, **(engine.get("lifecycle") or {})}
     memory = {**DEFAULT_MEMORY, **(lifecycle.pop("memory", None) or {})}
-    state_dir = Path(_resolve(service.get("state_dir") or
-                              os.path.join(os.environ.get("XDG_STATE_HOME") or "~/.local/state", "llm-pool"),
-                              base_dir))
+    state_dir = Path(_resolve(service.get("state_dir") or default_state_dir(), base_dir))
     programs_dir = Path(_resolve(supervisor["programs_dir"], base_dir)) if supervisor.get("programs_dir") \
         else state_dir / "programs"
     tenants = {name: _tenant(name, raw) for name, raw in (doc.get("tenants") or {}).items()}

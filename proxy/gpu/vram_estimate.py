@@ -54,6 +54,9 @@ class Estimate:
     process_bytes: int = 0        # the engine process itself (counted on the CPU only)
     counted: list[str] = field(default_factory=list)
     not_counted: list[str] = field(default_factory=list)
+    # The weight files or folders the settings name that do not exist (`model_path /m/x.gguf`): the
+    # estimate of such a model is not what it needs, and a load of it fails.
+    missing: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -94,7 +97,9 @@ class Estimator:
         est = Estimate()
         main = _main_weights(model)
         if main is None:
-            est.not_counted.append("weights: no local model file or folder configured "
+            est.missing += missing_weights(model)
+            est.not_counted.append(f"weights: {', '.join(est.missing)} does not exist" if est.missing else
+                                   "weights: no local model file or folder configured "
                                    f"({' or '.join(MAIN_WEIGHT_FIELDS)})")
         else:
             key, path = main
@@ -207,6 +212,13 @@ def _main_weights(model: ModelConfig) -> tuple[str, Path] | None:
         if isinstance(value, str) and _local(value):
             return key, Path(value).expanduser()
     return None
+
+
+def missing_weights(model: ModelConfig) -> list[str]:
+    """The main weight fields that name a path (absolute, as the settings resolve a model_path) where
+    nothing is; a repository id (`Qwen/Qwen3-0.6B`) is no path."""
+    return [f"{key} {value}" for key in MAIN_WEIGHT_FIELDS if isinstance(value := model.options.get(key), str)
+            and Path(value).expanduser().is_absolute() and not Path(value).expanduser().exists()]
 
 
 def _weigh(path: Path, key: str, est: Estimate) -> int:

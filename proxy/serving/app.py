@@ -27,6 +27,7 @@ from proxy.config.settings import Settings
 from proxy.errors import NotFound
 from proxy.event_journal import EVENTS_FILE, EventJournal
 from proxy.events import RELOAD
+from proxy.serve_address import ServeAddress, remove_address, write_address
 from proxy.serving.edge_guard import edge_guard_middleware
 from proxy.serving.errors_http import ERROR_CODE, error_middleware
 from proxy.serving.forward import upstream_session
@@ -261,6 +262,7 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
             on_listening()
             if succession is None:
                 notify("READY=1", f"STATUS=serving (pid {os.getpid()})")
+                _record_address(app, socks, lock)
             elif await succession.take_over():
                 # Before anything else reads them: the counters and the events go on from the predecessor's.
                 counters = parse(succession.counters)
@@ -272,6 +274,7 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
                                         f"pid {os.getpid()} serves now", reason="took_over")
                 if lock is not None:
                     managed.record_owner(lock)
+                _record_address(app, socks, lock)
                 watching = asyncio.create_task(_follow(succession, app))
             else:
                 # Never handed the service (called off as it got ready): the predecessor serves on,
@@ -293,11 +296,27 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
                         shutdown.inflight, drain_timeout_s)
         await release_pool(app)
     finally:
+        if lock is not None and not shutdown.handed_over:
+            # A handed-over process leaves the record alone: its successor's is, or will be, there.
+            remove_address(app[SETTINGS].service.state_dir, os.getpid())
         await runner.cleanup()
         for sig in (*STOP_SIGNALS, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
         if watching is not None:
             watching.cancel()
+
+
+def _record_address(app: web.Application, socks: Sequence[socket.socket], lock: IO[str] | None) -> None:
+    """Record where this process serves, for `llm-pool ctl` (proxy/serve_address.py): only by the
+    holder of the state folder's lock, and only once it serves. socks[1], where there is one, is
+    service.admin_port's listener (cli.cmd_serve)."""
+    if lock is None:
+        return
+    public, *admin = (sock.getsockname()[:2] for sock in socks)
+    try:
+        write_address(app[SETTINGS].service.state_dir, ServeAddress(os.getpid(), public, admin[0] if admin else None))
+    except OSError as exc:
+        log.warning("cannot record this proxy's address for `llm-pool ctl`: %s", exc)
 
 
 def _no_reload() -> None:

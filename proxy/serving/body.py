@@ -119,8 +119,10 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any],
         raise Unavailable(f"model {name!r} is loading", code="model_loading", retry_after=5)
     if state == ModelState.UNLOADING:
         raise Unavailable(f"model {name!r} is being unloaded", code="model_unloading", retry_after=5)
-    raise Conflict(f"model {name!r} is configured but not loaded; load it with "
-                   f"POST /v1/admin/models/{name}/load", code="model_not_loaded", param="model")
+    # A tenant is no admin: it is told whom to ask, not an admin path it cannot use.
+    how = "ask the pool's admin to load it" if caller is not None else \
+        f"load it with POST /v1/admin/models/{name}/load"
+    raise Conflict(f"model {name!r} is configured but not loaded; {how}", code="model_not_loaded", param="model")
 
 
 def check_required(path: str, body: dict[str, Any], vocabulary: Callable[[], int | None] | None = None) -> bool:

@@ -294,6 +294,7 @@ class Tenancy:
                                    "tokens_per_minute": t.tokens_per_minute},
                         "budget": {"period": t.budget_period, "tokens": t.budget_tokens, "cost": t.budget_cost},
                         "key_env": list(t.key_env), "key_sha256_ids": configured,
+                        "key_env_ids": {var: self.keys.env_key_id(name, var) for var in t.key_env},
                         "minted_keys": [{"id": k.key_id, "created": k.created, "revoked": k.revoked}
                                         for k in minted if k.tenant == name]})
         return out

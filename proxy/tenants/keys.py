@@ -59,6 +59,9 @@ class Keys:
         self._owner: dict[str, str] = {}
         # Each live key's Caller, built once: a request's lookup is its digest and a dict read.
         self._callers: dict[str, Caller] = {}
+        # The digest of each (tenant, key_env variable)'s key as read at the start: the admin view
+        # names such a key by its id, as it names minted and configured ones.
+        self.from_env: dict[tuple[str, str], str] = {}
 
     @classmethod
     def configured(cls, tenants: Mapping[str, TenantSettings], environ: Mapping[str, str]) -> "Keys":
@@ -69,7 +72,8 @@ class Keys:
             for var in tenant.key_env:
                 value = environ.get(var, "")
                 if value:
-                    keys.add(tenant.name, digest(value))
+                    keys.from_env[(tenant.name, var)] = digest(value)
+                    keys.add(tenant.name, keys.from_env[(tenant.name, var)])
                 else:
                     log.warning("tenant %r: variable %s holds no key; its other keys still work", tenant.name, var)
             for sha in tenant.key_sha256:
@@ -93,6 +97,12 @@ class Keys:
         for tenant, sha in minted:
             if tenant in self.tenants:
                 self.add(tenant, sha)
+
+    def env_key_id(self, tenant: str, var: str) -> str | None:
+        """The id of the key the tenant's variable `var` held at the start, while it is that tenant's
+        key; None when it held none, or its key is not the tenant's (another tenant's, the admin token)."""
+        sha = self.from_env.get((tenant, var))
+        return key_id(sha) if sha is not None and self._owner.get(sha) == tenant else None
 
     def identify(self, key: str) -> Caller | None:
         sha = digest(key)

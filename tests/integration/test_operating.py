@@ -253,6 +253,12 @@ def test_ctl_sends_the_admin_token_from_the_variable_the_settings_name(proxies) 
     proxy.start()
     refused = ctl(proxy, "models")
     assert refused.returncode == 1 and "401 invalid_admin_token" in refused.stderr
+    # Which variable ctl read (the settings' service.admin_token_env), never the token.
+    assert "(ctl found no admin token: $LLM_POOL_TEST_CTL_TOKEN and $LLM_POOL_ADMIN_TOKEN are not set)" \
+        in refused.stderr
+    wrong = ctl(proxy, "models", env={"LLM_POOL_TEST_CTL_TOKEN": "wrong-SECRET-5"})
+    assert wrong.returncode == 1 and "(ctl sent the token from $LLM_POOL_TEST_CTL_TOKEN)" in wrong.stderr
+    assert "wrong-SECRET-5" not in wrong.stdout + wrong.stderr
     allowed = ctl(proxy, "models", env={"LLM_POOL_TEST_CTL_TOKEN": "ctl-token-for-tests"})
     assert allowed.returncode == 0 and "sim" in allowed.stdout
     assert "ctl-token-for-tests" not in allowed.stdout + allowed.stderr
@@ -269,3 +275,43 @@ def test_ctl_load_scale_and_unload_are_json_posts_the_admin_api_takes(proxies) -
         assert done.returncode == 0, done.stderr
         model = proxy.admin_model("sim")
         assert (model["state"], len(model["replicas"])) == (state, replicas), argv
+
+
+def test_ctl_finds_a_proxy_started_with_port_and_still_finds_it_when_the_settings_break(proxies) -> None:
+    proxy = ProxyProcess({"sim": {"backend": "sim", "enabled": False}})
+    proxies.append(proxy)
+    # The default state folder (under $XDG_STATE_HOME), which ctl still knows when the YAML does not parse.
+    home = proxy.state_dir
+    del proxy.config["service"]["state_dir"]
+    proxy.state_dir = home / "llm-pool"
+    proxy.env["XDG_STATE_HOME"] = str(home)
+    # The settings name a port nothing listens on: `serve --port` puts the proxy elsewhere.
+    proxy.config["service"]["port"] = free_port()
+    proxy.config_path.write_text(yaml.safe_dump(proxy.config))
+    proxy.start(serve_args=("--port", str(proxy.port)))
+    record = proxy.state_dir / "serve.address.json"
+    assert json.loads(record.read_text()) == {"pid": proxy.serving_pid, "public": ["127.0.0.1", proxy.port],
+                                              "admin": None}
+    env = {"XDG_STATE_HOME": str(home)}
+    found = ctl(proxy, "models", env=env)
+    assert (found.returncode, found.stderr) == (0, "") and "sim" in found.stdout
+
+    def recorded_pid() -> int | None:
+        try:
+            return int(json.loads(record.read_text())["pid"])
+        except FileNotFoundError:
+            return None
+
+    # A reload: the successor records itself once it has taken over; its predecessor, gone, leaves it.
+    proxy.reload()
+    wait_for(lambda: recorded_pid() == proxy.serving_pid, what="the successor's address record")
+    for broken in ("service: {port: eighty}\n", "service: {port: [unclosed\n"):   # a wrong value; not YAML
+        proxy.config_path.write_text(broken)
+        found = ctl(proxy, "models", env=env)
+        assert found.returncode == 0 and "sim" in found.stdout, found.stderr
+        assert found.stderr.startswith("llm-pool ctl: settings unusable (")
+        assert f"using the address the running proxy (pid {proxy.serving_pid}) recorded in {record}" in found.stderr
+    proxy.stop()
+    assert not record.exists()   # a clean exit takes it away
+    gone = ctl(proxy, "models", "--timeout", "5", env=env)
+    assert f"no running proxy recorded in {record}; trying http://127.0.0.1:8011" in gone.stderr

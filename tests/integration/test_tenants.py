@@ -24,6 +24,7 @@ pytestmark = pytest.mark.integration
 KEYS = {"WEBUI_KEY": "sk-webui-SECRET-1f2e3d", "LIMITED_KEY": "sk-limited-SECRET-9a8b", "BROKE_KEY": "sk-broke-SECRET-77"}
 BATCH_KEY = "sk-batch-SECRET-4c5d6e"   # configured by its digest only
 ADMIN_TOKEN = "admin-SECRET-0011"
+WEBUI_KEY_ID = hashlib.sha256(KEYS["WEBUI_KEY"].encode()).hexdigest()[:12]   # the id usage's key_id shows
 SIM = {"max_seqs": 8, "decode_tokens_per_s": 2000, "ttft_ms": 1}
 PRICE = {"input": 2.0, "cached_input": 1.0, "output": 10.0}
 TENANTS = {
@@ -183,6 +184,9 @@ def test_metrics_per_tenant_and_no_key_anywhere(proxy: ProxyProcess) -> None:
     assert 'llm_pool_tenant_requests_total{status="200",tenant="webui"}' in metrics
     assert 'llm_pool_tenant_cost_total{tenant="webui"}' in metrics
     _, _, tenants = http("GET", proxy.url + "/v1/admin/tenants", headers=ADMIN)
+    # A key from a variable is named by its id, as a minted one; the admin token's variable holds none.
+    assert {t["name"]: t["key_env_ids"] for t in tenants["data"]}["webui"] == {"WEBUI_KEY": WEBUI_KEY_ID,
+                                                                             "ADMIN_TOKEN_VAR": None}
     shown = metrics + str(tenants) + proxy.log_path.read_text()
     for key in (*KEYS.values(), BATCH_KEY, ADMIN_TOKEN):
         assert key not in shown
@@ -258,6 +262,8 @@ def test_ctl_mints_lists_and_revokes_keys_and_reports_usage(proxy: ProxyProcess)
     kid = minted.stdout.split("(id ")[1].split(";")[0]
     listed = ctl(proxy, "keys")
     assert listed.returncode == 0 and f"key {kid} minted" in listed.stdout and key not in listed.stdout
+    assert f"  key {WEBUI_KEY_ID} from $WEBUI_KEY\n" in listed.stdout
+    assert "  key from $ADMIN_TOKEN_VAR: none in use (" in listed.stdout
     assert ctl(proxy, "keys", "revoke", "webui", kid).returncode == 0
     assert chat(proxy, key)[0] == 401
     assert ctl(proxy, "keys", "revoke", "webui").returncode == 2          # no id: a usage error

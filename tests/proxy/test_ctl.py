@@ -13,6 +13,7 @@ from aiohttp import web
 from helpers import free_port
 from proxy import ctl
 from proxy.cli import build_parser
+from proxy.ctl_target import Target, resolve_target
 
 
 class Upstream:
@@ -165,10 +166,36 @@ def test_url_and_token_come_from_the_settings(tmp_path, monkeypatch) -> None:
     conf.write_text("service: {host: 0.0.0.0, port: 9123, admin_token_env: MY_TOKEN, state_dir: %s}\n" % tmp_path)
     args = build_parser().parse_args(["--config", str(conf), "ctl", "models"])
     monkeypatch.setenv("LLM_POOL_LOCAL_SETTINGS_PATH", str(tmp_path / "none.yaml"))
-    assert ctl.resolve_target(args, {"MY_TOKEN": "t1", "LLM_POOL_ADMIN_TOKEN": "t2"}) == ("http://127.0.0.1:9123", "t1")
-    assert ctl.resolve_target(args, {"LLM_POOL_ADMIN_TOKEN": "t2"}) == ("http://127.0.0.1:9123", "t2")
+    target = resolve_target(args, {"MY_TOKEN": "t1", "LLM_POOL_ADMIN_TOKEN": "t2"})
+    assert (target.url, target.token, target.token_env) == ("http://127.0.0.1:9123", "t1", "MY_TOKEN")
+    target = resolve_target(args, {"LLM_POOL_ADMIN_TOKEN": "t2"})
+    assert (target.url, target.token, target.token_env) == ("http://127.0.0.1:9123", "t2", "LLM_POOL_ADMIN_TOKEN")
     conf.write_text("service: {port: 9123, admin_host: '::1', admin_port: 9124, state_dir: %s}\n" % tmp_path)
-    assert ctl.resolve_target(args, {}) == ("http://[::1]:9124", None)
+    target = resolve_target(args, {})
+    assert (target.url, target.token, target.read) == ("http://[::1]:9124", None, ("LLM_POOL_ADMIN_TOKEN",))
+
+
+async def test_a_refused_token_names_the_variable_it_came_from_never_the_token(
+        upstream: Upstream, capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch) -> None:
+    (tmp_path / "pool.yaml").write_text("service: {state_dir: %s}\n" % tmp_path)   # no admin_token_env
+    monkeypatch.setenv("LLM_POOL_SETTINGS_PATH", str(tmp_path / "pool.yaml"))
+    monkeypatch.setenv("LLM_POOL_LOCAL_SETTINGS_PATH", str(tmp_path / "none.yaml"))
+    error = {"error": {"message": "admin endpoints need Authorization: Bearer <admin token>", "type": "x",
+                       "code": "invalid_admin_token", "param": None}}
+    upstream.answers["/v1/admin/models"] = lambda r: web.json_response(error, status=401)
+    got, _ = await run_ctl(upstream, "models", environ={"LLM_POOL_ADMIN_TOKEN": "wrong-SECRET-1"})
+    err = capsys.readouterr().err
+    assert got == ctl.EXIT_REFUSED and "wrong-SECRET-1" not in err
+    assert err.rstrip().endswith("401 invalid_admin_token: admin endpoints need Authorization: Bearer <admin token> "
+                                 "(ctl sent the token from $LLM_POOL_ADMIN_TOKEN)")
+    got, _ = await run_ctl(upstream, "models", environ={})
+    assert got == ctl.EXIT_REFUSED
+    assert capsys.readouterr().err.rstrip().endswith("(ctl found no admin token: $LLM_POOL_ADMIN_TOKEN is not set)")
+
+
+def test_the_token_source_names_every_variable_read_when_none_is_set() -> None:
+    target = Target("http://x", None, ("MY_TOKEN", "LLM_POOL_ADMIN_TOKEN"), None)
+    assert target.token_source() == "ctl found no admin token: $MY_TOKEN and $LLM_POOL_ADMIN_TOKEN are not set"
 
 
 def test_gpu_table_says_why_nothing_was_measured_and_shows_unknown_memory() -> None:
@@ -278,6 +305,13 @@ EVENTS = [{"id": 7, "time": 0.0, "kind": "evict", "message": "model c is evicted
 def test_an_event_line_shows_its_model_and_replica_and_no_control_character() -> None:
     assert ctl.event_line(EVENTS[1], when=lambda t: "12-02 04:00:00") == (
         "     8  12-02 04:00:00  crash        s/r1              model s replica 1 crashed:?[2J gone")
+
+
+def test_a_host_events_line_names_its_host_where_a_models_names_the_model() -> None:
+    down = {"id": 9, "time": 1.0, "kind": "host_down", "message": "host b stopped answering", "model": None,
+            "replica": None, "host": "b", "reason": None, "cause": None, "actor": None}
+    assert ctl.event_line(down, when=lambda t: "12-02 04:00:00") == (
+        "     9  12-02 04:00:00  host_down    host b            host b stopped answering")
 
 
 async def test_events_follow_polls_after_the_last_id_with_the_filters(upstream: Upstream) -> None:

@@ -158,7 +158,7 @@ def test_unknown_keys_are_warnings_with_the_closest_name(tmp_path: Path) -> None
     )
     with pytest.raises(ConfigError) as info:
         load_settings(write_pair(tmp_path, doc, None), strict=True)
-    assert info.value.problems == list(settings.warnings)
+    assert info.value.problems == [w.replace(", ignored", ", refused under --strict") for w in settings.warnings]
 
 
 def _check_config(base: Path, *extra: str) -> int:
@@ -178,7 +178,11 @@ def test_check_config_warns_of_unknown_keys_and_strict_fails(tmp_path: Path,
         in out.err
     assert out.out.startswith("ok: 1 model(s), 1 enabled, 1 warning(s)")
     assert _check_config(base, "--strict") == 2
-    assert "engine.models.m.target_inflght: unknown field" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # An error under --strict: the message says it is refused, not that it is ignored.
+    assert "engine.models.m.target_inflght: unknown field, refused under --strict; did you mean " \
+        "`target_inflight`?" in err
+    assert "ignored" not in err and "warning" not in err
 
 
 def test_check_config_fails_for_an_enabled_model_that_cannot_start_here(tmp_path: Path,

@@ -32,6 +32,9 @@ def pool(tiny_gguf: Path, llama_server_bin: Path) -> Iterator[ProxyProcess]:
                 "sim": {"max_seqs": 1, "ttft_ms": 5, "decode_tokens_per_s": 40}},
         "demo": {"backend": "llama_server", "model_path": str(tiny_gguf), "llama_server_binary": str(llama_server_bin),
                  "llama_server_n_ctx": 4096, "target_inflight": 2, "enabled": False},
+        # Its GGUF is not there (moved, a typo): the page says so, not what the estimate of nothing is.
+        "gone": {"backend": "llama_server", "model_path": str(tiny_gguf.parent / "gone.gguf"),
+                 "llama_server_binary": str(llama_server_bin), "llama_server_n_gpu_layers": 0, "enabled": False},
     }, service={"admin_token_env": TOKEN_ENV}, engine={"lifecycle": {"kv_store_mib": 64}})
     proxy.env[TOKEN_ENV] = TOKEN
     try:
@@ -85,6 +88,8 @@ def test_a_wrong_admin_token_shows_the_401_message_and_the_right_one_lists_the_m
     expect(banner).to_be_hidden()
     expect(overview_cell(page, "sim", 1)).to_have_text("loaded")
     expect(overview_cell(page, "demo", 1)).to_have_text("unloaded")
+    expect(overview_cell(page, "gone", 13)).to_have_text("file missing")
+    expect(overview_cell(page, "gone", 13)).to_have_attribute("title", re.compile(r"^model_path /\S+/gone\.gguf$"))
     expect(page.locator("#usage")).to_be_hidden()   # no tenants: no usage view
     # The token is kept for the tab: a reload needs no typing.
     page.reload()

@@ -82,6 +82,8 @@ def event_rows(page: Any) -> Any:
 
 def test_ten_models_with_hosts_memory_and_events_fit_one_1920x1080_screen(page: Any, pool: ProxyProcess) -> None:
     expect(page.locator('#overview tbody tr[data-key="duo"] td').nth(1)).to_have_text("loaded")
+    # Not loaded, but its next request loads it: not "unloaded" as a model only an admin loads.
+    expect(page.locator('#overview tbody tr[data-key="cold-a"] td').nth(1)).to_have_text("loads on demand")
     expect(event_rows(page).first).to_be_visible()
     height = page.evaluate("() => document.documentElement.scrollHeight")
     assert height <= 1080, f"the page is {height} px high"
@@ -136,6 +138,10 @@ def test_a_sigkilled_replica_is_a_crash_in_the_feed(page: Any, pool: ProxyProces
     pool.wait_replicas_ready(name, 1)
 
 
+def looks(button: Any) -> list[str]:
+    return list(button.evaluate("b => ['color', 'borderColor', 'backgroundColor'].map((p) => getComputedStyle(b)[p])"))
+
+
 def test_controls_are_enabled_only_when_they_can_work(page: Any, pool: ProxyProcess) -> None:
     cold = details(page, "cold-a")
     expect(cold.get_by_role("button", name="Unload")).to_be_disabled()
@@ -143,6 +149,13 @@ def test_controls_are_enabled_only_when_they_can_work(page: Any, pool: ProxyProc
     expect(cold.get_by_role("button", name="Scale")).to_be_disabled()
     expect(cold.get_by_role("button", name="Load…")).to_be_enabled()
     duo = details(page, "duo")
+    # A disabled Unload (red when it works) looks as every disabled button does.
+    expect(duo.get_by_role("button", name="Unload")).to_be_enabled()
+    assert looks(cold.get_by_role("button", name="Unload")) == looks(cold.get_by_role("button", name="Scale"))
+    assert looks(cold.get_by_role("button", name="Unload")) != looks(duo.get_by_role("button", name="Unload"))
+    # Requests that name no fairness key wait in a queue of their own, named as such, not a blank row.
+    assert ask(pool, "duo") == 200
+    expect(duo.locator('table.keys tbody tr[data-key=""] td').first).to_have_text("(none)")
     expect(duo.get_by_role("button", name="Load…")).to_be_disabled()
     assert "unload it first" in duo.get_by_role("button", name="Load…").get_attribute("title")
     expect(duo.get_by_role("button", name="Unload")).to_be_enabled()
@@ -176,6 +189,15 @@ def test_screenshots_with_a_host_down(page: Any, pool: ProxyProcess, artifacts: 
     node.kill_with_replicas()   # the whole host goes: its supervisord and its replicas
     b = page.locator('#hosts tbody tr[data-key="b"] td')
     expect(b.nth(1)).to_contain_text("not answering", timeout=30_000)
+    # The host's error reads as lines of words, not a word (or a letter) per line: on a laptop's
+    # 1366 px it took 16 lines for 22 words before its cell had a minimum width.
+    error = b.nth(1).locator(".error-text")
+    expect(error).to_contain_text(" s: ")
+    page.set_viewport_size({"width": 1366, "height": 1080})
+    lines, words = error.evaluate("e => [Math.round(e.getBoundingClientRect().height / parseFloat("
+                                  "getComputedStyle(e).lineHeight)), e.textContent.trim().split(/\\s+/).length]")
+    page.set_viewport_size({"width": 1920, "height": 1080})
+    assert words >= 6 and lines <= words // 2, (lines, words, error.inner_text())
     wait_for(lambda: pool.admin_model(name)["replicas"][0]["state"] != "ready", what=f"{name} out of rotation")
     details(page, name)
     page.screenshot(path=str(artifacts / "status-page-host-down.png"), full_page=True)

@@ -18,7 +18,7 @@ from proxy.config.model import ModelConfig
 from proxy.config.settings import LOCAL_HOST, LifecycleSettings, Settings
 from proxy.gpu.footprint import GpuTotals, gpu_device, gpu_totals
 from proxy.gpu.report import load_nvml
-from proxy.gpu.vram_estimate import MIB, Estimate, Estimator
+from proxy.gpu.vram_estimate import MIB, Estimate, Estimator, missing_weights
 from proxy.lifecycle.placement.footprints import Footprints, Measured
 from proxy.lifecycle.placement.rules import Limits, ModelView, room_for
 from proxy.supervisord.hosts import Host
@@ -172,6 +172,8 @@ class Memory:
             "measured_mib_per_replica": None if measured is None else {d: _mib(b) for d, b in measured.raw.items()},
             "measured_samples": 0 if measured is None else measured.samples,
             "estimated_mib_per_replica": None if estimate is None else _mib(estimate.total_bytes),
+            # A weight file the settings name that is not there: its figures above are not its need.
+            "missing_files": missing_weights(config),
         }
 
 

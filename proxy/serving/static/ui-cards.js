@@ -117,9 +117,12 @@
     setText(f.routing, m.routing || "–");
     setText(f.overrides, fmtOverrides(m.overrides) || "none");
     const fp = m.footprint || {};
-    setText(f.memory, `${(fp.devices || []).join(", ") || "none"}: needs ` +
+    const missing = fp.missing_files || [];
+    setText(f.memory, missing.length ? `file missing: ${missing.join(", ")}` :
+      `${(fp.devices || []).join(", ") || "none"}: needs ` +
       Object.entries(fp.needed_mib || {}).map(([d, v]) => `${fmtMiB(v)} on ${d}`).join(", ") +
       ` (${fp.admitted_by || "–"})`);
+    f.memory.className = missing.length ? "error-text" : "";
     const life = [];
     const closed = refusing(m);
     if (closed) life.push(`refusing requests: ${closed.reason}`);
@@ -188,7 +191,9 @@
       (keys.length < m.key_counts.total ? ` (the ${keys.length} most active shown)` : ""));
     syncRows(card.keyBody, keys, (k) => k.key, (row) =>
       cells(row, ["key", "active", "waiting", "weight", "usage"], ["active", "waiting", "weight", "usage"]), (c, k) => {
-      setText(c.key, k.key);
+      // The anonymous queue: requests that name no fairness key (with tenants, every one has its tenant's).
+      setText(c.key, k.key === "" ? "(none)" : k.key);
+      c.key.title = k.key === "" ? "requests that name no fairness_key" : "";
       setText(c.active, k.active);
       setText(c.waiting, k.waiting);
       setText(c.weight, k.weight);

@@ -88,6 +88,7 @@
       stateBadge(c.badge, hostState(h));
       setText(c.error, h.answering ? "" : ` for ${h.down_for_s} s: ${h.error || "no answer"}`);
       c.error.className = h.answering ? "" : "error-text block";
+      c.state.classList.toggle("down", !h.answering);
       setText(c.contact, h.answering && h.last_contact_s === undefined ? "now" : fmtAgo(h.last_contact_s));
       setText(c.devices, devicesText(h));
       setText(c.count, h.replicas);

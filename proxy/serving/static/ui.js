@@ -154,8 +154,10 @@
   const hostsOf = (m) => [...new Set(m.replicas.map((r) => r.host || "local"))].join(", ");
 
   function needText(m) {
-    const needed = (m.footprint || {}).needed_mib || {};
-    return Object.entries(needed).map(([d, v]) => `${fmtMiB(v)} ${d}`).join(", ") || "–";
+    const fp = m.footprint || {};
+    // What the estimate of a missing file says (the engine process alone) is no need: the file is missing.
+    if ((fp.missing_files || []).length) return "file missing";
+    return Object.entries(fp.needed_mib || {}).map(([d, v]) => `${fmtMiB(v)} ${d}`).join(", ") || "–";
   }
 
   function renderOverview(models) {
@@ -176,7 +178,8 @@
       c.toggle.setAttribute("aria-expanded", String(open));
       c.toggle.setAttribute("aria-label", `Details of ${m.id}`);
       if (open) c.toggle.setAttribute("aria-controls", cardId(m.id)); else c.toggle.removeAttribute("aria-controls");
-      stateBadge(c.badge, m.state);
+      // Unloaded but loaded by its next request: not the same as unloaded until an admin loads it.
+      stateBadge(c.badge, m.state, m.state === "unloaded" && m.load_on_demand ? "loads on demand" : m.state);
       const closed = refusing(m);
       setText(c.refusing, closed ? ` refusing (${closed.code})` : "");
       c.refusing.title = closed ? closed.reason : "";
@@ -193,6 +196,8 @@
       setText(c.total, t ? t.total : "–");
       setText(c.hosts, hostsOf(m) || "–");
       setText(c.memory, needText(m));
+      c.memory.title = ((m.footprint || {}).missing_files || []).join("; ");
+      c.memory.className = c.memory.title ? "error-text" : "";
       // The last error, or why a replica is not serving: one line here, whole in the details.
       const why = m.last_error || (m.replicas.find((r) => r.last_error) || {}).last_error || "";
       setText(c.last, why.split("\n")[0]);

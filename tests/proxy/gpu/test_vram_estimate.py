@@ -94,6 +94,14 @@ def test_no_local_files_say_so(tmp_path: Path) -> None:
     assert est.as_dict(2)["total_mib"] == 0
 
 
+def test_a_weight_file_the_settings_name_that_is_not_there_is_said_missing(tmp_path: Path) -> None:
+    gone = tmp_path / "gone.gguf"
+    est = Estimator().estimate(model(backend="llama_server", model_path=str(gone)), on_cpu=True)
+    assert est.missing == [f"model_path {gone}"] and est.not_counted[0] == f"weights: model_path {gone} does not exist"
+    assert Estimator().estimate(model(backend="vllm_serve", vllm_model="Qwen/Qwen3-0.6B")).missing == []
+    assert Estimator().estimate(model(backend="llama_server", model_path=str(write_tiny_gguf(gone)))).missing == []
+
+
 def test_metadata_is_read_once_per_file_version(tmp_path: Path, monkeypatch) -> None:
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     calls = []

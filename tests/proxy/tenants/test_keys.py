@@ -38,3 +38,14 @@ def test_a_tenants_globs_decide_its_models() -> None:
     assert may_use(tenant("a", models=("sim-*", "exact")), "exact")
     assert not may_use(tenant("a", models=("sim-*",)), "private")
     assert may_use(tenant("a"), "anything")   # the default is every model
+
+
+def test_a_key_from_a_variable_is_named_by_its_id_while_it_is_its_tenants() -> None:
+    tenants = {"a": tenant("a", key_env=("A_KEY", "UNSET", "SHARED")), "b": tenant("b", key_env=("SHARED",))}
+    keys = Keys.configured(tenants, {"A_KEY": "ka", "SHARED": "ks"})
+    assert keys.env_key_id("a", "A_KEY") == key_id(digest("ka"))
+    assert keys.env_key_id("a", "UNSET") is None                   # no key in it
+    assert keys.env_key_id("a", "SHARED") == key_id(digest("ks"))
+    assert keys.env_key_id("b", "SHARED") is None                  # a's key, not b's
+    keys.remove(digest("ka"))                                      # as the admin token's is
+    assert keys.env_key_id("a", "A_KEY") is None

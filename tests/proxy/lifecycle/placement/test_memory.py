@@ -70,7 +70,9 @@ def test_the_need_is_the_estimate_until_measured_then_the_measurement(tmp_path: 
     assert need.source == "measured" and need.per_replica == {CPU: 110 * MIB} and need.per_device == {CPU: 220 * MIB}
     row = mem.describe(config)
     assert row["admitted_by"] == "measured" and row["measured_mib_per_replica"] == {CPU: 100.0}
-    assert row["estimated_mib_per_replica"] == round(estimate / MIB, 1)
+    assert row["estimated_mib_per_replica"] == round(estimate / MIB, 1) and row["missing_files"] == []
+    gone = model(model_path=str(tmp_path / "gone.gguf"), llama_server_n_gpu_layers=0)
+    assert mem.describe(gone)["missing_files"] == [f"model_path {tmp_path / 'gone.gguf'}"]
 
 
 def test_a_measurement_below_the_estimate_does_not_lower_the_need(tmp_path: Path, tiny_gguf: Path) -> None:
