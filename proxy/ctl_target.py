@@ -15,7 +15,8 @@ from typing import Callable, Mapping
 
 from proxy.config.loading import ConfigError, load_settings, service_hints
 from proxy.config.settings import ServiceSettings, Settings
-from proxy.serve_address import ServeAddress, address_path, alive, read_address, url_for
+from proxy.serve_address import ServeAddress, address_path, read_address, url_for
+from proxy.supervisord.managed import pid_alive
 
 TOKEN_ENV = "LLM_POOL_ADMIN_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8011"
@@ -56,7 +57,7 @@ def resolve_target(args: argparse.Namespace, environ: Mapping[str, str],
 
 def _proxy_url(settings: Settings | None, problem: str | None, state_dir: Path, say: Callable[[str], None]) -> str:
     recorded = read_address(state_dir)
-    if isinstance(recorded, ServeAddress) and alive(recorded.pid):
+    if isinstance(recorded, ServeAddress) and pid_alive(recorded.pid):
         if problem is not None:
             say(f"settings unusable ({problem}); using the address the running proxy (pid {recorded.pid}) "
                 f"recorded in {address_path(state_dir)}")

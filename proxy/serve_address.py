@@ -10,7 +10,6 @@ the environment.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,13 +77,3 @@ def _listener(value: object) -> tuple[str, int]:
         raise ValueError(f"listener {value!r}")
     return value[0], value[1]
 
-
-def alive(pid: int) -> bool:
-    """Whether a process `pid` exists (one of another user's too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
