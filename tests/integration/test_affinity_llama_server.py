@@ -5,6 +5,8 @@ keys, each kind of key selects, and least_loaded behaves as before."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from typing import Any
 
@@ -53,8 +55,8 @@ def metrics_text(proxy: ProxyProcess) -> str:
 
 @pytest.fixture
 def proxy(start_proxy, llama_model) -> ProxyProcess:
-    # affinity_max_wait_s 0: a request whose replica is full spills at once. With the default (1s)
-    # it waits for a place there, and a held stream (ended by its slot's context) may give it one.
+    # affinity_max_wait_s 0: a request whose replica is full spills at once (with the default it
+    # would first wait a second for a place there).
     p: ProxyProcess = start_proxy({"aff": llama_model(replicas=3, replica_max=3, affinity_max_wait_s=0),
                                    "ll": llama_model(replicas=2, routing="least_loaded")})
     p.wait_replicas_ready("aff", 3, timeout=120)
@@ -115,58 +117,47 @@ def test_conversations_spread_and_each_kind_of_key_selects(proxy: ProxyProcess) 
     assert hdrs["X-Replica"] == "2"
 
 
-async def _hold_streams(url: str, key: str, count: int) -> tuple[aiohttp.ClientSession, list[Any]]:
-    """`count` long streams of `key`, each open once its first bytes arrived (they hold a slot)."""
-    session = aiohttp.ClientSession()
-    streams = []
-    for _ in range(count):
-        resp = await session.post(url + "/v1/chat/completions", json={
-            "model": "aff", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 3000,
-            "ignore_eos": True, "stream": True, "prompt_cache_key": key})
-        assert resp.status == 200 and resp.headers["X-Replica"] == str(home(digest("c", key)))
-        await resp.content.readany()
-        streams.append(resp)
-    return session, streams
-
-
 def test_a_full_replica_spills_to_the_keys_next_replica_and_the_spill_is_counted(proxy: ProxyProcess) -> None:
     key = "busy-conversation"
     first, second = order(digest("c", key), REPLICAS)[:2]
+    home_replica = proxy.admin_model("aff")["replicas"][first]
+    spills, picks = home_replica["affinity_spills"], home_replica["affinity_picks"]
 
-    async def scenario() -> tuple[int, bool]:
-        """Where the request sent while the key's home is full went, and whether it was full then:
-        both held streams still running once that request was answered (the proxy's own count of
-        the home's requests). A held stream ends by itself at its slot's context (2,048 tokens),
-        which on a busy machine may come before the request is sent."""
-        session, streams = await _hold_streams(proxy.url, key, 2)    # target_inflight 2: its home is full
-        try:
-            async with session.post(proxy.url + "/v1/chat/completions", json={
-                    "model": "aff", "messages": [{"role": "user", "content": "one more"}], "max_tokens": 4,
-                    "prompt_cache_key": key}) as resp:
-                assert resp.status == 200, await resp.text()
-                went = int(resp.headers["X-Replica"])
-            return went, proxy.admin_model("aff")["replicas"][first]["inflight"] == 2
-        finally:
-            for s in streams:
-                s.close()
-            await session.close()
+    async def scenario() -> int:
+        """The replica that answered a request sent while the key's home held two requests
+        (target_inflight 2). The home is frozen first, so the two it holds make no token and cannot
+        end however slow this machine is (a running one ends at its slot's context within a second)."""
+        async with aiohttp.ClientSession() as session:
+            held = [asyncio.create_task(session.post(proxy.url + "/v1/chat/completions", json={
+                "model": "aff", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 8,
+                "prompt_cache_key": key})) for _ in range(2)]
+            try:
+                while proxy.admin_model("aff")["replicas"][first]["inflight"] < 2:
+                    assert not any(t.done() for t in held), "a request to the frozen home was answered"
+                    await asyncio.sleep(0.05)
+                async with session.post(proxy.url + "/v1/chat/completions", json={
+                        "model": "aff", "messages": [{"role": "user", "content": "one more"}], "max_tokens": 4,
+                        "prompt_cache_key": key}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    went = int(resp.headers["X-Replica"])
+                assert proxy.admin_model("aff")["replicas"][first]["inflight"] == 2
+                return went
+            finally:
+                os.kill(home_replica["pid"], signal.SIGCONT)
+                for answered in await asyncio.gather(*held, return_exceptions=True):
+                    if isinstance(answered, aiohttp.ClientResponse):
+                        assert answered.status == 200
+                        answered.release()
 
-    def counted() -> tuple[int, int, str]:
-        home_replica = proxy.admin_model("aff")["replicas"][first]
-        return home_replica["affinity_spills"], home_replica["affinity_picks"], metrics_text(proxy)
-
+    os.kill(home_replica["pid"], signal.SIGSTOP)
+    try:
+        assert asyncio.run(scenario()) == second
+    finally:
+        os.kill(home_replica["pid"], signal.SIGCONT)
+    home_after = proxy.admin_model("aff")["replicas"][first]
+    assert (home_after["affinity_spills"] - spills, home_after["affinity_picks"] - picks) == (1, 2)
     metric = f'llm_pool_replica_affinity_spills_total{{host="local",model="aff",replica="{first}"}}'
-    for _ in range(5):
-        spills, picks, _ = counted()
-        went, was_full = asyncio.run(scenario())
-        if was_full:
-            break
-    else:
-        pytest.fail("the held streams ended before the request meant to spill, 5 times in a row")
-    assert went == second
-    spills_after, picks_after, text = counted()
-    assert (spills_after - spills, picks_after - picks) == (1, 2)
-    assert f"{metric} {float(spills_after)}" in text
+    assert f"{metric} {float(home_after['affinity_spills'])}" in metrics_text(proxy)
 
 
 def test_a_replica_that_leaves_moves_only_its_keys_and_they_come_back_with_it(proxy: ProxyProcess) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -215,6 +216,7 @@ def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> 
     # running for as long as the checks take, with the few tokens it made before the pause. A warm
     # engine can make all LONG tokens while a busy machine runs the test's few lines to the pause
     # (seen: 3,000 made before it): such a try is over before it began, and is made again.
+    tries = []
     for _ in range(5):
         # From an idle engine: a request still generating (an earlier test's, or a try's whose abort
         # is on its way) would count its tokens toward this one's and hold the gauge up.
@@ -222,12 +224,16 @@ def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> 
                  and vllm_metric(replica, "num_requests_waiting") == 0, timeout=300, what="vLLM to be idle")
         generated = vllm_metric(replica, "generation_tokens_total")
         resp = _long_stream(proxy)
+        read_at = time.monotonic()
         try:
             with paused(replica):
+                pause_s = time.monotonic() - read_at
                 wait_for(lambda since=generated: vllm_metric(replica, "num_requests_running") == 1
                          or vllm_metric(replica, "generation_tokens_total") - since >= LONG,
                          timeout=120, what="vLLM's gauge to show the request running, or the request to end")
                 if vllm_metric(replica, "num_requests_running") != 1:
+                    tries.append({"pause_s": round(pause_s, 2), "made": vllm_metric(replica, "generation_tokens_total") - generated,
+                                  "waiting": vllm_metric(replica, "num_requests_waiting")})
                     continue   # it ended before the pause
                 # Routing reads vLLM's own gauges from /metrics: the proxy sees the request running there.
                 wait_for(lambda: proxy.admin_model(MODEL)["replicas"][0]["reported"].get("running", 0) >= 1,
@@ -243,7 +249,7 @@ def test_gauges_route_and_a_disconnect_stops_generation(proxy: ProxyProcess) -> 
         finally:
             resp.close()
     else:
-        pytest.fail(f"vLLM made all {LONG} tokens before the pause, 5 times in a row")
+        pytest.fail(f"vLLM had no request running once paused, 5 times in a row: {tries}")
     assert vllm_metric(replica, "generation_tokens_total") - generated < LONG - 1
     wait_for(lambda: proxy.admin_model(MODEL)["replicas"][0]["reported"].get("running") == 0, timeout=120,
              what="the proxy to read the running count back at 0")
