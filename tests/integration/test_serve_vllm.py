@@ -37,7 +37,11 @@ MODEL = "tiny-vllm"
 API_KEY = "sk-test-vllm-replica-key"
 CHAT = [{"role": "user", "content": "Hello there, tiny model."}]
 START_S = 900.0   # a vLLM start on a busy 2-core machine: imports, weights, profiling
-LONG = 3000       # tokens: far more than a request makes between its first line and a pause
+# Tokens: far more than a request makes between its first line and a pause. vLLM's engine core runs
+# in its own process, and on a busy machine it made 3,000 before its API server, sharing the cores,
+# had sent the first few (5 tries of 5 in a loaded suite run): the context is stretched for this.
+LONG = 30000
+CONTEXT = 32768
 TOKENS_BEFORE_PAUSE = 3   # streamed tokens read before the pause: engine steps that set the gauges
 
 
@@ -61,12 +65,16 @@ def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def proxy(tiny_hf: Path) -> Iterator[ProxyProcess]:
     models: dict[str, dict[str, Any]] = {
         MODEL: {"backend": "vllm_serve", "enabled": True, "target_inflight": 2, "vllm_model": str(tiny_hf),
-                "vllm_serve_binary": vllm_command(), "vllm_dtype": "float32", "vllm_max_model_len": 4096,
-                "vllm_kv_cache_memory_bytes": 16 * 1024 * 1024,
+                "vllm_serve_binary": vllm_command(), "vllm_dtype": "float32", "vllm_max_model_len": CONTEXT,
+                # Two sequences of CONTEXT tokens: 2 layers x K and V x 128 float32s a token each.
+                "vllm_kv_cache_memory_bytes": 2 * CONTEXT * 2 * 2 * 128 * 4 + 16 * 1024 * 1024,
                 # Dev mode serves /pause and /resume, with which a test holds a request in flight.
-                "vllm_serve_env": {**vllm_env(), "VLLM_SERVER_DEV_MODE": "1"},
+                # VLLM_ALLOW_LONG_MAX_MODEL_LEN: a context past the tiny model's 4,096 positions (its rope
+                # extends; its weights are random anyway).
+                "vllm_serve_env": {**vllm_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
                 "vllm_serve_api_key": API_KEY, "vllm_serve_start_timeout_s": START_S,
-                "vllm_serve_extra_args": ["--enforce-eager", "--max-num-seqs", "2"]},
+                # A prefill chunk, and the start's profiling batch, far below the context.
+                "vllm_serve_extra_args": ["--enforce-eager", "--max-num-seqs", "2", "--max-num-batched-tokens", "2048"]},
     }
     for name, example in SEED_EXAMPLES.items():
         models[name] = cpu_variant(example, str(tiny_hf), vllm_command(), vllm_env())
