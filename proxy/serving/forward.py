@@ -19,15 +19,16 @@ from proxy.lifecycle.state.replicas import ModelState, Replica
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.lifecycle.state.slots import scoped
 from proxy.upstream.client import SENDING, Answer, NotingConnector, Send, UpstreamHttp
-from proxy.upstream.connection import MalformedAnswer
+from proxy.upstream.connection import MalformedAnswer, UpstreamAnswer
 from proxy.serving.affinity_key import SLOT_PATHS
 from proxy.serving.errors_http import error_event
 from proxy.serving.keys import (CACHE_SCOPE, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, REPLICA_HEADER,
                                 SETTINGS, STARTED, STREAM_ERROR, USAGE)
 from proxy.serving.metrics import usage_in
-from proxy.serving.relay import (ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, chunks, input_refused,
-                                 read_capped)
-from proxy.serving.stream_usage import USAGE_ROUTES, Tally, ask_usage, mark_ended, without_usage_chunk
+from proxy.serving.relay import (ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, input_refused, read_capped,
+                                 stream_watch, timed_out)
+from proxy.serving.splice import Splice
+from proxy.serving.stream_usage import USAGE_ROUTES, Tally, ask_usage
 
 log = logging.getLogger(__name__)
 
@@ -334,33 +335,36 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
         "Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id,
         REPLICA_HEADER: str(replica.index)})
     await out.prepare(request)
-    # The last three reads: the usage chunk (sent last, with stream_options.include_usage) is among
-    # them, so only they are scanned, once, after the stream; nothing is copied per chunk.
-    oldest = older = last = b""
     tally = Tally(request.path)
-    needle, marker, events = tally.needle, tally.marker, 0
+    splice = Splice(request, out, outcomes, replica, body, strip, tally)
+    watch = stream_watch(upstream, timeouts, label(replica))
     try:
-        # Whatever bytes arrived, so each token reaches the client as it is made.
-        async for chunk in chunks(upstream, timeouts, label(replica)):
-            if not last:
+        # The first pieces are read by this task and written with aiohttp's writer (the headers go
+        # with the first); once one went out, an answer on the proxy's own connection is diverted
+        # to the splice, and any other is read on here, each read taken by it all the same.
+        divert = isinstance(upstream, UpstreamAnswer)
+        while True:
+            with watch:
+                chunk = await upstream.content.readany()
+            if not chunk:
+                break
+            if not tally.head:
                 tally.head = chunk
                 metrics.child(metrics.ttft, replica.model, request.path).observe(time.perf_counter() - request[STARTED])
-            oldest, older, last = older, last, chunk
+            piece = splice.take(chunk)
             try:
-                # The usage chunk's empty `choices` is its mark: one scan, and only then a closer look.
-                await out.write(without_usage_chunk(chunk) if strip and b"[]" in chunk else chunk)
+                await out.write(piece)
             except ConnectionResetError:
                 # The client left: closing the upstream connection makes the backend stop generating.
                 upstream.close()
                 return out
-            # Counted, not parsed (stream_usage.Tally), in the loop: it runs once per chunk.
-            events += chunk.count(needle)
-            if chunk.find(marker, -32) >= 0 and not tally.ended:
-                # Its end went out: counted now, before a client that closes at once cancels the handler.
-                tally.events, tally.ended = events, True
-                outcomes.report_outcome(replica, None)
-                tally.settle(request, replica, body, oldest + older + last)
-                mark_ended(request, out)
+            splice.check_end(chunk)
+            if divert and piece:
+                watch.close()
+                assert isinstance(upstream, UpstreamAnswer)
+                if not await _spliced(request, upstream, splice, timeouts, label(replica)):
+                    return out   # the client left
+                break
     except (BackendTimeout, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
         upstream.close()
         err = exc if isinstance(exc, PoolError) else \
@@ -378,13 +382,38 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
             await out.write_eof()
         return out
     finally:
+        watch.close()
         if not tally.settled:
-            tally.events = events
+            tally.events = splice.events
             # Ended early (the client left, the handler was cancelled, the backend broke off) or
             # without an end marker: what went out is counted.
-            tally.settle(request, replica, body, oldest + older + last)
+            tally.settle(request, replica, body, splice.tail())
     if not tally.ended:
         outcomes.report_outcome(replica, None)
     with contextlib.suppress(ConnectionResetError):
         await out.write_eof()   # a client that closed once it had everything: still a success
     return out
+
+
+async def _spliced(request: web.Request, upstream: UpstreamAnswer, splice: Splice, timeouts: Timeouts,
+                   replica_label: str) -> bool:
+    """The rest of a stream relayed by `splice` in the connection's callback, this task asleep
+    until the answer ends (True) or the client leaves (False); raises what ended it otherwise."""
+    splice.answer = upstream
+    upstream.divert(splice, timeouts.idle_s, timed_out(replica_label, timeouts.idle_s, "stream_idle_timeout_s"))
+    while not await upstream.ended():
+        # Held: the client is behind (its transport past the high-water mark), or gone.
+        if not splice.left:
+            try:
+                await request.writer.drain()
+            except ConnectionResetError:
+                splice.left = True
+        if splice.left:
+            break
+        upstream.go_on()
+    if splice.left:
+        upstream.close()   # the backend stops generating for nobody
+        if splice.failed is not None:
+            raise splice.failed
+        return False
+    return True

@@ -220,21 +220,6 @@ def stream_watch(resp: Answer, timeouts: Timeouts, label: str) -> ReadWatch:
                      (timeouts.idle_s, "stream_idle_timeout_s"))
 
 
-async def chunks(resp: Answer, timeouts: Timeouts, label: str) -> AsyncIterator[bytes]:
-    """A stream's bytes as they arrive, the first within first_byte_timeout_s and each next one
-    within stream_idle_timeout_s."""
-    watch = stream_watch(resp, timeouts, label)
-    try:
-        while True:
-            with watch:
-                chunk = await resp.content.readany()
-            if not chunk:
-                return
-            yield chunk
-    finally:
-        watch.close()
-
-
 async def sse_data(resp: Answer, timeouts: Timeouts, label: str) -> AsyncIterator[dict[str, Any]]:
     """The JSON objects of an upstream OpenAI SSE stream, one per `data:` line, as they arrive.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import Protocol
+from typing import Callable, Protocol
 
 import aiohttp
 import httptools
@@ -176,6 +176,9 @@ class UpstreamAnswer:
         self.size = 0
         self.paused = False
         self.waiter: asyncio.Future[None] | None = None
+        # Where the body goes as it arrives once diverted (divert()); None: kept for readany().
+        self.sink: Callable[[bytes], None] | None = None
+        self.stalled: BaseException | None = None   # what a diverted answer's silence fails with
         self.read_timeout = timeout.sock_read
         self.last_data = loop.time()
         self.read_timer: asyncio.TimerHandle | None = None
@@ -192,6 +195,10 @@ class UpstreamAnswer:
         self._wake()
 
     def feed(self, body: bytes) -> None:
+        sink = self.sink
+        if sink is not None:
+            sink(body)
+            return
         self.parts.append(body)
         self.size += len(body)
         if self.size > HIGH_WATER and not self.paused and self.conn is not None:
@@ -272,6 +279,47 @@ class UpstreamAnswer:
                 return b""
             await self._wait()
 
+    def divert(self, sink: Callable[[bytes], None], idle_s: float, stalled: BaseException) -> None:
+        """From now on each piece of the body goes to `sink` as it arrives, called from the
+        connection's own callback: no task wakes per piece (a stream's relay, proxy/serving/splice.py).
+        What was read and not taken goes first. The answer then fails with `stalled` when nothing
+        arrives for `idle_s` (or the shorter read timeout it had), except while held (hold()).
+        `sink` must not raise: it runs inside the parser. Wait for the end with ended()."""
+        parts, self.parts, self.size = self.parts, [], 0
+        self.sink = sink
+        if self.read_timeout is None or idle_s < self.read_timeout:
+            self.read_timeout, self.stalled = idle_s, stalled
+            if self.read_timer is not None:   # armed for the longer limit: the next wait arms it anew
+                self.read_timer.cancel()
+                self.read_timer = None
+        self.last_data = self.loop.time()
+        self._resume()   # paused for the parts kept, if they were many; the sink holds it again if need be
+        for part in parts:
+            sink(part)
+
+    def hold(self) -> None:
+        """Stop reading the socket (a diverted answer whose sink's reader is behind)."""
+        if not self.paused and self.conn is not None:
+            self.paused = True
+            self.conn.transport.pause_reading()
+        self._wake()
+
+    def go_on(self) -> None:
+        """Read the socket again after hold(); the time it was held is no silence of the replica's."""
+        self.last_data = self.loop.time()
+        self._resume()
+
+    async def ended(self) -> bool:
+        """A diverted answer: wait until it ends (True), or is held (False); raises its failure."""
+        while True:
+            if self.exc is not None:
+                raise self.exc
+            if self.eof:
+                return True
+            if self.paused:
+                return False
+            await self._wait()
+
     async def read(self) -> bytes:
         body: list[bytes] = []
         while chunk := await self.readany():   # taken as it comes, so that a paused socket reads on
@@ -344,7 +392,7 @@ class UpstreamAnswer:
         if self.loop.time() < due:
             self.read_timer = self.loop.call_at(due, self._read_expired)
             return
-        self.fail(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
+        self.fail(self.stalled or aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
         self.close()
 
     def _total_expired(self) -> None:

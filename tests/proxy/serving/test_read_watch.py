@@ -4,17 +4,32 @@ between reads (writing to a slow client) never counted. A real aiohttp server on
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from proxy.errors import BackendTimeout
-from proxy.serving.relay import Timeouts, chunks, read_capped
+from proxy.serving.relay import Timeouts, read_capped, stream_watch
 
 # Bounds the tests' own waits: a watch that never fires fails them instead of hanging.
 TEST_LIMIT_S = 10
+
+
+async def chunks(resp: Any, timeouts: Timeouts, label: str) -> AsyncIterator[bytes]:
+    """A stream's reads as the relay's first ones are watched (forward._relay)."""
+    watch = stream_watch(resp, timeouts, label)
+    try:
+        while chunk := await _read(watch, resp):
+            yield chunk
+    finally:
+        watch.close()
+
+
+async def _read(watch: Any, resp: Any) -> bytes:
+    with watch:
+        return await resp.content.readany()
 
 
 @pytest.fixture
