@@ -163,6 +163,14 @@ def _event(name: str, data: Mapping[str, Any]) -> bytes:
     return f"event: {name}\ndata: ".encode() + json.dumps({"type": name, **data}).encode() + b"\n\n"
 
 
+def message_start(model: str, message_id: str) -> bytes:
+    """The event that opens a message stream, before its prompt's count is known (0 until then)."""
+    message: dict[str, Any] = {"id": message_id, "type": "message", "role": "assistant", "model": model,
+                               "content": [], "stop_reason": None, "stop_sequence": None,
+                               "usage": {"input_tokens": 0, "output_tokens": 0}}
+    return _event("message_start", {"message": message})
+
+
 class MessageStream:
     """A chat stream, chunk by chunk (untrusted), as Anthropic's events: message_start and one text
     block's start at once, a content_block_delta per piece of text, then the block's stop,
@@ -174,10 +182,7 @@ class MessageStream:
         self.finish_reason: str | None = None
 
     def start(self) -> bytes:
-        message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant",
-                                   "model": self.model, "content": [], "stop_reason": None, "stop_sequence": None,
-                                   "usage": {"input_tokens": 0, "output_tokens": 0}}
-        return (_event("message_start", {"message": message})
+        return (message_start(self.model, self.message_id)
                 + _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
 
     def feed(self, chunk: Mapping[str, Any]) -> bytes:

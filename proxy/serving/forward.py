@@ -21,6 +21,7 @@ from proxy.lifecycle.state.slots import scoped
 from proxy.upstream.client import SENDING, Answer, NotingConnector, Send, UpstreamHttp
 from proxy.upstream.connection import MalformedAnswer, UpstreamAnswer
 from proxy.serving.affinity_key import SLOT_PATHS
+from proxy.serving.anthropic import message_start
 from proxy.serving.errors_http import error_event
 from proxy.serving.keys import (CACHE_SCOPE, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, REPLICA_HEADER,
                                 SETTINGS, STARTED, STREAM_ERROR, USAGE)
@@ -28,7 +29,7 @@ from proxy.serving.metrics import usage_in
 from proxy.serving.relay import (ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, input_refused, read_capped,
                                  stream_watch, timed_out)
 from proxy.serving.splice import Splice
-from proxy.serving.stream_usage import USAGE_ROUTES, Tally, ask_usage
+from proxy.serving.stream_usage import MESSAGES_ROUTE, USAGE_ROUTES, Tally, ask_usage
 
 log = logging.getLogger(__name__)
 
@@ -348,10 +349,14 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
                 chunk = await upstream.content.readany()
             if not chunk:
                 break
+            piece = splice.take(chunk)
             if not tally.head:
                 tally.head = chunk
                 metrics.child(metrics.ttft, replica.model, request.path).observe(time.perf_counter() - request[STARTED])
-            piece = splice.take(chunk)
+                if request.path == MESSAGES_ROUTE and _opens_without_message_start(chunk):
+                    # llama-server leaves it out now and then (13% of short streams, measured), and
+                    # Anthropic's SDK then has no message to give: it gets the one its translation sends.
+                    piece = message_start(replica.model, f"msg_{request_id}") + piece
             try:
                 await out.write(piece)
             except ConnectionResetError:
@@ -393,6 +398,12 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
     with contextlib.suppress(ConnectionResetError):
         await out.write_eof()   # a client that closed once it had everything: still a success
     return out
+
+
+def _opens_without_message_start(first: bytes) -> bool:
+    """Whether an Anthropic stream's first read begins with a whole event line that is not message_start."""
+    line, newline, _ = first.partition(b"\n")
+    return bool(newline) and line.startswith(b"event:") and line[6:].strip() != b"message_start"
 
 
 async def _spliced(request: web.Request, upstream: UpstreamAnswer, splice: Splice, timeouts: Timeouts,

@@ -90,11 +90,14 @@ def test_the_anthropic_sdk_creates_a_message_that_llama_server_answered(proxy: P
 
 
 def test_the_anthropic_sdk_streams_event_by_event(proxy: ProxyProcess, claude: anthropic.Anthropic) -> None:
-    with claude.messages.stream(model="tiny", max_tokens=5, messages=CHAT) as stream:
-        pieces = list(stream.text_stream)
-        final = stream.get_final_message()
-    assert len(pieces) >= 2 and "".join(pieces) == final.content[0].text
-    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 5
+    # llama-server leaves message_start out of about one short stream in eight (measured: 20 of 150),
+    # and the SDK then has no message: the proxy sends one. Forty streams meet that almost surely.
+    for _ in range(40):
+        with claude.messages.stream(model="tiny", max_tokens=5, messages=CHAT) as stream:
+            pieces = list(stream.text_stream)
+            final = stream.get_final_message()
+        assert "".join(pieces) == final.content[0].text and final.model == "tiny"
+        assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 5
 
 
 def test_an_image_block_reaches_a_model_with_a_projector(claude: anthropic.Anthropic) -> None:
