@@ -1,7 +1,8 @@
 """A stream relayed by the splice (proxy/serving/splice.py): after its first piece, each piece goes
 from the replica's connection to the client's in the connection's callback. Every byte arrives in
 order; a client that falls behind stops the proxy reading the replica (nothing piles up in the
-proxy); an HTTP/1.0 client gets the stream unframed, ended by the close. The replica is an aiohttp
+proxy); an HTTP/1.0 client gets the stream unframed, ended by the close; an end split between two
+reads is seen. The replica is an aiohttp
 server of the test's (a provider's URL, so the proxy's own client reads it), served in-process
 with the proxy's routes (tests/metered.py)."""
 from __future__ import annotations
@@ -102,3 +103,41 @@ async def test_an_http_1_0_client_gets_the_stream_unframed_ended_by_the_close(tm
     head_bytes, _, stream = answer.partition(b"\r\n\r\n")
     assert head_bytes.startswith(b"HTTP/1.0 200") and b"transfer-encoding" not in head_bytes.lower()
     assert stream == EVENT * EVENTS + DONE
+
+
+async def test_an_end_split_between_two_reads_is_seen(tmp_path: Path) -> None:
+    go_on = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(EVENT * 3 + b"data: [DO")
+        await go_on.wait()   # the client has had the first half: the proxy read it alone
+        await out.write(b"NE]\n\n")
+        await out.write_eof()
+        return out
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    config = {"backend": "openai_remote", "remote_base_url": f"http://127.0.0.1:{port}/v1", "remote_model": "e",
+              "remote_api_key_env": "PROVIDER_KEY", "remote_health_check": "config_only", "target_inflight": 4}
+    try:
+        async with metered_app(tmp_path, "r", config, lambda c: RemoteReach(c, Secret("sk-unused"))) as metered:
+            async with metered.client.post(metered.url + "/v1/chat/completions", headers=metered.headers(),
+                                           json=metered.chat("go")) as resp:
+                got = b""
+                while not got.endswith(b"data: [DO"):
+                    got += await resp.content.readany()
+                go_on.set()
+                got += await resp.content.read()
+            await metered.until_finished(1)
+    finally:
+        await runner.cleanup()
+    assert got == EVENT * 3 + DONE
+    assert metered.seen[-1][1][2] == 3   # three tokens: its [DONE] was seen as the end, not counted as one
