@@ -198,6 +198,16 @@ def ratios(title: str, figures: dict[tuple[str, int], dict[str, dict[str, float]
     print(f"  {title:<28}{text}")
 
 
+def fast_upstream(events: int, gap_ms: float) -> Path:
+    """An executable that runs FastUpstream with `events` SSE chunks `gap_ms` apart: a sim replica's
+    `sim.python`, or a process of its own."""
+    wrapper = Path(tempfile.mkdtemp(prefix="lp-bench-")) / "fast-upstream"
+    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c {shlex.quote(FAST_UPSTREAM)} "
+                       f"--events {events} --gap-ms {gap_ms} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
 def at_defaults(proxy: ProxyProcess) -> ProxyProcess:
     """The proxy as a user runs it: the monitor polls supervisord at its default interval, not at
     the tests' quicker one (each poll is CPU of the proxy's, charged to the requests of a round)."""
@@ -350,10 +360,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.requests = 2, 60
-    wrapper = Path(tempfile.mkdtemp(prefix="lp-bench-")) / "fast-upstream"
-    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c {shlex.quote(FAST_UPSTREAM)} "
-                       f"--events {args.events} --gap-ms {args.gap_ms} \"$@\"\n")
-    wrapper.chmod(0o755)
+    wrapper = fast_upstream(args.events, args.gap_ms)
     remote_port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     proxy: ProxyProcess | None = None

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shlex
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +27,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this tree's proxy/, not an installed one
 
-from bench_proxy_overhead import TICKS, FAST_UPSTREAM, at_defaults, cpu_seconds, forwarder, has_uvloop  # noqa: E402
+from bench_proxy_overhead import TICKS, at_defaults, cpu_seconds, fast_upstream, forwarder, has_uvloop  # noqa: E402
 from helpers import ProxyProcess  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -117,10 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.events = 2, 50
-    wrapper = Path(tempfile.mkdtemp(prefix="lp-bench-")) / "fast-upstream"
-    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c {shlex.quote(FAST_UPSTREAM)} "
-                       f"--events {args.events} --gap-ms {args.gap_ms} \"$@\"\n")
-    wrapper.chmod(0o755)
+    wrapper = fast_upstream(args.events, args.gap_ms)
     cpus = os.sched_getaffinity(0)
     pinned = len(cpus) > 1
     if pinned:

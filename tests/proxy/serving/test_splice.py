@@ -12,7 +12,7 @@ import contextlib
 import gc
 import json
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -47,8 +47,16 @@ class Replica:
 @contextlib.asynccontextmanager
 async def relayed(tmp_path: Path) -> AsyncIterator[tuple[Metered, Replica]]:
     replica = Replica()
+    async with served(tmp_path, replica.chat) as metered:
+        yield metered, replica
+
+
+@contextlib.asynccontextmanager
+async def served(tmp_path: Path, chat: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                 ) -> AsyncIterator[Metered]:
+    """The proxy's routes in front of a replica whose chat completions `chat` answers."""
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", replica.chat)
+    app.router.add_post("/v1/chat/completions", chat)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -58,7 +66,7 @@ async def relayed(tmp_path: Path) -> AsyncIterator[tuple[Metered, Replica]]:
               "remote_api_key_env": "PROVIDER_KEY", "remote_health_check": "config_only", "target_inflight": 4}
     try:
         async with metered_app(tmp_path, "r", config, lambda c: RemoteReach(c, Secret("sk-unused"))) as metered:
-            yield metered, replica
+            yield metered
     finally:
         await runner.cleanup()
 
@@ -118,26 +126,14 @@ async def test_an_end_split_between_two_reads_is_seen(tmp_path: Path) -> None:
         await out.write_eof()
         return out
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    config = {"backend": "openai_remote", "remote_base_url": f"http://127.0.0.1:{port}/v1", "remote_model": "e",
-              "remote_api_key_env": "PROVIDER_KEY", "remote_health_check": "config_only", "target_inflight": 4}
-    try:
-        async with metered_app(tmp_path, "r", config, lambda c: RemoteReach(c, Secret("sk-unused"))) as metered:
-            async with metered.client.post(metered.url + "/v1/chat/completions", headers=metered.headers(),
-                                           json=metered.chat("go")) as resp:
-                got = b""
-                while not got.endswith(b"data: [DO"):
-                    got += await resp.content.readany()
-                go_on.set()
-                got += await resp.content.read()
-            await metered.until_finished(1)
-    finally:
-        await runner.cleanup()
+    async with served(tmp_path, chat) as metered:
+        async with metered.client.post(metered.url + "/v1/chat/completions", headers=metered.headers(),
+                                       json=metered.chat("go")) as resp:
+            got = b""
+            while not got.endswith(b"data: [DO"):
+                got += await resp.content.readany()
+            go_on.set()
+            got += await resp.content.read()
+        await metered.until_finished(1)
     assert got == EVENT * 3 + DONE
     assert metered.seen[-1][1][2] == 3   # three tokens: its [DONE] was seen as the end, not counted as one
