@@ -34,23 +34,27 @@ def read_back(path: Path) -> Any:
         return None
 
 
-def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
+def write_atomic(path: Path, text: str, mode: int | None = None, sync: bool = True) -> None:
     """Replace `path` with `text` (UTF-8) in one step; raises OSError (and leaves no temporary file)
     when it cannot. `mode`: the new file's permissions from its first byte (a file holding a secret
-    is never readable by others, even while it is written); else the umask's."""
+    is never readable by others, even while it is written); else the umask's. `sync=False`: no
+    fsync, for a file written on the event loop whose last lines a power loss may take (the events
+    journal): the rename still leaves the old file or the new one after a crash of the process."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-            f.flush()
-            # Without it a power loss after the rename can leave an empty file under the new name.
-            os.fsync(f.fileno())
+            if sync:
+                f.flush()
+                # Without it a power loss after the rename can leave an empty file under the new name.
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _sync_folder(path.parent)
+    if sync:
+        _sync_folder(path.parent)
 
 
 def _sync_folder(folder: Path) -> None:

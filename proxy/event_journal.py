@@ -10,14 +10,13 @@ back skips what is not an event, such as a line cut short by a crash.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from proxy.atomic_file import PRIVATE_MODE
+from proxy.atomic_file import PRIVATE_MODE, write_atomic
 from proxy.events import Event
 
 log = logging.getLogger(__name__)
@@ -64,22 +63,12 @@ class EventJournal:
         """Replace the file with `events`, and append to the new one from now on."""
         text = "".join(_line(e) for e in events)
         self.close()
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_MODE)
-            try:
-                data = memoryview(text.encode())
-                while data:
-                    data = data[os.write(fd, data):]
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, text, PRIVATE_MODE, sync=False)
             self._lines = text.count("\n")
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             self._failed(exc)
             return
         self._written()
