@@ -266,7 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             stack.enter_context(sock)
         # Not web.run_app: it closes the listeners before the drain and the unload (see serve).
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(serve(app, socks, lambda: print(banner, flush=True), lock, inherited))
+            runner.run(serve(app, socks, lambda: print(banner, flush=True), lock, inherited, loop_name))
     return 0
 
 

@@ -272,6 +272,19 @@ def cmd_hosts(client: AdminClient, args: argparse.Namespace, out: TextIO) -> Non
     _show(client.call("GET", "/v1/admin/hosts"), lambda data: hosts_table(data["data"]), args, out)
 
 
+def cmd_processes(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
+    _show(client.call("GET", "/v1/admin/processes"), lambda data: processes_table(data["data"]), args, out)
+
+
+def processes_table(rows: Sequence[dict[str, Any]]) -> str:
+    def shown(value: Any) -> str:
+        return "?" if value is None else str(value)
+    return table(("ROLE", "PID", "STATE", "CONNECTIONS", "REQUESTS", "RESTARTS"),
+                 [(r["role"] if r.get("index") is None else f"{r['role']} {r['index']}", shown(r.get("pid")),
+                   r.get("state", ""), shown(r.get("connections")), shown(r.get("requests")), shown(r.get("restarts")))
+                  for r in rows])
+
+
 def cmd_gpu(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
     _show(client.call("GET", "/v1/admin/gpu-memory"), gpu_text, args, out)
 
@@ -370,7 +383,7 @@ def cmd_keys(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None
 COMMANDS: dict[str, Callable[..., None]] = {"models": cmd_models, "load": cmd_load, "unload": cmd_unload,
                                             "scale": cmd_scale, "logs": cmd_logs, "gpu": cmd_gpu,
                                             "hosts": cmd_hosts, "events": cmd_events, "usage": cmd_usage,
-                                            "keys": cmd_keys}
+                                            "keys": cmd_keys, "processes": cmd_processes}
 
 
 # -- wiring -----------------------------------------------------------------------------------------
@@ -404,6 +417,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     # Users type `ctl models --json` as often as `ctl --json models`: every command takes the
     # common options too, with no default of its own, so one given before the command is kept.
     hosts = cmds.add_parser("hosts", help="every host: reachability, devices, free memory, replicas")
+    processes = cmds.add_parser("processes", help="the proxy's processes: the controller and its workers, with "
+                                                  "their PIDs, client connections and requests in flight")
     events = cmds.add_parser("events", help="what happened: loads, unloads and why, evictions, crashes, "
                                             "ejections, hosts, admin actions and who")
     events.add_argument("--model", help="only this model's events")
@@ -421,7 +436,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     keys.add_argument("action", nargs="?", choices=("list", "mint", "revoke"), default="list")
     keys.add_argument("tenant", nargs="?")
     keys.add_argument("id", nargs="?")
-    for command in (models, load, unload, scale, logs, gpu, hosts, events, usage, keys):
+    for command in (models, load, unload, scale, logs, gpu, hosts, processes, events, usage, keys):
         _add_common(command, defaults=False)
     ctl.set_defaults(func=run)
     return ctl

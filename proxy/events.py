@@ -38,8 +38,9 @@ THRASH = "thrash"            # a model evicted and loaded again within lifecycle
 OVER_BUDGET = "over_budget"  # a device's loaded models hold more than its budget (a smaller budget, adopted models)
 STOPPED = "stopped"          # a replica was stopped in supervisord (an admin's supervisorctl stop), not by the pool
 STARTED = "started"          # a replica stopped there was started there again (an admin's supervisorctl start)
+WORKER = "worker"            # a worker process exited unasked (reason: exited) and another was started
 KINDS = (LOAD, LOAD_FAILED, UNLOAD, EVICT, SCALE, RESTART, CRASH, EJECT, HOST_DOWN, HOST_UP, ADMIN, RELOAD, SLEEP,
-         WAKE, LEDGER, THRASH, OVER_BUDGET, STOPPED, STARTED)
+         WAKE, LEDGER, THRASH, OVER_BUDGET, STOPPED, STARTED, WORKER)
 
 DEFAULT_CAPACITY = 1000
 

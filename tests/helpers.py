@@ -157,7 +157,20 @@ class ProxyProcess:
         self.proc = subprocess.Popen(argv, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         wait_for(self._answers, what=f"the proxy on {self.url} (log: {self.log_path})")
         self._remember_supervisord()
+        self._remember_workers()
         return self
+
+    def processes(self) -> list[dict[str, Any]]:
+        """GET /v1/admin/processes: the serving process and its workers."""
+        status, _, body = http("GET", self.url + "/v1/admin/processes", headers=self.admin_headers)
+        assert status == 200, body
+        return list(body["data"])
+
+    def _remember_workers(self) -> None:
+        """service.workers > 1: the workers' PIDs, for cleanup to check (their controller stops them)."""
+        if self.config["service"].get("workers", 1) > 1:
+            with contextlib.suppress(OSError, AssertionError):
+                self.seen_pids.update(p["pid"] for p in self.processes() if p["pid"] is not None)
 
     def _answers(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
@@ -239,6 +252,8 @@ class ProxyProcess:
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM the proxy and wait for it; it stops its models and supervisord unless kept."""
         self._remember_supervisord()
+        if self.proc is not None and self.proc.poll() is None:
+            self._remember_workers()
         if self.successor is not None:
             # Not our child: waited for by its PID.
             pid, self.successor = self.successor, None

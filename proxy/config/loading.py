@@ -203,6 +203,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
                                 admin_allow_unauthenticated_remote=bool(
                                     service.get("admin_allow_unauthenticated_remote", False)),
                                 server_names=tuple(str(n) for n in service.get("server_names") or ()),
+                                workers=int(service.get("workers", 1)),
                                 **{k: type(v)(service.get(k, v)) for k, v in DEFAULT_RELIABILITY.items()}),
         supervisor=SupervisorSettings(mode=supervisor["mode"], url=supervisor.get("url"), programs_dir=programs_dir,
                                       port_range=(int(supervisor["port_range"][0]), int(supervisor["port_range"][1])),

@@ -49,6 +49,9 @@ class ServiceSettings:
     # More Host names the proxy answers to where no key guards it (the admin API without a token, the
     # data plane without tenants): a LAN name, a container's service name, a reverse proxy's own name.
     server_names: tuple[str, ...] = ()
+    # Processes that accept clients and relay answers, under this one (the controller) that decides:
+    # 1 is one process doing both, with no hop between (docs/workers.md).
+    workers: int = 1
     first_byte_timeout_s: float = DEFAULT_RELIABILITY["first_byte_timeout_s"]
     stream_idle_timeout_s: float = DEFAULT_RELIABILITY["stream_idle_timeout_s"]
     max_response_bytes: int = DEFAULT_RELIABILITY["max_response_bytes"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from proxy.errors import BadRequest, PoolError
+from proxy.errors import BadRequest, PoolError, sse_error_event
 
 ROLES = ("user", "assistant")
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
@@ -230,3 +230,16 @@ def error_body(err: PoolError) -> dict[str, Any]:
 def error_event(err: PoolError) -> bytes:
     """The `error` event that ends a stream broken off after it began."""
     return _event("error", {"error": error_body(err)["error"]})
+
+
+MESSAGES_PATH = "/v1/messages"
+
+
+def route(path: str) -> bool:
+    """Whether a request's errors take Anthropic's shape: /v1/messages and its count_tokens."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def stream_error(err: PoolError, path: str) -> bytes:
+    """The SSE event that ends a stream broken off after it began, in the route's shape."""
+    return error_event(err) if route(path) else sse_error_event(err)

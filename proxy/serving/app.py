@@ -36,7 +36,9 @@ from proxy.serving.handover import COUNTERS, EVENT, Inherited, Succession
 from proxy.serving.keys import (ADOPTING, FAIRNESS_KEY, HTTP, METRICS, MODEL, ON_ADMIN_LISTENER, POOL, SETTINGS,
                                 STARTED, STREAM_ENDED, STREAM_ERROR, VOCABULARIES, VRAM)
 from proxy.serving.metrics import ProxyMetrics
+from proxy.serving.leases import LeaseDesk, lease_middleware
 from proxy.serving.tenancy import TENANCY, Tenancy
+from proxy.serving.workers import PROCESSES, Plane, Processes
 from proxy.serving.vocabulary import Vocabularies
 from proxy.serving.reload import Reloader
 from proxy.serving.sd_notify import notify
@@ -133,8 +135,14 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
     if not settings.tenants:
         # Without keys, the data plane is out of a browser's reach as the admin API is.
         middlewares.append(edge_guard_middleware(settings.service))
+    desk = LeaseDesk() if settings.service.workers > 1 else None
+    if desk is not None:
+        middlewares.append(lease_middleware(desk))
     app = web.Application(client_max_size=settings.service.max_body_bytes, middlewares=middlewares)
     app[SETTINGS] = settings
+    app[PROCESSES] = Processes()
+    if desk is not None:
+        app[PROCESSES].plane = Plane(settings.service.workers, desk)
     app[METRICS] = ProxyMetrics()
     app[VRAM] = Estimator()
     app[VOCABULARIES] = Vocabularies()
@@ -225,7 +233,7 @@ async def release_pool(app: web.Application) -> None:
 
 
 async def serve(app: web.Application, socks: Sequence[socket.socket], on_listening: Callable[[], None],
-                lock: IO[str] | None = None, inherited: Inherited | None = None) -> None:
+                lock: IO[str] | None = None, inherited: Inherited | None = None, loop_name: str = "asyncio") -> None:
     """Serve `app` on `socks` until SIGINT or SIGTERM; then, with the listeners still open and
     answering new work 503 shutting_down (proxy/serving/shutdown.py), let the requests in flight
     finish (up to service.drain_timeout_s), unload the models (or keep them, with --keep-models),
@@ -233,8 +241,12 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
 
     SIGUSR1 reloads (proxy/serving/reload.py, given the state folder's `lock`): a successor takes
     over and this process ends as `_finish_handed_over` says. `inherited`: this process is such a
-    successor; it starts accepting once it has adopted the running replicas, and takes over."""
+    successor; it starts accepting once it has adopted the running replicas, and takes over.
+
+    With service.workers > 1, socks[0] (the public listener) is the workers' (proxy/serving/workers.py):
+    this process, their controller, serves them on its own socket and the admin listener itself."""
     shutdown = app[SHUTDOWN]
+    plane = app[PROCESSES].plane
     loop = asyncio.get_running_loop()
     reloader = Reloader(app, socks, lock) if lock is not None else None
     # Before the startup (supervisord, the pool): a signal then stops the proxy the same way.
@@ -256,9 +268,14 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
             # that fails now has taken no connection with it.
             await _until_adopted(app)
         if not shutdown.requested.is_set():
-            sites = [web.SockSite(runner, sock) for sock in socks]
+            sites = [web.SockSite(runner, sock) for sock in (socks[1:] if plane is not None else socks)]
             for site in sites:
                 await site.start()
+            app[PROCESSES].server = runner.server
+            if plane is not None:
+                service = app[SETTINGS].service
+                await plane.start(runner, list(socks[:1]), service.log_level, loop_name, service.drain_timeout_s,
+                                  app[POOL].events)
             on_listening()
             if succession is None:
                 notify("READY=1", f"STATUS=serving (pid {os.getpid()})")
@@ -299,6 +316,8 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
         if lock is not None and not shutdown.handed_over:
             # A handed-over process leaves the record alone: its successor's is, or will be, there.
             remove_address(app[SETTINGS].service.state_dir, os.getpid())
+        if plane is not None:
+            await plane.stop()   # by PID, after the drain: nothing they relay is still in flight
         await runner.cleanup()
         for sig in (*STOP_SIGNALS, signal.SIGUSR1):
             loop.remove_signal_handler(sig)
@@ -365,6 +384,9 @@ async def _finish_handed_over(app: web.Application, runner: web.AppRunner, sites
     stay idle, let the requests in flight finish (service.drain_timeout_s), and return: the
     models and supervisord keep running."""
     shutdown = app[SHUTDOWN]
+    plane = app[PROCESSES].plane
+    if plane is not None:
+        plane.stop_accepting()   # the workers finish what they relay, through this process
     for site in sites:
         await site.stop()
     for sock in socks:

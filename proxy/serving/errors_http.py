@@ -8,29 +8,17 @@ import logging
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from proxy.errors import BadRequest, NotFound, PoolError, TooLarge, sse_error_event
+from proxy.errors import BadRequest, NotFound, PoolError, TooLarge
 from proxy.serving import anthropic
+from proxy.serving.anthropic import route as anthropic_route
 from proxy.serving.keys import REPLICA, REPLICA_HEADER
 
 log = logging.getLogger(__name__)
 
 
-MESSAGES_PATH = "/v1/messages"
-
-
-def anthropic_route(path: str) -> bool:
-    """Whether a request's errors take Anthropic's shape: /v1/messages and its count_tokens."""
-    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
-
-
 def error_response(err: PoolError, path: str = "") -> web.Response:
     body = anthropic.error_body(err) if anthropic_route(path) else err.body()
     return web.json_response(body, status=err.status, headers=err.headers())
-
-
-def error_event(err: PoolError, path: str) -> bytes:
-    """The SSE event that ends a stream broken off after it began, in the route's shape."""
-    return anthropic.error_event(err) if anthropic_route(path) else sse_error_event(err)
 
 
 def from_http_exception(exc: web.HTTPException) -> PoolError:

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
 from types import TracebackType
-from typing import Any, Hashable
+from typing import Any, Awaitable, Hashable, cast
 
 import aiohttp
 from aiohttp import web
@@ -18,28 +17,25 @@ from proxy.lifecycle.state.outcomes import Outcomes, process_gone
 from proxy.lifecycle.state.replicas import ModelState, Replica
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.lifecycle.state.slots import scoped
-from proxy.upstream.client import SENDING, Answer, NotingConnector, Send, UpstreamHttp
-from proxy.upstream.connection import MalformedAnswer, UpstreamAnswer
+from proxy.upstream.client import Answer, NotingConnector, Send, UpstreamHttp, post_retrying
+from proxy.upstream.connection import MalformedAnswer
+from proxy.upstream.reach import ProgramReach
+from proxy.lease_wire import RELAYED_HEADER
 from proxy.serving.affinity_key import SLOT_PATHS
 from proxy.serving.anthropic import message_start
-from proxy.serving.errors_http import error_event
+from proxy.serving.leases import LESSEE, LeasedAnswer, LeaseHttp, WorkerGone
 from proxy.serving.keys import (CACHE_SCOPE, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, REPLICA_HEADER,
                                 SETTINGS, STARTED, STREAM_ERROR, USAGE)
-from proxy.serving.metrics import usage_in
-from proxy.serving.relay import (ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, input_refused, read_capped,
-                                 stream_watch, timed_out)
-from proxy.serving.splice import Splice
-from proxy.serving.stream_usage import MESSAGES_ROUTE, USAGE_ROUTES, Tally, ask_usage
+from proxy.serving.response_metrics import usage_in
+from proxy.serving.relay import ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, input_refused, read_capped
+from proxy.serving.stream_count import MESSAGES_ROUTE, Tally
+from proxy.serving.stream_relay import opens_without_message_start, relay_stream
+from proxy.serving.stream_usage import USAGE_ROUTES, ask_usage, mark_ended, settle_tally
 
 log = logging.getLogger(__name__)
 
 # Only connecting is bounded here; waiting for the answer is bounded by the model's Timeouts.
 UPSTREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5)
-# How a send fails on a pooled connection that the server had already closed, before any byte of
-# an answer: the read meets the close, or the write or read is reset (aiohttp >= 3.10 raises its
-# ClientConnectionResetError, a ConnectionResetError, for a write to a closing transport). A
-# refused connection, ClientConnectorError, is a ClientOSError too but is not one of these.
-CLOSED_UNDER_US = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionResetError)
 # llama-server's fields that pick a slot (`slot_id`: its older name). Only the proxy picks one: a
 # client's own would read the cache of whichever conversation, or tenant, sits there.
 CLIENT_SLOT_FIELDS = ("id_slot", "slot_id")
@@ -105,14 +101,17 @@ class upstream:
     """
 
     __slots__ = ("outcomes", "http", "runtime", "path", "payload", "request_id", "timeouts", "affinity", "raw",
-                 "scope", "replica", "resp", "send", "slot")
+                 "scope", "lease", "replica", "resp", "send", "slot")
 
     def __init__(self, outcomes: Outcomes, http: UpstreamHttp, runtime: ModelRuntime, path: str,
                  payload: dict[str, Any], request_id: str, timeouts: Timeouts, affinity: str | None = None,
-                 raw: bytes | None = None, scope: str | None = None) -> None:
+                 raw: bytes | None = None, scope: str | None = None, lease: LeaseHttp | None = None) -> None:
         self.outcomes, self.http, self.runtime, self.path = outcomes, http, runtime, path
         self.payload, self.request_id, self.timeouts = payload, request_id, timeouts
         self.affinity, self.raw, self.scope = affinity, raw, scope
+        # A worker's request (proxy/serving/leases.py): a server of ours gets the send from that
+        # worker; a provider's reach, which is no plain POST, is sent from here.
+        self.lease = lease
         if scope is not None and affinity is not None:
             self.affinity = scoped(affinity, scope)   # routes and slots: two tenants' equal keys differ
         if "id_slot" in payload or "slot_id" in payload:
@@ -160,10 +159,14 @@ class upstream:
                 payload, raw = {**payload, "id_slot": slot}, with_slot(raw, payload, slot, foreign)
                 if foreign:
                     payload["cache_prompt"] = False   # another tenant's cache: not to be reused
+            http = self.http
+            if self.lease is not None and isinstance(replica.reach, ProgramReach):
+                self.lease.at(replica.index, replica.model, label(replica))
+                http = cast(UpstreamHttp, self.lease)
             try:
                 try:
                     with Deadline(max(0.0, deadline - loop.time())):
-                        resp = await _post(send, self.http, replica, self.path, payload, self.request_id, raw)
+                        resp = await _post(send, http, replica, self.path, payload, self.request_id, raw)
                 except aiohttp.ClientConnectorError as exc:
                     outcomes.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
                     if send.second is None:
@@ -239,28 +242,13 @@ def with_slot(raw: bytes | None, payload: dict[str, Any], slot: int, foreign: bo
     return raw[:end] + b',"id_slot":%d%s' % (slot, b',"cache_prompt":false' if foreign else b"") + raw[end:]
 
 
-async def _post(send: Send, http: UpstreamHttp, replica: Replica, path: str, payload: dict[str, Any],
-                request_id: str, raw: bytes | None) -> Answer:
-    """Send to the replica; if that failed on a reused connection before any answer, once more on a
-    new one. A server closes a kept-alive connection at its keep-alive timeout and (the pinned
-    llama-server, measured) after every streamed answer; a pool can hand out such a connection
-    before its close arrives, and a request written to it never reached the server. The second send
-    gets a client of its own (`send.second`, closed by the caller), which never pools:
-    only that is sure to open a new connection, and it is needed this rarely. A failure there is
-    what it is (upstream() decides)."""
-    assert replica.reach is not None
-    token = SENDING.set(send)
-    try:
-        return await replica.reach.post(http, path, payload, request_id, UPSTREAM_TIMEOUT, raw)
-    except CLOSED_UNDER_US as exc:
-        if isinstance(exc, aiohttp.ClientConnectorError) or not send.reused:
-            raise
-        log.info("%s: a reused connection was closed under the request (%s); sending it again on a new one",
-                 label(replica), type(exc).__name__)
-    finally:
-        SENDING.reset(token)
-    send.second = UpstreamHttp.one_off()
-    return await replica.reach.post(send.second, path, payload, request_id, UPSTREAM_TIMEOUT, raw)
+def _post(send: Send, http: UpstreamHttp, replica: Replica, path: str, payload: dict[str, Any],
+          request_id: str, raw: bytes | None) -> Awaitable[Answer]:
+    """Send to the replica; once more on a new connection where a reused one was closed under it."""
+    reach = replica.reach
+    assert reach is not None
+    return post_retrying(send, http, lambda h: reach.post(h, path, payload, request_id, UPSTREAM_TIMEOUT, raw),
+                         label(replica))
 
 
 async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: dict[str, Any],
@@ -284,10 +272,16 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
     async with Slot(runtime, queued):
         waited = request[QUEUE_WAIT] = time.perf_counter() - enqueued
         request.app[METRICS].observe_wait(runtime.name, waited, cold)
-        timeouts = Timeouts.of(request.app[SETTINGS].service, runtime.model)
+        service = request.app[SETTINGS].service
+        timeouts = Timeouts.of(service, runtime.model)
+        lessee = request.get(LESSEE)
+        lease = lessee.http(request_id, strip, service.max_response_bytes, timeouts.first_byte_s, timeouts.idle_s) \
+            if lessee is not None else None
         async with upstream(outcomes, request.app[HTTP], runtime, request.path, body, request_id,
-                            timeouts, affinity, raw, request.get(CACHE_SCOPE)) as (replica, resp):
+                            timeouts, affinity, raw, request.get(CACHE_SCOPE), lease) as (replica, resp):
             request[REPLICA] = replica
+            if isinstance(resp, LeasedAnswer) and resp.streaming:
+                return await _leased(request, outcomes, replica, resp, body, request_id)
             return await _relay(request, outcomes, replica, resp, request_id, timeouts, body, strip)
 
 
@@ -324,107 +318,95 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
     the proxy asked for, from the client. Whatever way a stream ends, its usage is set before this
     returns or raises (proxy/serving/stream_usage.py)."""
     content_type = upstream.headers.get("Content-Type", "application/json")
-    metrics = request.app[METRICS]
     if not content_type.startswith("text/event-stream") or upstream.status != 200:
         limit = request.app[SETTINGS].service.max_response_bytes
         answer = await read_answer(outcomes, replica, upstream, timeouts, limit)
+        metrics = request.app[METRICS]
         request[USAGE] = metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)),
                                              usage_in(answer), replica)
         return web.Response(status=upstream.status, body=answer, headers={
             "Content-Type": content_type, "X-Request-Id": request_id, REPLICA_HEADER: str(replica.index)})
-    out = web.StreamResponse(status=upstream.status, headers={
-        "Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id,
-        REPLICA_HEADER: str(replica.index)})
-    await out.prepare(request)
+    headers = {"Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id,
+               REPLICA_HEADER: str(replica.index)}
+    return await relay_stream(request, upstream, timeouts, PoolEnd(request, outcomes, replica, body, request_id),
+                              strip, headers)
+
+
+async def _leased(request: web.Request, outcomes: Outcomes, replica: Replica, answer: LeasedAnswer,
+                  body: dict[str, Any], request_id: str) -> web.StreamResponse:
+    """A stream its worker relayed (proxy/serving/leases.py), counted from the worker's report as
+    one relayed here: the same PoolEnd, told what the worker's was told."""
+    end = PoolEnd(request, outcomes, replica, body, request_id)
     tally = Tally(request.path)
-    splice = Splice(request, out, outcomes, replica, body, strip, tally)
-    watch = stream_watch(upstream, timeouts, label(replica))
+    out = web.Response(status=answer.status, headers={RELAYED_HEADER: "1"})
     try:
-        # The first pieces are read by this task and written with aiohttp's writer (the headers go
-        # with the first); once one went out, an answer on the proxy's own connection is diverted
-        # to the splice, and any other is read on here, each read taken by it all the same.
-        divert = isinstance(upstream, UpstreamAnswer)
-        while True:
-            with watch:
-                chunk = await upstream.content.readany()
-            if not chunk:
-                break
-            piece = splice.take(chunk)
-            if not tally.head:
-                tally.head = chunk
-                metrics.child(metrics.ttft, replica.model, request.path).observe(time.perf_counter() - request[STARTED])
-                if request.path == MESSAGES_ROUTE and _opens_without_message_start(chunk):
-                    # llama-server leaves it out now and then (13% of short streams, measured), and
-                    # Anthropic's SDK then has no message to give: it gets the one its translation sends.
-                    piece = message_start(replica.model, f"msg_{request_id}") + piece
-            try:
-                await out.write(piece)
-            except ConnectionResetError:
-                # The client left: closing the upstream connection makes the backend stop generating.
-                upstream.close()
-                return out
-            splice.check_end(chunk)
-            if divert and piece:
-                watch.close()
-                assert isinstance(upstream, UpstreamAnswer)
-                if not await _spliced(request, upstream, splice, timeouts, label(replica)):
-                    return out   # the client left
-                break
-    except (BackendTimeout, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-        upstream.close()
-        err = exc if isinstance(exc, PoolError) else \
-            BackendError(f"{label(replica)} broke off the stream: {type(exc).__name__}")
-        if tally.ended:
-            # The backend closed badly after its last event: the client has the whole answer.
-            log.info("%s %s: %s after the end of its stream", request.method, request.path, err.message)
-        else:
+        try:
+            report, edges = await answer.ended()
+        except WorkerGone as exc:
+            # What went out before it died is unknown: the prompt is charged, as an estimate.
+            log.warning("%s %s: %s; its stream is lost", request.method, request.path, exc)
+            return out
+        head = report.get("head")
+        at = head if isinstance(head, int) and 0 <= head <= len(edges) else 0
+        tally.head, tail = edges[:at], edges[at:]
+        events = report.get("events")
+        tally.events = events if isinstance(events, int) and events >= 0 else 0
+        ttft = report.get("ttft")
+        if isinstance(ttft, (int, float)) and ttft >= 0:
+            end.first_after(float(ttft))
+        error = report.get("error")
+        if report.get("ended") is True:
+            tally.ended = True
+            end.ended(tally, tail, out)
+        elif isinstance(error, dict):
+            err = PoolError(str(error.get("message")), code=str(error.get("code")))
             log.warning("%s %s: %s", request.method, request.path, err.message)
-            request[STREAM_ERROR] = err.metric_code
-            outcomes.report_outcome(replica, err.message)
-            with contextlib.suppress(ConnectionResetError):
-                await out.write(error_event(err, request.path))
-        with contextlib.suppress(ConnectionResetError):
-            await out.write_eof()
-        return out
-    finally:
-        watch.close()
+            end.broke(err)
+        elif report.get("whole") is True:
+            end.whole()
         if not tally.settled:
-            tally.events = splice.events
-            # Ended early (the client left, the handler was cancelled, the backend broke off) or
-            # without an end marker: what went out is counted.
-            tally.settle(request, replica, body, splice.tail())
-    if not tally.ended:
-        outcomes.report_outcome(replica, None)
-    with contextlib.suppress(ConnectionResetError):
-        await out.write_eof()   # a client that closed once it had everything: still a success
+            end.settle(tally, tail)
+    finally:
+        if not tally.settled:
+            end.settle(tally, b"")   # the worker is gone, or this request was cancelled: the prompt still counts
     return out
 
 
-def _opens_without_message_start(first: bytes) -> bool:
-    """Whether an Anthropic stream's first read begins with a whole event line that is not message_start."""
-    line, newline, _ = first.partition(b"\n")
-    return bool(newline) and line.startswith(b"event:") and line[6:].strip() != b"message_start"
+class PoolEnd:
+    """What a relayed stream's course means to the pool (stream_relay.StreamEnd): the replica's
+    outcome, the request's usage and time to first token, and its metrics' error code."""
 
+    __slots__ = ("request", "outcomes", "replica", "body", "request_id", "label")
 
-async def _spliced(request: web.Request, upstream: UpstreamAnswer, splice: Splice, timeouts: Timeouts,
-                   replica_label: str) -> bool:
-    """The rest of a stream relayed by `splice` in the connection's callback, this task asleep
-    until the answer ends (True) or the client leaves (False); raises what ended it otherwise."""
-    splice.answer = upstream
-    upstream.divert(splice, timeouts.idle_s, timed_out(replica_label, timeouts.idle_s, "stream_idle_timeout_s"))
-    while not await upstream.ended():
-        # Held: the client is behind (its transport past the high-water mark), or gone.
-        if not splice.left:
-            try:
-                await request.writer.drain()
-            except ConnectionResetError:
-                splice.left = True
-        if splice.left:
-            break
-        upstream.go_on()
-    if splice.left:
-        upstream.close()   # the backend stops generating for nobody
-        if splice.failed is not None:
-            raise splice.failed
-        return False
-    return True
+    def __init__(self, request: web.Request, outcomes: Outcomes, replica: Replica, body: dict[str, Any],
+                 request_id: str) -> None:
+        self.request, self.outcomes, self.replica, self.body = request, outcomes, replica, body
+        self.request_id, self.label = request_id, label(replica)
+
+    def first(self, chunk: bytes) -> bytes:
+        request = self.request
+        self.first_after(time.perf_counter() - request[STARTED])
+        if request.path == MESSAGES_ROUTE and opens_without_message_start(chunk):
+            # llama-server leaves it out now and then (13% of short streams, measured), and
+            # Anthropic's SDK then has no message to give: it gets the one its translation sends.
+            return message_start(self.replica.model, f"msg_{self.request_id}")
+        return b""
+
+    def first_after(self, seconds: float) -> None:
+        metrics = self.request.app[METRICS]
+        metrics.child(metrics.ttft, self.replica.model, self.request.path).observe(seconds)
+
+    def ended(self, tally: Tally, tail: bytes, out: web.StreamResponse) -> None:
+        self.outcomes.report_outcome(self.replica, None)
+        settle_tally(tally, self.request, self.replica, self.body, tail)
+        mark_ended(self.request, out)
+
+    def broke(self, err: PoolError) -> None:
+        self.request[STREAM_ERROR] = err.metric_code
+        self.outcomes.report_outcome(self.replica, err.message)
+
+    def settle(self, tally: Tally, tail: bytes) -> None:
+        settle_tally(tally, self.request, self.replica, self.body, tail)
+
+    def whole(self) -> None:
+        self.outcomes.report_outcome(self.replica, None)

@@ -9,7 +9,6 @@ so there is no second copy of it to drift. Fairness keys are labels only for the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any, Iterator, Mapping
 
@@ -26,7 +25,6 @@ from proxy.serving.response_metrics import checked_usage
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 OTHER_KEY = "other"
-_DECODER = json.JSONDecoder()
 log = logging.getLogger(__name__)
 
 
@@ -322,25 +320,3 @@ class ProxyMetrics:
         if first_text_s is not None:
             self.child(self.ttft, model, "/v1/responses").observe(first_text_s)
         return counted
-
-
-def usage_in(raw: bytes) -> dict[str, Any] | None:
-    """The last `"usage": {...}` object in a JSON answer or the tail of an SSE stream, or None.
-
-    Only what follows the last `"usage"` is decoded, so a long answer is not parsed a second time;
-    inside a JSON string the quotes would be escaped, so the match is always a key."""
-    return usage_at(raw, raw.rfind(b'"usage"'))
-
-
-def usage_at(raw: bytes, at: int) -> dict[str, Any] | None:
-    """The object that follows the `"usage"` key found at `at` in `raw` (-1: none found), or None."""
-    if at < 0:
-        return None
-    text = raw[at + 7:].decode(errors="replace").lstrip()
-    if not text.startswith(":"):
-        return None
-    try:
-        value, _end = _DECODER.raw_decode(text[1:].lstrip())
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None

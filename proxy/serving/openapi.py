@@ -147,6 +147,13 @@ def operations() -> tuple[Operation, ...]:
                              "properties": {"object": {"const": "list"},
                                             "data": {"type": "array", "items": {"type": "object"}}}}),
                       errors=ADMIN_READ_ERRORS, admin=True),
+            Operation("get", "/v1/admin/processes", "the proxy's processes: this one (role `single`, or "
+                      "`controller` with service.workers > 1) and its workers, each with its PID, state, open client "
+                      "connections and requests in flight",
+                      _json({"type": "object", "required": ["object", "data"],
+                             "properties": {"object": {"const": "list"},
+                                            "data": {"type": "array", "items": schemas.process()}}}),
+                      errors=ADMIN_READ_ERRORS, admin=True),
             Operation("get", "/v1/admin/events", "what happened, oldest first: loads, unloads with their reason "
                       "and cause, evictions, restarts, crashes, ejections, hosts down and up, admin actions",
                       _json(schemas.events()), errors=(400, *ADMIN_READ_ERRORS, 404), admin=True,

@@ -251,3 +251,18 @@ def events() -> dict[str, Any]:
     return {"type": "object", "required": ["object", "data", "last_id"],
             "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": event},
                            "last_id": {"type": "integer", "minimum": 0}}}
+
+
+def process() -> dict[str, Any]:
+    """One row of GET /v1/admin/processes (proxy/serving/workers.py: Processes.view)."""
+    count = {"type": ["integer", "null"], "minimum": 0}
+    return {"type": "object", "required": ["role", "index", "pid", "state", "connections", "requests", "leases",
+                                           "restarts"],
+            "properties": {"role": {"enum": ["single", "controller", "worker"]},
+                           "index": {"type": ["integer", "null"], "minimum": 0},
+                           "pid": {"type": ["integer", "null"]},
+                           "state": {"enum": ["running", "starting", "exited"]},
+                           "connections": {**count, "description": "open client connections (null: no answer)"},
+                           "requests": {**count, "description": "requests in flight"},
+                           "leases": {**count, "description": "sends to replicas its controller leased to it"},
+                           "restarts": count}}

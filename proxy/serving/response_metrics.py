@@ -4,6 +4,7 @@ A value nobody measured is None (JSON null), never invented.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -110,3 +111,28 @@ def build(timer: Timer, usage: Mapping[str, Any] | None, timings: Mapping[str, A
         # Measured here, for streams only: what any backend's first token costs, remote ones included.
         "backend_time_to_first_token_ms": _ms(timer.sent, timer.first_token),
     }
+
+
+_DECODER = json.JSONDecoder()
+
+
+def usage_in(raw: bytes) -> dict[str, Any] | None:
+    """The last `"usage": {...}` object in a JSON answer or the tail of an SSE stream, or None.
+
+    Only what follows the last `"usage"` is decoded, so a long answer is not parsed a second time;
+    inside a JSON string the quotes would be escaped, so the match is always a key."""
+    return usage_at(raw, raw.rfind(b'"usage"'))
+
+
+def usage_at(raw: bytes, at: int) -> dict[str, Any] | None:
+    """The object that follows the `"usage"` key found at `at` in `raw` (-1: none found), or None."""
+    if at < 0:
+        return None
+    text = raw[at + 7:].decode(errors="replace").lstrip()
+    if not text.startswith(":"):
+        return None
+    try:
+        value, _end = _DECODER.raw_decode(text[1:].lstrip())
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

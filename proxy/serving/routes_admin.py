@@ -21,6 +21,8 @@ from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.gpu.report import ModelSnapshot, gpu_report
 from proxy.serving.keys import METRICS, POOL, SETTINGS, VRAM
 from proxy.serving.traffic import traffic
+from proxy.serving.shutdown import SHUTDOWN
+from proxy.serving.workers import PROCESSES
 from proxy.supervisord.supervisor import SupervisorError
 
 routes = web.RouteTableDef()
@@ -176,6 +178,15 @@ async def admin_hosts(request: web.Request) -> web.Response:
     reported them), each limited device's budget and free memory, and the replicas it runs."""
     admit(request)
     return web.json_response({"object": "list", "data": request.app[POOL].describe_hosts()})
+
+
+@routes.get("/v1/admin/processes")
+async def admin_processes(request: web.Request) -> web.Response:
+    """This process and, with service.workers > 1, its workers (docs/workers.md): each one's role,
+    PID, open client connections and requests in flight."""
+    admit(request)
+    rows = await request.app[PROCESSES].view(request.app[SHUTDOWN].inflight)
+    return web.json_response({"object": "list", "data": rows})
 
 
 @routes.get("/v1/admin/events")

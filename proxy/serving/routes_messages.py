@@ -25,7 +25,7 @@ from proxy.serving import anthropic, response_metrics
 from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_body, requested_model, servable
 from proxy.serving.chat_relay import CHAT_PATH, Piece, relay_chat
-from proxy.serving.errors_http import MESSAGES_PATH
+from proxy.serving.anthropic import MESSAGES_PATH
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, STREAM_ERROR, USAGE

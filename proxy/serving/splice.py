@@ -14,15 +14,17 @@ read by the task and each read taken by the same Splice.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Callable
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
-from proxy.lifecycle.state.outcomes import Outcomes
-from proxy.lifecycle.state.replicas import Replica
-from proxy.serving.stream_usage import Tally, mark_ended, without_usage_chunk
+from proxy.serving.stream_count import Tally, without_usage_chunk
 from proxy.upstream.connection import UpstreamAnswer
+
+# What runs once the stream's end went out: the tally (ended, its events), the tail of what went
+# out (the usage chunk is in it), and the client's response.
+OnEnd = Callable[[Tally, bytes, web.StreamResponse], None]
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +32,12 @@ log = logging.getLogger(__name__)
 class Splice:
     """One stream's pieces after its first: taken (`take`) or taken and written (a call)."""
 
-    __slots__ = ("request", "out", "outcomes", "replica", "body", "strip", "tally", "needle", "marker", "edge",
+    __slots__ = ("out", "strip", "tally", "on_end", "needle", "marker", "edge",
                  "events", "oldest", "older", "last", "transport", "chunked", "high", "answer", "left", "failed")
 
-    def __init__(self, request: web.Request, out: web.StreamResponse, outcomes: Outcomes, replica: Replica,
-                 body: Mapping[str, Any], strip: bool, tally: Tally) -> None:
-        self.request, self.out, self.outcomes, self.replica, self.body = request, out, outcomes, replica, body
-        self.strip, self.tally = strip, tally
+    def __init__(self, request: web.Request, out: web.StreamResponse, strip: bool, tally: Tally,
+                 on_end: OnEnd) -> None:
+        self.out, self.strip, self.tally, self.on_end = out, strip, tally, on_end
         self.needle, self.marker = tally.needle, tally.marker
         self.edge = len(self.needle) - 1
         self.events = 0
@@ -72,9 +73,7 @@ class Splice:
         marker = self.marker
         if (data.find(marker, -32) >= 0 or len(data) < 32 and marker in self.older[-32:] + data) and not tally.ended:
             tally.events, tally.ended = self.events, True
-            self.outcomes.report_outcome(self.replica, None)
-            tally.settle(self.request, self.replica, self.body, self.tail())
-            mark_ended(self.request, self.out)
+            self.on_end(tally, self.tail(), self.out)
 
     def tail(self) -> bytes:
         return self.oldest + self.older + self.last

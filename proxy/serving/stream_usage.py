@@ -19,19 +19,15 @@ from aiohttp import web
 
 from proxy.lifecycle.state.replicas import Replica
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, STREAM_ENDED, USAGE, USAGE_ESTIMATED
-from proxy.serving.metrics import usage_at, usage_in
 from proxy.serving.response_metrics import usage_numbers
+from proxy.serving.stream_count import Tally
 
 log = logging.getLogger(__name__)
 
 # The pass-through routes whose streams are OpenAI's chunks, which a backend may send usage in
 # only when asked (Traits.usage_on_request).
 USAGE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
-MESSAGES_ROUTE = "/v1/messages"
 ASK = b',"stream_options":{"include_usage":true}}'
-# The usage chunk a client did not ask for: the one chunk with no choices (OpenAI's rule, which
-# llama-server and vLLM follow), as compact JSON or as Python's json.dumps writes it.
-NO_CHOICES = (b'"choices":[]', b'"choices": []')
 # A prompt's characters per token, for an estimate: about what BPE vocabularies give for English.
 CHARS_PER_TOKEN = 4
 
@@ -51,24 +47,6 @@ def ask_usage(body: dict[str, Any], raw: bytes | None) -> tuple[dict[str, Any], 
     if not end.endswith(b"}"):
         return asked, None
     return asked, end[:-1] + ASK
-
-
-def without_usage_chunk(chunk: bytes) -> bytes:
-    """A read of the stream less the usage chunk in it, if the whole chunk is in it."""
-    for needle in NO_CHOICES:
-        at = chunk.find(needle)
-        if at >= 0:
-            start = chunk.rfind(b"data:", 0, at)
-            end = chunk.find(b"\n\n", at)
-            if start < 0 or end < 0:
-                return chunk   # split over two reads: it goes out (once in a while, not a failure)
-            return chunk[:start] + chunk[end + 2:]
-    return chunk
-
-
-def first_usage_in(raw: bytes) -> dict[str, Any] | None:
-    """The first `"usage": {...}` object in `raw` (Anthropic's message_start), or None."""
-    return usage_at(raw, raw.find(b'"usage"'))
 
 
 def prompt_chars(body: Mapping[str, Any]) -> tuple[int, int]:
@@ -115,50 +93,13 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-class Tally:
-    """A pass-through stream's events as they go out, its first read, and whether its end did. The
-    relay counts in its own loop (forward._relay): `needle`s in each chunk that went out, and the
-    `marker` among a chunk's last 32 bytes for the end."""
-
-    __slots__ = ("needle", "marker", "events", "head", "ended", "settled")
-
-    def __init__(self, path: str) -> None:
-        messages = path == MESSAGES_ROUTE
-        # Anthropic's text events (in their JSON, not the `event:` line), else every OpenAI chunk.
-        self.needle = b'"content_block_delta"' if messages else b"data:"
-        self.marker = b"message_stop" if messages else b"[DONE]"
-        self.events = 0
-        self.head = b""
-        self.ended = False      # its last event went out: the stream is whole, whatever comes next
-        self.settled = False
-
-    def relayed(self) -> int:
-        """The tokens the events that went out carried (OpenAI's end, [DONE], is no token)."""
-        return max(0, self.events - (self.ended and self.needle == b"data:"))
-
-    def usage(self, tail: bytes) -> dict[str, Any] | None:
-        """The engine's usage: the last in the stream's `tail`, with what its first read said of
-        the prompt (Anthropic's message_start; the end's message_delta has only the output)."""
-        last = usage_in(tail)
-        if self.needle == b"data:":
-            return last
-        first = first_usage_in(self.head) if self.head else None
-        if self.ended:
-            usage = {**(first or {}), **(last or {})}
-        else:
-            # Cut short: message_start's output count (0) says nothing of what went out.
-            usage = {k: v for k, v in (first or {}).items() if k != "output_tokens"}
-        if "input_tokens" not in usage and "output_tokens" in usage:
-            # No message_start (llama-server leaves it out now and then): the output's count alone.
-            return {"completion_tokens": usage["output_tokens"]}
-        return usage or None
-
-    def settle(self, request: web.Request, replica: Replica, body: Mapping[str, Any], tail: bytes) -> None:
-        self.settled = True
-        try:
-            settle(request, replica.model, body, self.usage(tail), self.relayed(), replica)
-        except Exception:   # bookkeeping: the answer went out, and must stay what it was
-            log.exception("the usage of %s %s was not counted", request.method, request.path)
+def settle_tally(tally: Tally, request: web.Request, replica: Replica, body: Mapping[str, Any], tail: bytes) -> None:
+    """The request's usage from a pass-through stream's `tally` and the `tail` of what went out."""
+    tally.settled = True
+    try:
+        settle(request, replica.model, body, tally.usage(tail), tally.relayed(), replica)
+    except Exception:   # bookkeeping: the answer went out, and must stay what it was
+        log.exception("the usage of %s %s was not counted", request.method, request.path)
 
 
 def mark_ended(request: web.Request, out: web.StreamResponse) -> None:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import weakref
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import Any, Awaitable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -26,6 +27,8 @@ from multidict import CIMultiDictProxy
 from yarl import URL
 
 from proxy.upstream.connection import Connection, UpstreamAnswer
+
+log = logging.getLogger(__name__)
 
 # An idle connection older than this is closed rather than reused, as aiohttp's keepalive_timeout.
 KEEPALIVE_S = 15.0
@@ -43,6 +46,34 @@ class Send:
 # The request being sent in this task. A context variable, because a replica's Reach builds the
 # request itself; both clients note on it what they know of the connection they used.
 SENDING: contextvars.ContextVar[Send] = contextvars.ContextVar("upstream_send")
+# How a send fails on a pooled connection that the server had already closed, before any byte of
+# an answer: the read meets the close, or the write or read is reset (aiohttp >= 3.10 raises its
+# ClientConnectionResetError, a ConnectionResetError, for a write to a closing transport). A
+# refused connection, ClientConnectorError, is a ClientOSError too but is not one of these.
+CLOSED_UNDER_US = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionResetError)
+
+
+async def post_retrying(send: Send, http: UpstreamHttp, post: Callable[[UpstreamHttp], Awaitable[Answer]],
+                        what: str) -> Answer:
+    """`post` with `http`; if that failed on a reused connection before any answer, once more on a
+    new one. A server closes a kept-alive connection at its keep-alive timeout and (the pinned
+    llama-server, measured) after every streamed answer; a pool can hand out such a connection
+    before its close arrives, and a request written to it never reached the server. The second send
+    gets a client of its own (`send.second`, closed by the caller), which never pools:
+    only that is sure to open a new connection, and it is needed this rarely. A failure there is
+    what it is (the caller decides). `what`: the replica, for the log."""
+    token = SENDING.set(send)
+    try:
+        return await post(http)
+    except CLOSED_UNDER_US as exc:
+        if isinstance(exc, aiohttp.ClientConnectorError) or not send.reused:
+            raise
+        log.info("%s: a reused connection was closed under the request (%s); sending it again on a new one",
+                 what, type(exc).__name__)
+    finally:
+        SENDING.reset(token)
+    send.second = UpstreamHttp.one_off()
+    return await post(send.second)
 
 
 class Body(Protocol):

@@ -40,10 +40,17 @@ class Target:
     name: str
     url: str
     pid: int
+    workers: tuple[int, ...] = ()   # service.workers > 1: the workers' PIDs (`pid` is their controller)
     events: int = 0
+    streams: int = 0
     wall: float = 0.0
-    cpu: float = 0.0
+    cpu: float = 0.0      # the hop's: every process of it
     kernel: float = 0.0   # of `cpu`, the system time (clock ticks: coarse, summed over the rounds)
+    controller: float = 0.0   # of `cpu`, the controller's, where there are workers
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return (self.pid, *self.workers)
 
 
 def system_seconds(pid: int) -> float:
@@ -63,13 +70,16 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: dict) -> in
 
 
 async def run_round(session: aiohttp.ClientSession, target: Target, streams: int, body: dict) -> None:
-    before, kernel = cpu_seconds(target.pid), system_seconds(target.pid)
+    pids = target.pids
+    before, kernel, controller = sum(map(cpu_seconds, pids)), sum(map(system_seconds, pids)), cpu_seconds(target.pid)
     start = time.perf_counter()
     counts = await asyncio.gather(*(one_stream(session, target.url + CHAT, body) for _ in range(streams)))
     target.wall += time.perf_counter() - start
-    target.cpu += cpu_seconds(target.pid) - before
-    target.kernel += system_seconds(target.pid) - kernel
+    target.cpu += sum(map(cpu_seconds, pids)) - before
+    target.kernel += sum(map(system_seconds, pids)) - kernel
+    target.controller += cpu_seconds(target.pid) - controller
     target.events += sum(counts)
+    target.streams += streams
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -83,7 +93,7 @@ async def bench(args: argparse.Namespace, targets: list[Target]) -> None:
             "stream": True}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for t in targets:   # warm every path
-            await run_round(session, Target(t.name, t.url, t.pid), 4, body)
+            await run_round(session, Target(t.name, t.url, t.pid, t.workers), 4, body)
         for r in range(args.rounds):
             for t in targets[r % len(targets):] + targets[:r % len(targets)]:
                 await run_round(session, t, args.streams, body)
@@ -101,6 +111,14 @@ async def bench(args: argparse.Namespace, targets: list[Target]) -> None:
     print(f"\nllm-pool / forwarder, CPU per relayed event: {ours.cpu / ours.events / (base.cpu / base.events):.2f}x "
           f"(goal from issue 41: <= 0.4x); one core relays at most about "
           f"{ours.events / ours.cpu:,.0f} events/s through llm-pool, {base.events / base.cpu:,.0f} through the forwarder")
+    for t in targets:
+        if t.workers:
+            relay = (t.cpu - t.controller) / t.events * 1e6
+            per_stream = t.controller / t.streams * 1e6
+            print(f"{t.name}: the workers' CPU per relayed event {relay:.1f} us ({relay / (ours.cpu / ours.events * 1e6):.2f}x "
+                  f"one process's); the controller's CPU per stream {per_stream:.0f} us (one controller decides for "
+                  f"about {1e6 / per_stream:,.0f} streams/s); each added core relays about "
+                  f"{t.events / (t.cpu - t.controller):,.0f} events/s (a worker's core, busy)")
 
 
 def main() -> None:
@@ -110,6 +128,8 @@ def main() -> None:
     parser.add_argument("--gap-ms", type=float, default=2.0, help="time between two events of a stream upstream")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="2 rounds of 50-event streams: the same table, noisier")
+    parser.add_argument("--workers", type=int, default=2, help="one more target: llm-pool with service.workers "
+                        "this many (all its processes on the hop's core; below 2: none)")
     parser.add_argument("--baseline", type=Path, help="another llm-pool source tree (a `git worktree` of the "
                         "commit before a change) whose proxy runs as one more target, for A/B figures")
     args = parser.parse_args()
@@ -123,6 +143,7 @@ def main() -> None:
     models = {"m": {"backend": "sim", "target_inflight": 4096, "enabled": True, "sim": {"python": str(wrapper)}}}
     proxy = at_defaults(ProxyProcess(models, service={"log_level": "warning"}))
     baseline = None
+    extra: list[ProxyProcess] = []
     procs = []
     try:
         proxy.start()
@@ -136,6 +157,14 @@ def main() -> None:
             assert baseline.proc is not None
             baseline.wait_state("m", "loaded")
             targets.append(Target("llm-pool@base", baseline.url, baseline.proc.pid))
+        if args.workers > 1:
+            split = at_defaults(ProxyProcess(models, service={"log_level": "warning", "workers": args.workers}))
+            extra.append(split)
+            split.start()
+            assert split.proc is not None
+            split.wait_state("m", "loaded")
+            workers = tuple(p["pid"] for p in split.processes() if p["role"] == "worker")
+            targets.append(Target(f"llm-pool w{args.workers}", split.url, split.proc.pid, workers))
         for name, on_uvloop in (("forwarder", False), ("fwd-uvloop", True)):
             if on_uvloop and not has_uvloop():
                 continue
@@ -144,7 +173,8 @@ def main() -> None:
             targets.append(Target(name, url, proc.pid))
         if pinned:
             for t in targets:
-                pin(t.pid, {HOP_CPU})
+                for pid in t.pids:
+                    pin(pid, {HOP_CPU})
         print(f"upstream: FastUpstream; {os.cpu_count()} CPUs; hop pinned to CPU {HOP_CPU}: "
               f"{'yes' if pinned else 'no (one CPU)'}; load {os.getloadavg()[0]:.2f}; "
               f"llm-pool's event loop: {'uvloop' if has_uvloop() else 'asyncio'}", flush=True)
@@ -153,7 +183,7 @@ def main() -> None:
         for proc in procs:
             proc.terminate()
             proc.wait(30)
-        for each in (proxy, baseline):
+        for each in (proxy, baseline, *extra):
             survivors = each.cleanup() if each is not None else []
             if survivors:
                 print(f"killed leftover processes {survivors}", file=sys.stderr)

@@ -28,7 +28,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
 from helpers import ProxyProcess, http, wait_for
 from proxy.errors import CODES
 from proxy.serving.anthropic import ANTHROPIC_ERROR_TYPES
-from proxy.serving.errors_http import anthropic_route
+from proxy.serving.anthropic import route as anthropic_route
 from proxy.serving import openapi
 
 pytestmark = pytest.mark.integration

@@ -1,5 +1,6 @@
 """The status page (GET /ui) in a real headless Chromium against a live `llm-pool serve`, with the
-sim and the demo llama-server under a real supervisord, and an admin token.
+sim and the demo llama-server under a real supervisord, and an admin token; the proxy runs two
+workers (service.workers: docs/workers.md), so every admin call the page makes goes through one.
 
 One proxy serves the whole file (starting one costs more than a test here); each test opens its
 own browser tab, types the token, and leaves the pool as it found it.
@@ -35,7 +36,7 @@ def pool(tiny_gguf: Path, llama_server_bin: Path) -> Iterator[ProxyProcess]:
         # Its GGUF is not there (moved, a typo): the page says so, not what the estimate of nothing is.
         "gone": {"backend": "llama_server", "model_path": str(tiny_gguf.parent / "gone.gguf"),
                  "llama_server_binary": str(llama_server_bin), "llama_server_n_gpu_layers": 0, "enabled": False},
-    }, service={"admin_token_env": TOKEN_ENV}, engine={"lifecycle": {"kv_store_mib": 64}})
+    }, service={"admin_token_env": TOKEN_ENV, "workers": 2}, engine={"lifecycle": {"kv_store_mib": 64}})
     proxy.env[TOKEN_ENV] = TOKEN
     try:
         proxy.start()
@@ -91,6 +92,9 @@ def test_a_wrong_admin_token_shows_the_401_message_and_the_right_one_lists_the_m
     expect(overview_cell(page, "gone", 13)).to_have_text("file missing")
     expect(overview_cell(page, "gone", 13)).to_have_attribute("title", re.compile(r"^model_path /\S+/gone\.gguf$"))
     expect(page.locator("#usage")).to_be_hidden()   # no tenants: no usage view
+    processes = page.locator("#processes")
+    expect(processes).to_contain_text(re.compile(r"^controller pid \d+ · \d+ connections · \d+ requests · 2 workers: "
+                                                 r"#0 pid \d+ · .*; #1 pid \d+"))
     # The token is kept for the tab: a reload needs no typing.
     page.reload()
     expect(overview_cell(page, "sim", 1)).to_have_text("loaded")

@@ -45,14 +45,16 @@
     const withGpu = state.polls % GPU_EVERY === 0;
     state.polls += 1;
     try {
-      const [models, traffic, memory, hosts, gpu] = await Promise.all([
+      const [models, traffic, memory, hosts, processes, gpu] = await Promise.all([
         api("GET", "v1/admin/models"), api("GET", "v1/admin/traffic"), api("GET", "v1/admin/memory"),
-        api("GET", "v1/admin/hosts"), withGpu ? api("GET", "v1/admin/gpu-memory") : Promise.resolve(null)]);
+        api("GET", "v1/admin/hosts"), api("GET", "v1/admin/processes"),
+        withGpu ? api("GET", "v1/admin/gpu-memory") : Promise.resolve(null)]);
       showProblem(null);
       noteReading(traffic);
       state.models = models.data;
       renderOverview(models.data);
       renderHosts(hosts.data);
+      renderProcesses(processes.data);
       renderMemory(models.data, memory, gpu);
       renderDetails();
       noteModels(models.data);
@@ -64,6 +66,20 @@
       showProblem(err);
       if (err.status === 401) state.polls = 0;   // read the GPUs too as soon as the token works
     }
+  }
+
+  // One line: the proxy's process, or its controller and workers (/v1/admin/processes).
+  function renderProcesses(rows) {
+    const count = (n, what) => n === null ? `? ${what}` : `${n} ${what}`;
+    const of = (r) => `pid ${r.pid} · ${count(r.connections, "connections")} · ${count(r.requests, "requests")}`;
+    const [first, ...workers] = rows;
+    let text = first.role === "single" ? `one process: ${of(first)}` : `controller ${of(first)}`;
+    if (workers.length) {
+      text += ` · ${workers.length} workers: ` + workers.map((w) =>
+        `#${w.index} ${w.state === "running" ? of(w) : w.state}` + (w.restarts ? ` (${w.restarts} restarts)` : ""))
+        .join("; ");
+    }
+    setText(document.getElementById("processes"), text);
   }
 
   function schedule() {

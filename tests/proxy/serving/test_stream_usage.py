@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from proxy.serving.stream_usage import Tally, ask_usage, estimated_prompt, without_usage_chunk
+from proxy.serving.stream_count import Tally, without_usage_chunk
+from proxy.serving.stream_usage import ask_usage, estimated_prompt
 
 
 def sent(tally: Tally, chunk: bytes) -> None:

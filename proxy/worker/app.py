@@ -1,0 +1,154 @@
+"""A worker process: it accepts clients on the service's listening socket (inherited from its
+controller), passes each request to the controller over the controller's Unix socket, and relays
+what comes back. Where the controller leases the replica's send back to it (proxy/serving/
+leases.py), it posts to the replica and relays the answer itself: a stream's events then never
+cross into the controller, which only decides (docs/workers.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.lease_wire import LEASE_HEADER, RELAYED_HEADER
+from proxy.upstream.client import NotingConnector, UpstreamHttp
+from proxy.worker.lease_relay import run_lease
+from proxy.worker.line import ControllerLine
+
+log = logging.getLogger(__name__)
+
+# Hop-by-hop headers (RFC 9110 7.6.1) are the connection's, not the request's; the lengths are the
+# new connection's to set; the lease header is the worker's alone to send.
+HOP = frozenset(h.lower() for h in ("Connection", "Keep-Alive", "Proxy-Connection", "TE", "Trailer",
+                                     "Transfer-Encoding", "Upgrade", "Content-Length", LEASE_HEADER))
+ANSWER_HOP = HOP | {"date", "server", RELAYED_HEADER.lower()}
+# A body up to this size is read and sent whole; a larger one is streamed to the controller, which
+# holds the limit (service.max_body_bytes) and answers a body over it as it always does.
+READ_WHOLE = 64 * 1024
+
+
+class Passed:
+    """One client request this worker passed to the controller."""
+
+    __slots__ = ("request", "started", "lease", "out")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request, self.started = request, time.perf_counter()
+        self.lease: asyncio.Task[web.StreamResponse | None] | None = None
+        self.out: web.StreamResponse | None = None   # the stream a lease relayed
+
+
+class Worker:
+    def __init__(self, index: int, controller_socket: str) -> None:
+        self.index = index
+        self.controller = aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=controller_socket, limit=0), auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            timeout=aiohttp.ClientTimeout(total=None))
+        self.upstream = UpstreamHttp(aiohttp.ClientSession(connector=NotingConnector()))
+        self.line = ControllerLine(index, self.on_frame)
+        self.refs = itertools.count(1)
+        self.passed: dict[int, Passed] = {}
+        self.leases: dict[int, asyncio.Task[web.StreamResponse | None]] = {}
+        self.background: set[asyncio.Task[Any]] = set()
+        self.runner: web.AppRunner | None = None
+        self.idle = asyncio.Event()   # no request in flight (a drain waits for it)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        ref = next(self.refs)
+        passed = self.passed[ref] = Passed(request)
+        self.idle.clear()
+        exchange = asyncio.ensure_future(self._exchange(request, ref, passed))
+        try:
+            return await asyncio.shield(exchange)
+        except asyncio.CancelledError:
+            # The client left. A lease (running or done) has told, or now tells as it stops, how
+            # its answer went, and the controller's reply ends the exchange: closing the exchange
+            # first would cancel a request there that its report may not have reached. Without a
+            # lease, closing it cancels the request there, as a client that leaves the controller does.
+            if passed.lease is not None:
+                passed.lease.cancel()
+                self._keep(exchange)
+            else:
+                exchange.cancel()
+            raise
+        finally:
+            self.passed.pop(ref, None)
+            if not self.passed:
+                self.idle.set()
+
+    def _keep(self, task: asyncio.Task[Any]) -> None:
+        self.background.add(task)
+        task.add_done_callback(_settled_quietly)
+        task.add_done_callback(self.background.discard)
+
+    async def _exchange(self, request: web.Request, ref: int, passed: Passed) -> web.StreamResponse:
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
+        headers.append((LEASE_HEADER, f"{self.index}:{ref}"))
+        data: Any = None
+        if request.body_exists:
+            length = request.content_length
+            data = await request.read() if length is not None and length <= READ_WHOLE else request.content
+        async with self.controller.request(request.method, "http://controller" + request.path_qs, headers=headers,
+                                           data=data, allow_redirects=False) as resp:
+            if resp.headers.get(RELAYED_HEADER) == "1" and passed.out is not None:
+                await resp.read()
+                return passed.out
+            return await _pass_back(request, resp)
+
+    def on_frame(self, message: dict[str, Any], payload: bytes) -> None:
+        kind = message["t"]
+        if kind == "lease":
+            passed = self.passed.get(message.get("req"))   # type: ignore[arg-type]
+            if passed is None:
+                self.line.tell({"t": "failed", "lease": message.get("lease"), "kind": "gone"})
+                return
+            lease_id: int = message["lease"]
+            task = asyncio.ensure_future(self._lease(passed, message, payload))
+            passed.lease = self.leases[lease_id] = task
+            task.add_done_callback(lambda _t: self.leases.pop(lease_id, None))
+        elif kind == "abort":
+            aborted = self.leases.get(message.get("lease"))   # type: ignore[arg-type]
+            if aborted is not None:
+                aborted.cancel()
+        elif kind == "ask":
+            server = self.runner.server if self.runner is not None else None
+            self.line.tell({"t": "stats", "connections": len(server.connections) if server is not None else 0,
+                            "requests": len(self.passed)})
+
+    async def _lease(self, passed: Passed, terms: dict[str, Any], body: bytes) -> web.StreamResponse | None:
+        out = await run_lease(passed.request, passed.started, self.upstream, terms, body, self.line.tell)
+        if out is not None:
+            passed.out = out
+        return out
+
+    async def close(self) -> None:
+        for task in list(self.background):
+            task.cancel()
+        await self.line.close()
+        await self.controller.close()
+        await self.upstream.close()
+
+
+async def _pass_back(request: web.Request, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+    """The controller's answer to the client, as it comes (a stream it relays, event by event)."""
+    headers = CIMultiDict((k, v) for k, v in resp.headers.items() if k.lower() not in ANSWER_HOP)
+    if resp.content_length is not None:
+        return web.Response(status=resp.status, body=await resp.read(), headers=headers)
+    stream = web.StreamResponse(status=resp.status, headers=headers)
+    await stream.prepare(request)
+    async for chunk in resp.content.iter_any():
+        await stream.write(chunk)
+    await stream.write_eof()
+    return stream
+
+
+def _settled_quietly(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a request's exchange with the controller ended with %r after its client left", task.exception())
