@@ -252,8 +252,8 @@ class ProxyProcess:
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM the proxy and wait for it; it stops its models and supervisord unless kept."""
         self._remember_supervisord()
-        if self.proc is not None and self.proc.poll() is None:
-            self._remember_workers()
+        if self.successor is not None or (self.proc is not None and self.proc.poll() is None):
+            self._remember_workers()   # a successor's too: it started its own
         if self.successor is not None:
             # Not our child: waited for by its PID.
             pid, self.successor = self.successor, None

@@ -275,12 +275,14 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
             if plane is not None:
                 service = app[SETTINGS].service
                 await plane.start(runner, list(socks[:1]), service.log_level, loop_name, service.drain_timeout_s,
-                                  app[POOL].events)
+                                  app[POOL].events, (inherited.stdout_fd, inherited.stderr_fd) if inherited else None)
             on_listening()
             if succession is None:
                 notify("READY=1", f"STATUS=serving (pid {os.getpid()})")
                 _record_address(app, socks, lock)
             elif await succession.take_over():
+                if plane is not None:
+                    plane.output_switched()
                 # Before anything else reads them: the counters and the events go on from the predecessor's.
                 counters = parse(succession.counters)
                 app[METRICS].carried.carry(counters)

@@ -53,6 +53,9 @@ class Workers:
         self.drain_s = drain_s
         self.procs = [WorkerProcess(i) for i in range(count)]
         self.stopping = False
+        # A reload's successor starts its workers while its own output still goes through its
+        # predecessor, which exits soon: theirs goes where the predecessor's went (the journal).
+        self.output: tuple[int, int] | None = None
 
     async def start(self) -> None:
         """Every worker started and connected to the channel (or RuntimeError after STARTUP_TIMEOUT_S)."""
@@ -70,8 +73,10 @@ class Workers:
                  ", ".join(str(p.process.pid) for p in self.procs if p.process is not None))
 
     async def _spawn(self, proc: WorkerProcess) -> None:
+        out, err = self.output or (None, None)
         proc.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy.worker", "--index", str(proc.index), *self.args, pass_fds=self.fds)
+            sys.executable, "-m", "proxy.worker", "--index", str(proc.index), *self.args, pass_fds=self.fds,
+            stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err)
         proc.started = time.monotonic()
         proc.watch = asyncio.create_task(self._watch(proc), name=f"worker {proc.index}")
 
@@ -156,14 +161,22 @@ class Plane:
         self.workers: Workers | None = None
 
     async def start(self, runner: web.AppRunner, public: list[socket.socket], log_level: str, loop_name: str,
-                    drain_s: float, events: Events | None) -> None:
+                    drain_s: float, events: Events | None, output: tuple[int, int] | None = None) -> None:
+        """`output`: a reload successor's predecessor's stdout and stderr, until `output_switched`."""
         self.dir = private_dir()
         http_socket, channel_socket = self.dir / "http.sock", self.dir / "channel.sock"
         self.channel = await self.desk.serve(channel_socket)
         await web.UnixSite(runner, str(http_socket)).start()
         self.workers = Workers(self.count, [sock.fileno() for sock in public], self.desk, http_socket,
                                channel_socket, log_level, loop_name, drain_s, events)
+        self.workers.output = output
         await self.workers.start()
+
+    def output_switched(self) -> None:
+        """This process writes to its predecessor's output itself now (handover.Succession): a
+        worker started from now on inherits it."""
+        if self.workers is not None:
+            self.workers.output = None
 
     def stop_accepting(self) -> None:
         if self.workers is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 import socket
@@ -20,6 +19,8 @@ from aiohttp import web
 from proxy.worker.app import Worker
 
 KEEPALIVE_TIMEOUT_S = 75.0
+# A stopping worker closes a connection left idle this long (as a reload's old process does).
+IDLE_CLOSE_S = 2.0
 # Headers and a body up to app.READ_WHOLE are read here; a larger body is streamed on.
 CLIENT_MAX_SIZE = 1024 * 1024
 
@@ -33,6 +34,7 @@ async def run(args: argparse.Namespace) -> int:
     await worker.line.connect(args.channel)
     app = web.Application(client_max_size=CLIENT_MAX_SIZE)
     app.router.add_route("*", "/{tail:.*}", worker.handle)
+    app.on_response_prepare.append(worker.close_when_stopping)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=KEEPALIVE_TIMEOUT_S,
                            shutdown_timeout=args.drain_s)
     worker.runner = runner
@@ -48,13 +50,21 @@ async def run(args: argparse.Namespace) -> int:
         task.cancel()
     logging.getLogger("llm-pool").info("worker %d: stopping (%s); %d request(s) in flight", args.index,
                                        "told to" if stop.is_set() else "the controller is gone", len(worker.passed))
+    # As a reload's old process stops (proxy/serving/app.py: _finish_handed_over): not accepting,
+    # every answer from now on with `Connection: close`, a connection that stays idle closed after
+    # IDLE_CLOSE_S (one that carries a request meanwhile is answered and closed by it), and the
+    # requests in flight let finish. A client on a kept-alive connection is never cut off mid-send.
+    worker.stopping = True
     for site in sites:
         await site.stop()
     for sock in socks:
         sock.close()
-    if worker.passed:
-        with contextlib.suppress(TimeoutError):   # a drain: the requests in flight end on their own
-            await asyncio.wait_for(worker.idle.wait(), args.drain_s)
+    started = loop.time()
+    await worker.drained(args.drain_s)
+    linger = started + IDLE_CLOSE_S - loop.time()
+    if linger > 0 and runner.server is not None and runner.server.connections:
+        await asyncio.sleep(linger)
+        await worker.drained(max(0.0, started + args.drain_s - loop.time()))
     await runner.cleanup()
     await worker.close()
     return 0

@@ -7,6 +7,7 @@ cross into the controller, which only decides (docs/workers.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -59,6 +60,7 @@ class Worker:
         self.background: set[asyncio.Task[Any]] = set()
         self.runner: web.AppRunner | None = None
         self.idle = asyncio.Event()   # no request in flight (a drain waits for it)
+        self.stopping = False
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         ref = next(self.refs)
@@ -82,6 +84,20 @@ class Worker:
             self.passed.pop(ref, None)
             if not self.passed:
                 self.idle.set()
+
+    async def close_when_stopping(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Once stopping, every answer closes its connection: the client opens a new one, which
+        another worker (or a reload's successor) accepts."""
+        if self.stopping:
+            # Both: aiohttp has already chosen its headers when this hook runs.
+            response.force_close()
+            response.headers["Connection"] = "close"
+
+    async def drained(self, timeout_s: float) -> None:
+        """Until no request is in flight here, or `timeout_s`."""
+        if self.passed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.idle.wait(), timeout_s)
 
     def _keep(self, task: asyncio.Task[Any]) -> None:
         self.background.add(task)

@@ -54,17 +54,20 @@ def metrics_text(proxy: ProxyProcess) -> str:
 
 
 @pytest.fixture
-def proxy(start_proxy, llama_model) -> ProxyProcess:
+def proxy(start_proxy, llama_model, request: pytest.FixtureRequest) -> ProxyProcess:
     # affinity_max_wait_s 0: a request whose replica is full spills at once (with the default it
-    # would first wait a second for a place there).
+    # would first wait a second for a place there). The parameter, where a test gives one: service.workers.
     p: ProxyProcess = start_proxy({"aff": llama_model(replicas=3, replica_max=3, affinity_max_wait_s=0),
-                                   "ll": llama_model(replicas=2, routing="least_loaded")})
+                                   "ll": llama_model(replicas=2, routing="least_loaded")},
+                                  workers=getattr(request, "param", 1))
     p.wait_replicas_ready("aff", 3, timeout=120)
     p.wait_replicas_ready("ll", 2, timeout=120)
     return p
 
 
+@pytest.mark.parametrize("proxy", [1, 2], indirect=True, ids=["workers1", "workers2"])
 def test_a_conversation_stays_on_its_replica_and_its_cache_is_reused(proxy: ProxyProcess) -> None:
+    """With two workers too: the controller picks the replica and its slot, the worker sends to it."""
     messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "What did we decide in March?"}]
     expected = home(digest("p", prompt_prefix({"messages": messages}, 1024)))
     cached = []

@@ -47,10 +47,12 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module")
-def proxy() -> Iterator[ProxyProcess]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
+def proxy(request: pytest.FixtureRequest) -> Iterator[ProxyProcess]:
+    """Each fault with one process, and with two workers (docs/workers.md), where a worker makes
+    the send and tells the controller what it met: the same answers, the same blame."""
     service = {"max_response_bytes": 100_000, "health_interval_s": 0.2, "health_timeout_s": 2,
-               "eject_after_failures": 3, "eject_base_s": 60, "drain_timeout_s": 0}
+               "eject_after_failures": 3, "eject_base_s": 60, "drain_timeout_s": 0, "workers": request.param}
     proc = ProxyProcess(MODELS, service=service, engine={"fairness": {"max_queue_wait_s": 1}})
     # 16 replicas, and room for the ports a replica may lose to another process while it starts.
     proc.config["supervisor"]["port_range"] = free_port_range(60)

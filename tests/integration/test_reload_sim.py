@@ -112,9 +112,12 @@ class NotifySocket:
         self.sock.close()
 
 
-def test_a_reload_under_load_fails_no_request_and_refuses_no_connection(proxies, tmp_path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_reload_under_load_fails_no_request_and_refuses_no_connection(proxies, tmp_path, workers: int) -> None:
+    """With workers (docs/workers.md), the successor starts its own on the same socket and the old
+    controller's stop accepting at the handover and finish what they relay."""
     notify = NotifySocket(tmp_path / "notify")
-    proxy = ProxyProcess({"sim": sim_model(replicas=2, replica_max=2)})
+    proxy = ProxyProcess({"sim": sim_model(replicas=2, replica_max=2)}, service={"workers": workers})
     proxy.env = {"NOTIFY_SOCKET": str(notify.path)}
     proxies.append(proxy)
     try:

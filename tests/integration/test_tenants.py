@@ -45,9 +45,9 @@ MODELS = {
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-def start(state_dir: Path | None = None) -> ProxyProcess:
-    proxy = ProxyProcess(MODELS, service={"admin_token_env": "ADMIN_TOKEN_VAR"}, state_dir=state_dir,
-                         engine={"fairness": {"max_queue_wait_s": 60}})
+def start(state_dir: Path | None = None, workers: int = 1) -> ProxyProcess:
+    proxy = ProxyProcess(MODELS, service={"admin_token_env": "ADMIN_TOKEN_VAR", "workers": workers},
+                         state_dir=state_dir, engine={"fairness": {"max_queue_wait_s": 60}})
     proxy.config["tenants"] = TENANTS
     proxy.config_path.write_text(yaml.safe_dump(proxy.config))
     proxy.env = {**KEYS, "ADMIN_TOKEN_VAR": ADMIN_TOKEN}
@@ -58,9 +58,11 @@ def start(state_dir: Path | None = None) -> ProxyProcess:
     return proxy
 
 
-@pytest.fixture(scope="module")
-def proxy() -> Iterator[ProxyProcess]:
-    started = start()
+@pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
+def proxy(request: pytest.FixtureRequest) -> Iterator[ProxyProcess]:
+    """Every test here with one process, and with two workers (docs/workers.md): limits, budgets and
+    the ledger are the controller's, so they hold across the workers."""
+    started = start(workers=request.param)
     try:
         yield started
     finally:
