@@ -113,6 +113,7 @@ class Target:
     body: dict[str, Any]
     pid: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    workers: tuple[int, ...] = ()   # service.workers > 1: its workers' PIDs (`pid` is their controller)
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Tally:
     first: list[float] = field(default_factory=list)
     wall: float = 0.0
     cpu: float = 0.0
+    controller: float = 0.0   # of `cpu`, the controller's, where the target has workers
     requests: int = 0
 
 
@@ -141,11 +143,13 @@ async def _timed_round(session: aiohttp.ClientSession, target: Target, n: int, c
             tally.total.append(end - start)
             tally.first.append((first or end) - start)
 
-    before = cpu_seconds(target.pid) if target.pid else 0.0
+    pids = (target.pid, *target.workers) if target.pid else ()
+    before, controller = sum(map(cpu_seconds, pids)), cpu_seconds(target.pid) if target.pid else 0.0
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     tally.wall += time.perf_counter() - start
-    tally.cpu += (cpu_seconds(target.pid) - before) if target.pid else 0.0
+    tally.cpu += sum(map(cpu_seconds, pids)) - before
+    tally.controller += (cpu_seconds(target.pid) - controller) if target.pid else 0.0
     tally.requests += n
 
 
@@ -178,6 +182,11 @@ async def block(session: aiohttp.ClientSession, title: str, targets: list[Target
         print(row)
         summary[target.name] = {"p50": p50, "first": first, "rps": rps, "cpu": cpu or 0.0,
                                 "added": p50 - base_p50, "added_first": first - base_first}
+    for target in targets:
+        if target.workers:
+            t = tallies[target.name]
+            print(f"  {target.name}: of its CPU per request, the controller's {t.controller / t.requests * 1e3:.3f} ms, "
+                  f"its {len(target.workers)} workers' {(t.cpu - t.controller) / t.requests * 1e3:.3f} ms")
     sys.stdout.flush()
 
 
@@ -250,7 +259,7 @@ def kinds(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 
 async def bench(args: argparse.Namespace, proxy: ProxyProcess, direct: str, remote: str,
                 fwd: dict[str, tuple[int, str]], remote_fwd: tuple[int, str], baseline: ProxyProcess | None,
-                tenanted: list[tuple[str, ProxyProcess]]) -> None:
+                tenanted: list[tuple[str, ProxyProcess]], split: ProxyProcess | None = None) -> None:
     assert proxy.proc is not None
     pid = proxy.proc.pid
     # --baseline: the same llm-pool from another source tree, as one more target beside this one.
@@ -265,6 +274,10 @@ async def bench(args: argparse.Namespace, proxy: ProxyProcess, direct: str, remo
             targets += [Target(name, url + chat, body, pid=pid_) for name, (pid_, url) in fwd.items()]
             targets.append(Target("llm-pool", proxy.url + chat, body, pid=pid))
             targets += [Target(name, url + chat, body, pid=pid_) for name, url, pid_ in base]
+            if split is not None and split.proc is not None:
+                workers = tuple(p["pid"] for p in split.processes() if p["role"] == "worker")
+                targets.append(Target(f"llm-pool w{len(workers)}", split.url + chat, body, pid=split.proc.pid,
+                                      workers=workers))
             for t in targets:   # warm every path
                 await _timed_round(session, t, 20, 4, Tally())
             for concurrency in (1, 32):
@@ -332,6 +345,9 @@ async def bench(args: argparse.Namespace, proxy: ProxyProcess, direct: str, remo
     print("\nllm-pool / bare forwarder (from the tables above; goals from issue 19):")
     ratios("pass-through JSON", figures, "json", "llm-pool", "forwarder")
     ratios("pass-through stream", figures, "stream", "llm-pool", "forwarder")
+    if args.workers > 1:
+        ratios(f"workers {args.workers} JSON", figures, "json", f"llm-pool w{args.workers}", "forwarder")
+        ratios(f"workers {args.workers} stream", figures, "stream", f"llm-pool w{args.workers}", "forwarder")
     ratios("/v1/responses JSON", figures, "responses json", "llm-pool resp", "forwarder")
     ratios("/v1/responses stream", figures, "responses stream", "llm-pool resp", "forwarder")
     ratios("/v1/messages JSON", figures, "messages json", "llm-pool msgs", "forwarder")
@@ -356,6 +372,8 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", choices=tuple(BODIES), default=tuple(BODIES), help="JSON, streams or both")
     parser.add_argument("--baseline", type=Path, help="another llm-pool source tree (a `git worktree` of the "
                         "commit before a change) whose proxy runs as one more target, for A/B figures")
+    parser.add_argument("--workers", type=int, default=2, help="pass-through only: one more target, llm-pool with "
+                        "service.workers this many (its CPU: all its processes; below 2: none)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 60 requests (CI): the same table, noisier")
     args = parser.parse_args()
     if args.quick:
@@ -366,6 +384,7 @@ def main() -> None:
     proxy: ProxyProcess | None = None
     baseline: ProxyProcess | None = None
     tenanted: list[tuple[str, ProxyProcess]] = []
+    split: ProxyProcess | None = None
     try:
         procs.append(start_process([str(wrapper), "--port", str(remote_port), "--model", REMOTE_MODEL], remote_port,
                                    "the remote fast upstream to listen"))
@@ -383,6 +402,11 @@ def main() -> None:
             baseline.start()
             baseline.wait_state("m", "loaded")
             baseline.wait_state("remote", "loaded")
+        if args.workers > 1 and "pass-through" in args.blocks:
+            split = at_defaults(ProxyProcess({"m": models["m"]}, service={"log_level": "warning",
+                                                                          "workers": args.workers}))
+            split.start()
+            split.wait_state("m", "loaded")
         if "tenants" in args.blocks:
             for name in ("llm-pool a", "llm-pool+tenants a", "llm-pool b", "llm-pool+tenants b"):
                 each = ProxyProcess({"m": models["m"]}, service={"log_level": "warning"})
@@ -405,12 +429,12 @@ def main() -> None:
         procs.append(proc)
         print(f"upstream: FastUpstream; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}; "
               f"llm-pool's event loop: {'uvloop' if has_uvloop() else 'asyncio'}", flush=True)
-        asyncio.run(bench(args, proxy, direct, remote, fwd, (proc.pid, url), baseline, tenanted))
+        asyncio.run(bench(args, proxy, direct, remote, fwd, (proc.pid, url), baseline, tenanted, split))
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait(30)
-        for each in (proxy, baseline, *(p for _, p in tenanted)):
+        for each in (proxy, baseline, split, *(p for _, p in tenanted)):
             survivors = each.cleanup() if each is not None else []
             if survivors:
                 print(f"killed leftover processes {survivors}", file=sys.stderr)
