@@ -28,6 +28,7 @@ MAX_PAYLOAD = 1 << 31
 # whose stream the worker relayed itself says so. Honoured only on the controller's own socket.
 LEASE_HEADER = "X-LLM-Pool-Lease"
 RELAYED_HEADER = "X-LLM-Pool-Relayed"
+PEER_HEADER = "X-LLM-Pool-Peer"   # the client's address, as the worker saw it
 
 
 class WireError(Exception):

@@ -24,7 +24,7 @@ from aiohttp.typedefs import Handler
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.errors import PoolError
-from proxy.lease_wire import LEASE_HEADER, WireError, frame, read_frame
+from proxy.lease_wire import LEASE_HEADER, PEER_HEADER, WireError, frame, read_frame
 from proxy.upstream.connection import MalformedAnswer
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,11 @@ class LeaseDesk:
 
 
 def _drop(line: WorkerLine) -> None:
-    """Every lease the worker held is lost with it."""
+    """Every lease the worker held is lost with it: a send still unanswered ends as a request whose
+    client left (cancelled: no replica is blamed for it), a relayed stream as one whose report never came."""
     for lease in list(line.leases.values()):
+        lease.head.cancel()
+        lease.body.cancel()
         lease.fail(WorkerGone(f"worker {line.index} (pid {line.pid}) is gone"))
     line.leases.clear()
     if line.stats is not None and not line.stats.done():
@@ -226,7 +229,8 @@ class LeaseHttp:
         line = self.lessee.line
         lease = Lease(line, next(self.lessee.desk.ids))
         if line.writer.is_closing():
-            raise WorkerGone(f"worker {line.index} is gone")
+            # Its worker, the request's client here, is gone: as a client that left, no replica's fault.
+            raise asyncio.CancelledError()
         line.leases[lease.id] = lease
         line.send({**self.terms, "t": "lease", "lease": lease.id, "url": url, "headers": headers,
                    "connect_s": timeout.sock_connect, "read_s": timeout.sock_read}, data)
@@ -303,6 +307,8 @@ class LeasedAnswer:
 
 # The worker request a request came from (lease_middleware): its replica's send is leased to it.
 LESSEE = web.RequestKey("lessee", Lessee)
+# The address of the client the worker took the request from (what `request.remote` is in one process).
+PEER = web.RequestKey("peer", str)
 
 
 def lease_middleware(desk: LeaseDesk) -> Any:
@@ -316,6 +322,9 @@ def lease_middleware(desk: LeaseDesk) -> Any:
             lessee = desk.lessee(value)
             if lessee is not None:
                 request[LESSEE] = lessee
+            peer = request.headers.get(PEER_HEADER)
+            if peer:
+                request[PEER] = peer
         return await handler(request)
     return middleware
 

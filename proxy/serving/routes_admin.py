@@ -23,6 +23,7 @@ from proxy.serving.keys import METRICS, POOL, SETTINGS, VRAM
 from proxy.serving.traffic import traffic
 from proxy.serving.shutdown import SHUTDOWN
 from proxy.serving.workers import PROCESSES
+from proxy.serving.leases import PEER
 from proxy.supervisord.supervisor import SupervisorError
 
 routes = web.RouteTableDef()
@@ -71,7 +72,7 @@ def actor_of(request: web.Request) -> str:
     there is one: a forwarded header is the client's word, not a fact) and whether it had to show
     the admin token."""
     token = "with the token" if request.app[SETTINGS].service.admin_token_env else "no token needed"
-    return f"{request.remote or 'unknown peer'} ({token})"
+    return f"{request.get(PEER) or request.remote or 'unknown peer'} ({token})"
 
 
 async def _act(request: web.Request, action: str, act: Callable[[str, str], Awaitable[ModelRuntime]]) -> web.Response:

@@ -17,7 +17,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.lease_wire import LEASE_HEADER, RELAYED_HEADER
+from proxy.lease_wire import LEASE_HEADER, PEER_HEADER, RELAYED_HEADER
 from proxy.upstream.client import NotingConnector, UpstreamHttp
 from proxy.worker.lease_relay import run_lease
 from proxy.worker.line import ControllerLine
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 # Hop-by-hop headers (RFC 9110 7.6.1) are the connection's, not the request's; the lengths are the
 # new connection's to set; the lease header is the worker's alone to send.
 HOP = frozenset(h.lower() for h in ("Connection", "Keep-Alive", "Proxy-Connection", "TE", "Trailer",
-                                     "Transfer-Encoding", "Upgrade", "Content-Length", LEASE_HEADER))
+                                     "Transfer-Encoding", "Upgrade", "Content-Length", LEASE_HEADER, PEER_HEADER))
 ANSWER_HOP = HOP | {"date", "server", RELAYED_HEADER.lower()}
 # A body up to this size is read and sent whole; a larger one is streamed to the controller, which
 # holds the limit (service.max_body_bytes) and answers a body over it as it always does.
@@ -107,6 +107,8 @@ class Worker:
     async def _exchange(self, request: web.Request, ref: int, passed: Passed) -> web.StreamResponse:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
         headers.append((LEASE_HEADER, f"{self.index}:{ref}"))
+        if request.remote:
+            headers.append((PEER_HEADER, request.remote))
         data: Any = None
         if request.body_exists:
             length = request.content_length
@@ -139,7 +141,13 @@ class Worker:
                             "requests": len(self.passed)})
 
     async def _lease(self, passed: Passed, terms: dict[str, Any], body: bytes) -> web.StreamResponse | None:
-        out = await run_lease(passed.request, passed.started, self.upstream, terms, body, self.line.tell)
+        try:
+            out = await run_lease(passed.request, passed.started, self.upstream, terms, body, self.line.tell)
+        except Exception as exc:
+            # A bug here must not leave the controller waiting for an answer until its timeout.
+            log.exception("worker %d: lease %s failed", self.index, terms.get("lease"))
+            self.line.tell({"t": "failed", "lease": terms.get("lease"), "kind": "reset", "detail": type(exc).__name__})
+            return None
         if out is not None:
             passed.out = out
         return out

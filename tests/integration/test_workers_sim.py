@@ -76,6 +76,11 @@ def test_two_workers_answer_as_one_process_and_the_admin_sees_each(start_proxy) 
              what="4 requests counted")
     assert metric(proxy, "llm_pool_requests_total", model="sim", endpoint="/v1/chat/completions", status="200") == 3
     assert metric(proxy, "llm_pool_output_tokens_total", model="sim") == 5 * 3 + responses_tokens
+    # The admin's actions name the client's address, as one process does (the worker passes it on).
+    status, _, body = http("POST", proxy.url + "/v1/admin/models/sim/load", {})
+    assert status == 200, body
+    status, _, events = http("GET", proxy.url + "/v1/admin/events?kind=admin")
+    assert status == 200 and [e["actor"] for e in events["data"]] == ["127.0.0.1 (no token needed)"], events
     ctl = subprocess.run([sys.executable, "-m", "proxy.cli", "ctl", "--url", proxy.url, "processes"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert ctl.returncode == 0, ctl.stderr
