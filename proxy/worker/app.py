@@ -167,8 +167,12 @@ async def _pass_back(request: web.Request, resp: aiohttp.ClientResponse) -> web.
         return web.Response(status=resp.status, body=await resp.read(), headers=headers)
     stream = web.StreamResponse(status=resp.status, headers=headers)
     await stream.prepare(request)
-    async for chunk in resp.content.iter_any():
-        await stream.write(chunk)
+    try:
+        async for chunk in resp.content.iter_any():
+            await stream.write(chunk)
+    except ConnectionResetError:
+        resp.close()   # the client left: closing this ends the request in the controller, as a client leaving would
+        return stream
     await stream.write_eof()
     return stream
 

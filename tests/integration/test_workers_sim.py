@@ -62,9 +62,9 @@ def test_two_workers_answer_as_one_process_and_the_admin_sees_each(start_proxy) 
                           {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
     assert status == 200 and json.loads(stream_events(raw)[-2])["usage"]["completion_tokens"] == 5
     # A translated route, an error, and the admin API: all through a worker, answered as before.
-    status, _, body = http("POST", proxy.url + "/v1/responses", {"model": "sim", "input": "hi", "max_output_tokens": 4})
-    assert status == 200 and body["metrics"]["engine_output_tokens"] > 0, body
-    responses_tokens = body["metrics"]["engine_output_tokens"]
+    status, _, body = http("POST", proxy.url + "/v1/responses", {"model": "sim", "input": "hi",
+                                                                 "decoding": {"max_tokens": 4}})
+    assert status == 200 and body["metrics"]["engine_output_tokens"] == 4, body
     status, _, body = http("POST", proxy.url + "/v1/chat/completions", {**CHAT, "model": "nope"})
     assert status == 404 and body["error"]["code"] == "model_not_found"
     status, _, body = http("POST", proxy.url + "/v1/chat/completions", raw=b"{not json")
@@ -75,7 +75,7 @@ def test_two_workers_answer_as_one_process_and_the_admin_sees_each(start_proxy) 
     wait_for(lambda: metric(proxy, "llm_pool_requests_total", model="sim", status="200") == 4,
              what="4 requests counted")
     assert metric(proxy, "llm_pool_requests_total", model="sim", endpoint="/v1/chat/completions", status="200") == 3
-    assert metric(proxy, "llm_pool_output_tokens_total", model="sim") == 5 * 3 + responses_tokens
+    assert metric(proxy, "llm_pool_output_tokens_total", model="sim") == 5 * 3 + 4
     # The admin's actions name the client's address, as one process does (the worker passes it on).
     status, _, body = http("POST", proxy.url + "/v1/admin/models/sim/load", {})
     assert status == 200, body
@@ -111,6 +111,17 @@ def test_a_stream_is_relayed_by_its_worker_and_a_client_that_leaves_is_charged_w
     charged = wait_for(lambda: (m := metric(proxy, "llm_pool_output_tokens_total", model="sim")) > before and m)
     assert charged - before >= got   # at least every token that went out, counted from the worker's report
     assert all(w["leases"] == 0 for w in workers_of(proxy))
+
+    # A translated stream is relayed by the controller through the worker: leaving it frees the slot too.
+    conn = httpc.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+    conn.request("POST", "/v1/responses", body=json.dumps({"model": "sim", "input": "hi", "stream": True,
+                                                           "decoding": {"max_tokens": 10_000}}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"event: ")
+    wait_for(lambda: active(proxy) == 1, what="the translated stream running")
+    conn.close()
+    wait_for(lambda: active(proxy) == 0, what="the slot freed once the client left the translated stream")
 
 
 def test_weights_2_to_1_hold_across_two_workers(start_proxy) -> None:
