@@ -113,12 +113,22 @@ class Worker:
         if request.body_exists:
             length = request.content_length
             data = await request.read() if length is not None and length <= READ_WHOLE else request.content
-        async with self.controller.request(request.method, "http://controller" + request.path_qs, headers=headers,
-                                           data=data, allow_redirects=False) as resp:
-            if resp.headers.get(RELAYED_HEADER) == "1" and passed.out is not None:
-                await resp.read()
-                return passed.out
-            return await _pass_back(request, resp)
+        try:
+            async with self.controller.request(request.method, "http://controller" + request.path_qs,
+                                               headers=headers, data=data, allow_redirects=False) as resp:
+                if resp.headers.get(RELAYED_HEADER) == "1" and passed.out is not None:
+                    await resp.read()
+                    return passed.out
+                return await _pass_back(request, resp)
+        except (aiohttp.ClientError, OSError):
+            if passed.lease is None:
+                raise
+            # The controller is gone (a crash: docs/workers.md): a stream relayed here goes on to its end.
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await passed.lease
+            if passed.out is None:
+                raise
+            return passed.out
 
     def on_frame(self, message: dict[str, Any], payload: bytes) -> None:
         kind = message["t"]

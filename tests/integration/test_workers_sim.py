@@ -228,3 +228,30 @@ def test_a_stop_ends_the_workers_by_pid_after_their_requests(start_proxy) -> Non
     status, _, raw = answer[0]
     assert status == 200 and stream_events(raw)[-1] == "[DONE]"   # the drain let it finish
     assert not any(pid_alive(pid) for pid in pids)
+
+
+def test_a_controller_that_dies_leaves_its_workers_to_finish_their_streams_and_exit(start_proxy) -> None:
+    """The controller's death is a reload's case (docs/workers.md): what the workers relay goes on
+    to its end, and then they exit; a new `serve` adopts the replicas, as after any restart."""
+    proxy = start_proxy({"sim": sim_model(sim={"max_seqs": 2, "decode_tokens_per_s": 100, "ttft_ms": 1})},
+                        workers=2)
+    model = proxy.wait_state("sim", "loaded")
+    proxy.seen_pids.update(r["pid"] for r in model["replicas"])   # for the cleanup: no controller stops them now
+    pids = [w["pid"] for w in workers_of(proxy)]
+    conn = httpc.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**CHAT, "max_tokens": 200, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    wait_for(lambda: any(w["leases"] == 1 for w in workers_of(proxy)), what="the stream leased to a worker")
+    assert proxy.proc is not None
+    proxy.proc.kill()
+    proxy.proc.wait(30)
+    events = stream_events(resp.read())
+    conn.close()
+    assert events[-1] == "[DONE]" and len(events) >= 150   # the rest of it, relayed by the worker alone
+    wait_for(lambda: not any(pid_alive(pid) for pid in pids), what="the workers to exit")
+    # supervisord and the replicas ran on without it; a new serve adopts them (and the cleanup stops them).
+    proxy.start()
+    adopted = proxy.wait_state("sim", "loaded")
+    assert [r["pid"] for r in adopted["replicas"]] == [r["pid"] for r in model["replicas"]]
