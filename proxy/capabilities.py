@@ -81,7 +81,7 @@ def capabilities(model: ModelConfig, traits: Traits) -> Capabilities:
 
 def served_apis(model: ModelConfig, traits: Traits) -> frozenset[str]:
     """The APIs a model is served with: what its replicas speak, less what its settings switch off
-    (embeddings, rerank), and Messages wherever it chats (translated: proxy/serving/anthropic.py)."""
+    (embeddings, rerank), and Messages wherever it chats (translated: proxy/edge/anthropic.py)."""
     apis = set(traits.apis)
     for api, switch in (("embeddings", traits.embeddings_field), ("rerank", traits.rerank_field)):
         if switch is None or not model.get(switch):

@@ -127,7 +127,7 @@ class BackendTimeout(PoolError):
 
 # Every `code` the proxy itself answers with, and when: the published contract (GET /openapi.json
 # lists them) and the set tests/proxy/test_error_codes.py holds the source to, so a new code cannot
-# ship undocumented. A backend's own code passes on as it sent it (proxy/serving/relay.py).
+# ship undocumented. A backend's own code passes on as it sent it (proxy/edge/relay.py).
 CODES: dict[str, str] = {
     "invalid_request": "a field breaks the request schema of /v1/responses",
     "invalid_request_error": "a backend refused the request as malformed (its message and status pass on)",

@@ -17,7 +17,7 @@ from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.keys import ADOPTING, CACHE_SCOPE, FAIRNESS_KEY, MODEL, SETTINGS
 from proxy.serving.shutdown import SHUTDOWN, handed_over_error
-from proxy.serving.strict_json import decode
+from proxy.edge.strict_json import decode
 from proxy.serving.token_ids import check_token_ids
 from proxy.serving.tenancy import TENANCY, TICKET
 
@@ -46,7 +46,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
 
 
 async def read_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
-    """The request's JSON object (proxy/serving/strict_json.py), and the bytes it was read from:
+    """The request's JSON object (proxy/edge/strict_json.py), and the bytes it was read from:
     exactly those that were checked, forwarded as they are where nothing in them must change."""
     try:
         raw = await request.read()

@@ -15,10 +15,10 @@ from aiohttp import web
 
 from proxy.errors import BackendError, PoolError
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.serving import response_metrics
+from proxy.edge import response_metrics
 from proxy.serving.forward import Slot, label, read_answer, upstream
 from proxy.serving.keys import CACHE_SCOPE, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, SETTINGS
-from proxy.serving.relay import Timeouts, sse_data
+from proxy.edge.relay import Timeouts, sse_data
 
 log = logging.getLogger(__name__)
 

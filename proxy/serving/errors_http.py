@@ -1,6 +1,6 @@
 """The error hierarchy (proxy/errors.py) rendered as HTTP: the OpenAI envelope with a truthful status,
 for our own errors, aiohttp's, and anything unexpected (500, never 400); Anthropic's on its
-Messages routes, where its SDK reads them (proxy/serving/anthropic.py)."""
+Messages routes, where its SDK reads them (proxy/edge/anthropic.py)."""
 from __future__ import annotations
 
 import logging
@@ -9,8 +9,8 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy.errors import BadRequest, NotFound, PoolError, TooLarge
-from proxy.serving import anthropic
-from proxy.serving.anthropic import route as anthropic_route
+from proxy.edge import anthropic
+from proxy.edge.anthropic import route as anthropic_route
 from proxy.serving.keys import REPLICA, REPLICA_HEADER
 
 log = logging.getLogger(__name__)

@@ -22,14 +22,14 @@ from proxy.upstream.connection import MalformedAnswer
 from proxy.upstream.reach import ProgramReach
 from proxy.lease_wire import RELAYED_HEADER
 from proxy.serving.affinity_key import SLOT_PATHS
-from proxy.serving.anthropic import message_start
+from proxy.edge.anthropic import message_start
 from proxy.serving.leases import LESSEE, LeasedAnswer, LeaseHttp, WorkerGone
 from proxy.serving.keys import (CACHE_SCOPE, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, REPLICA_HEADER,
                                 SETTINGS, STARTED, STREAM_ERROR, USAGE)
-from proxy.serving.response_metrics import usage_in
-from proxy.serving.relay import ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, input_refused, read_capped
-from proxy.serving.stream_count import MESSAGES_ROUTE, Tally
-from proxy.serving.stream_relay import opens_without_message_start, relay_stream
+from proxy.edge.response_metrics import usage_in
+from proxy.edge.relay import ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, input_refused, read_capped
+from proxy.edge.stream_count import MESSAGES_ROUTE, Tally
+from proxy.edge.stream_relay import opens_without_message_start, relay_stream
 from proxy.serving.stream_usage import USAGE_ROUTES, ask_usage, mark_ended, settle_tally
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from proxy.lifecycle.kvcache.keeper import RESULTS
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import Replica, ReplicaState
 from proxy.serving.carried import CarriedCounters, snapshot
-from proxy.serving.response_metrics import checked_usage
+from proxy.edge.response_metrics import checked_usage
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -16,9 +16,9 @@ from proxy.config.checks import model_properties, override_rule
 from proxy.errors import CODES
 from proxy.events import KINDS as EVENT_KINDS
 from proxy.lifecycle.state.replicas import ModelState, ReplicaState
-from proxy.serving.anthropic import ANTHROPIC_ERROR_TYPES
+from proxy.edge.anthropic import ANTHROPIC_ERROR_TYPES
 from proxy.serving.body import REQUIRED
-from proxy.serving.relay import KNOWN_BACKEND_CODES
+from proxy.edge.relay import KNOWN_BACKEND_CODES
 from proxy.serving.responses import REQUEST_SCHEMA
 
 _JSON_TYPES = {list: "array", str: "string", dict: "object", int: "integer", float: "number", bool: "boolean"}

@@ -2,7 +2,7 @@
 
 A replica that speaks it (llama-server) gets the request as it is, and its answer passes back,
 streams event by event, like any pass-through. For one that does not (the shims, a remote chat
-provider) it is translated onto chat completions and back (proxy/serving/anthropic.py). Either way
+provider) it is translated onto chat completions and back (proxy/edge/anthropic.py). Either way
 the request goes through all the pool does: fairness, queue bounds, affinity (the system prompt
 and messages hash as chat's do), load on demand, failover before the first byte, timeouts,
 metrics. Errors on this route, the pool's own included, are in Anthropic's shape
@@ -21,11 +21,11 @@ from aiohttp import web
 from proxy.errors import BackendError, PoolError
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.serving import anthropic, response_metrics
+from proxy.edge import anthropic, response_metrics
 from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_body, requested_model, servable
 from proxy.serving.chat_relay import CHAT_PATH, Piece, relay_chat
-from proxy.serving.anthropic import MESSAGES_PATH
+from proxy.edge.anthropic import MESSAGES_PATH
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, STREAM_ERROR, USAGE

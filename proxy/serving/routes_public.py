@@ -13,7 +13,7 @@ from proxy.serving.body import check_required, fairness_key, read_body, requeste
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import METRICS, ON_ADMIN_LISTENER, POOL, SETTINGS, VOCABULARIES
-from proxy.serving.relay import ENGINE_JUDGES_INPUT
+from proxy.edge.relay import ENGINE_JUDGES_INPUT
 from proxy.serving.shutdown import SHUTDOWN, handed_over_error, stopping_error
 from proxy.serving.tenancy import TENANCY
 

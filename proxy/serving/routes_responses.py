@@ -20,7 +20,7 @@ from aiohttp import web
 from proxy.errors import BackendError, PoolError, sse_error_event
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.serving import response_metrics
+from proxy.edge import response_metrics
 from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_json, servable
 from proxy.serving.chat_relay import Piece, relay_chat

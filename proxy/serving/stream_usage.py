@@ -19,8 +19,8 @@ from aiohttp import web
 
 from proxy.lifecycle.state.replicas import Replica
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, STREAM_ENDED, USAGE, USAGE_ESTIMATED
-from proxy.serving.response_metrics import usage_numbers
-from proxy.serving.stream_count import Tally
+from proxy.edge.response_metrics import usage_numbers
+from proxy.edge.stream_count import Tally
 
 log = logging.getLogger(__name__)
 

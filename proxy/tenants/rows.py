@@ -68,7 +68,7 @@ ROW_ERRORS = (sqlite3.IntegrityError, sqlite3.InterfaceError, sqlite3.Programmin
 def checked(row: UsageRow) -> UsageRow:
     """The request's row with each count an int in 0..MAX_COUNT and each amount a finite float >= 0
     (time included); what is not is logged and taken as 0. The usage of an engine or a provider is
-    checked where it is read (proxy/serving/response_metrics.py): this is the ledger's own guard."""
+    checked where it is read (proxy/edge/response_metrics.py): this is the ledger's own guard."""
     at, _, _, _, _, _, status, prompt, cached, output, spent, waited, took, estimated = row
     # One expression for the row every request makes (ints and floats in range): it runs on the event loop.
     if type(status) is int and type(prompt) is int and type(cached) is int and type(output) is int \

@@ -281,7 +281,7 @@ class UpstreamAnswer:
 
     def divert(self, sink: Callable[[bytes], None], idle_s: float, stalled: BaseException) -> None:
         """From now on each piece of the body goes to `sink` as it arrives, called from the
-        connection's own callback: no task wakes per piece (a stream's relay, proxy/serving/splice.py).
+        connection's own callback: no task wakes per piece (a stream's relay, proxy/edge/splice.py).
         What was read and not taken goes first. The answer then fails with `stalled` when nothing
         arrives for `idle_s` (or the shorter read timeout it had), except while held (hold()).
         `sink` must not raise: it runs inside the parser. Wait for the end with ended()."""

@@ -10,10 +10,10 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import PoolError
-from proxy.serving.anthropic import message_start
-from proxy.serving.relay import Timeouts, read_capped
-from proxy.serving.stream_count import MESSAGES_ROUTE, Tally
-from proxy.serving.stream_relay import opens_without_message_start, relay_stream
+from proxy.edge.anthropic import message_start
+from proxy.edge.relay import Timeouts, read_capped
+from proxy.edge.stream_count import MESSAGES_ROUTE, Tally
+from proxy.edge.stream_relay import opens_without_message_start, relay_stream
 from proxy.upstream.client import Answer, Send, UpstreamHttp, post_retrying
 from proxy.upstream.connection import MalformedAnswer
 

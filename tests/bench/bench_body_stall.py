@@ -42,7 +42,7 @@ from bench_proxy_overhead import FAST_UPSTREAM, at_defaults, pct  # noqa: E402
 from helpers import ProxyProcess  # noqa: E402
 from proxy.config.settings import DEFAULT_SERVICE  # noqa: E402
 from proxy.serving.responses import MAX_CONTENT_ITEMS, MAX_CONTENT_ITEMS_TOTAL  # noqa: E402
-from proxy.serving.strict_json import MAX_CONTAINERS, MAX_VALUES  # noqa: E402
+from proxy.edge.strict_json import MAX_CONTAINERS, MAX_VALUES  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 SMALL = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}

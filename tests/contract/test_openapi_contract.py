@@ -27,8 +27,8 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
 
 from helpers import ProxyProcess, http, wait_for
 from proxy.errors import CODES
-from proxy.serving.anthropic import ANTHROPIC_ERROR_TYPES
-from proxy.serving.anthropic import route as anthropic_route
+from proxy.edge.anthropic import ANTHROPIC_ERROR_TYPES
+from proxy.edge.anthropic import route as anthropic_route
 from proxy.serving import openapi
 
 pytestmark = pytest.mark.integration

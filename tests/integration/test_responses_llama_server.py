@@ -12,7 +12,7 @@ import pytest
 
 from helpers import ProxyProcess, http, wait_for
 from proxy.setup.demo_model import write_tiny_gguf
-from proxy.serving.response_metrics import METRIC_KEYS
+from proxy.edge.response_metrics import METRIC_KEYS
 
 pytestmark = pytest.mark.integration
 

@@ -198,7 +198,7 @@ def test_check_config_fails_for_an_enabled_model_that_cannot_start_here(tmp_path
 
 
 def test_the_seed_response_example_is_our_envelope_with_our_metric_names() -> None:
-    from proxy.serving.response_metrics import METRIC_KEYS
+    from proxy.edge.response_metrics import METRIC_KEYS
     from proxy.serving.routes_responses import _envelope
 
     example = seed("response_inference")

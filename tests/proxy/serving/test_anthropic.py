@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.errors import BadRequest, PoolError, TooManyRequests, Unavailable
-from proxy.serving.anthropic import (MessageStream, check_request, error_body, error_event, to_chat, to_message)
+from proxy.edge.anthropic import (MessageStream, check_request, error_body, error_event, to_chat, to_message)
 
 CHAT = [{"role": "user", "content": "hi"}]
 PNG = "iVBORw0KGgo="

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from proxy.serving.relay import Deadline
+from proxy.edge.relay import Deadline
 
 
 async def test_an_answer_in_time_is_kept_and_leaves_no_cancellation_behind() -> None:

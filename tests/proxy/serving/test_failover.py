@@ -19,7 +19,7 @@ from proxy.lifecycle.pool import Pool
 from proxy.upstream.reach import ProgramReach
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.serving.forward import upstream
-from proxy.serving.relay import Timeouts
+from proxy.edge.relay import Timeouts
 
 TIMEOUTS = Timeouts(first_byte_s=10, idle_s=10)
 ANSWER = {"choices": [{"message": {"content": "hi"}}]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from proxy.serving.anthropic import MessageStream
+from proxy.edge.anthropic import MessageStream
 
 PIECE = "x" * 1024
 PIECES = 4096   # 4 MiB of text

@@ -15,7 +15,7 @@ from fakes import FakeSupervisor
 from launchers.spec import ProgramSpec
 from proxy.config.loading import load_settings
 from proxy.serving.metrics import OTHER_KEY, ProxyMetrics
-from proxy.serving.response_metrics import usage_in
+from proxy.edge.response_metrics import usage_in
 from proxy.lifecycle.pool import Pool
 from proxy.upstream.reach import ProgramReach
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState

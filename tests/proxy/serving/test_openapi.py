@@ -22,7 +22,7 @@ from proxy.errors import CODES, BadRequest
 from proxy.upstream.reach import PROXY_ONLY_FIELDS
 from proxy.serving import openapi
 from proxy.serving.app import create_app
-from proxy.serving.anthropic import check_request
+from proxy.edge.anthropic import check_request
 from proxy.serving.body import REQUIRED
 from proxy.serving.keys import SETTINGS
 from proxy.serving.responses import REQUEST_SCHEMA

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from proxy.errors import BackendTimeout
-from proxy.serving.relay import Timeouts, read_capped, stream_watch
+from proxy.edge.relay import Timeouts, read_capped, stream_watch
 
 # Bounds the tests' own waits: a watch that never fires fails them instead of hanging.
 TEST_LIMIT_S = 10

@@ -9,8 +9,8 @@ import pytest
 
 from fakes import FakeSSEResponse
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable
-from proxy.serving.strict_json import MAX_DEPTH, _deeper_than
-from proxy.serving.relay import KNOWN_BACKEND_CODES, Timeouts, backend_error, sse_data
+from proxy.edge.strict_json import MAX_DEPTH, _deeper_than
+from proxy.edge.relay import KNOWN_BACKEND_CODES, Timeouts, backend_error, sse_data
 
 
 def test_an_html_error_page_becomes_502_backend_error_with_an_excerpt() -> None:

@@ -10,7 +10,7 @@ from proxy.capabilities import capabilities
 from proxy.lifecycle.kinds.kind import traits_for
 from proxy.config.model import ModelConfig
 from proxy.errors import BadRequest
-from proxy.serving.response_metrics import METRIC_KEYS, Timer, build
+from proxy.edge.response_metrics import METRIC_KEYS, Timer, build
 from proxy.serving.responses import MIXED_SOURCE_NOTE, backend_request, parse, validate_for_model
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,/9j/4AAQSkZJRg=="}}

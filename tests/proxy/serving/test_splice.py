@@ -1,4 +1,4 @@
-"""A stream relayed by the splice (proxy/serving/splice.py): after its first piece, each piece goes
+"""A stream relayed by the splice (proxy/edge/splice.py): after its first piece, each piece goes
 from the replica's connection to the client's in the connection's callback. Every byte arrives in
 order; a client that falls behind stops the proxy reading the replica (nothing piles up in the
 proxy); an HTTP/1.0 client gets the stream unframed, ended by the close; an end split between two

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from proxy.serving.stream_count import Tally, without_usage_chunk
+from proxy.edge.stream_count import Tally, without_usage_chunk
 from proxy.serving.stream_usage import ask_usage, estimated_prompt
 
 

@@ -29,7 +29,7 @@ from proxy.lifecycle.state.replicas import Replica, ReplicaState
 from proxy.serving.body import read_json
 from proxy.serving.forward import upstream_session
 from proxy.serving.responses import MAX_CONTENT_ITEMS, MAX_CONTENT_ITEMS_TOTAL, parse
-from proxy.serving.strict_json import MAX_CONTAINERS, MAX_VALUES, decode
+from proxy.edge.strict_json import MAX_CONTAINERS, MAX_VALUES, decode
 
 METADATA = "http://169.254.169.254/latest/meta-data/"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": [

@@ -13,10 +13,10 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import BackendError, BackendTimeout, PoolError
-from proxy.serving.anthropic import stream_error
-from proxy.serving.relay import Timeouts, stream_watch, timed_out
-from proxy.serving.splice import Splice
-from proxy.serving.stream_count import Tally
+from proxy.edge.anthropic import stream_error
+from proxy.edge.relay import Timeouts, stream_watch, timed_out
+from proxy.edge.splice import Splice
+from proxy.edge.stream_count import Tally
 from proxy.upstream.client import Answer
 from proxy.upstream.connection import UpstreamAnswer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.serving.response_metrics import usage_at, usage_in
+from proxy.edge.response_metrics import usage_at, usage_in
 
 MESSAGES_ROUTE = "/v1/messages"
 # The usage chunk a client did not ask for: the one chunk with no choices (OpenAI's rule, which

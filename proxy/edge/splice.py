@@ -19,7 +19,7 @@ from typing import Callable
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
-from proxy.serving.stream_count import Tally, without_usage_chunk
+from proxy.edge.stream_count import Tally, without_usage_chunk
 from proxy.upstream.connection import UpstreamAnswer
 
 # What runs once the stream's end went out: the tally (ended, its events), the tail of what went
