@@ -90,13 +90,15 @@ def test_the_anthropic_sdk_creates_a_message_that_llama_server_answered(proxy: P
 
 
 def test_the_anthropic_sdk_streams_event_by_event(proxy: ProxyProcess, claude: anthropic.Anthropic) -> None:
-    # llama-server leaves message_start out of about one short stream in eight (measured: 20 of 150),
-    # and the SDK then has no message: the proxy sends one. Forty streams meet that almost surely.
+    # llama-server leaves its first write out of a short stream now and then (measured straight to it:
+    # 20 of 150, 12 of 200 without message_start), and the SDK then has no message: the proxy sends
+    # one. Forty streams meet that almost surely. Where that lost write held every text event (1 of
+    # 300 through the proxy, measured), the message has no text: what streamed is still all it has.
     for _ in range(40):
         with claude.messages.stream(model="tiny", max_tokens=5, messages=CHAT) as stream:
             pieces = list(stream.text_stream)
             final = stream.get_final_message()
-        assert "".join(pieces) == final.content[0].text and final.model == "tiny"
+        assert "".join(pieces) == "".join(b.text for b in final.content if b.type == "text") and final.model == "tiny"
         assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 5
 
 
