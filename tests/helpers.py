@@ -144,6 +144,14 @@ class ProxyProcess:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def admin_url(self) -> str:
+        """Where the admin API answers: service.admin_port's listener where one is set."""
+        service = self.config["service"]
+        if service.get("admin_port"):
+            return f"http://{service.get('admin_host') or service['host']}:{service['admin_port']}"
+        return self.url
+
+    @property
     def supervisord_conf(self) -> Path:
         return self.state_dir / "supervisord.conf"
 
@@ -162,7 +170,7 @@ class ProxyProcess:
 
     def processes(self) -> list[dict[str, Any]]:
         """GET /v1/admin/processes: the serving process and its workers."""
-        status, _, body = http("GET", self.url + "/v1/admin/processes", headers=self.admin_headers)
+        status, _, body = http("GET", self.admin_url + "/v1/admin/processes", headers=self.admin_headers)
         assert status == 200, body
         return list(body["data"])
 
@@ -186,7 +194,7 @@ class ProxyProcess:
             self.seen_pids.add(int(pidfile.read_text().strip()))
 
     def admin_model(self, name: str) -> dict[str, Any]:
-        status, _, body = http("GET", self.url + "/v1/admin/models", headers=self.admin_headers)
+        status, _, body = http("GET", self.admin_url + "/v1/admin/models", headers=self.admin_headers)
         assert status == 200, body
         (model,) = [m for m in body["data"] if m["id"] == name]
         for replica in model["replicas"]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from helpers import REPO, ProxyProcess, http, pid_alive, sim_model, wait_for
+from helpers import REPO, ProxyProcess, free_port, http, pid_alive, sim_model, wait_for
 
 pytestmark = pytest.mark.integration
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 5}
@@ -256,3 +256,17 @@ def test_a_controller_that_dies_leaves_its_workers_to_finish_their_streams_and_e
     proxy.start()
     adopted = proxy.wait_state("sim", "loaded")
     assert [r["pid"] for r in adopted["replicas"]] == [r["pid"] for r in model["replicas"]]
+
+
+def test_with_an_admin_listener_the_controller_serves_it_and_the_workers_the_public_port(start_proxy) -> None:
+    admin_port = free_port()
+    proxy = start_proxy({"sim": sim_model()}, workers=2, admin_host="127.0.0.1", admin_port=admin_port)
+    proxy.wait_state("sim", "loaded")
+    admin = proxy.admin_url
+    assert admin == f"http://127.0.0.1:{admin_port}"
+    assert [r["role"] for r in proxy.processes()] == ["controller", "worker", "worker"]
+    assert http("GET", proxy.url + "/v1/admin/models")[0] == 404   # through a worker: still not the admin's port
+    status, _, body = http("POST", proxy.url + "/v1/chat/completions", {**CHAT, "stream": True})
+    assert status == 200
+    assert http("POST", admin + "/v1/chat/completions", CHAT)[0] == 404   # and the data plane is not the admin's
+
