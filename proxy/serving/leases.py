@@ -37,7 +37,8 @@ class WorkerGone(ConnectionResetError):
 class Refused(aiohttp.ClientConnectorError):
     """The worker's send was refused: as aiohttp's own refusal is read by forward.upstream."""
 
-    def __init__(self, detail: str) -> None:   # noqa: D107 - aiohttp's needs a connection key we do not have
+    def __init__(self, detail: str) -> None:
+        # Not aiohttp's own __init__: it needs the connection key of a connection this process never made.
         OSError.__init__(self, detail)
         self.detail = detail
 
