@@ -110,7 +110,7 @@ class LeaseDesk:
     def lessee(self, value: str) -> "Lessee | None":
         """The worker request named by a LEASE_HEADER, where its worker is connected."""
         index, _, ref = value.partition(":")
-        if not (index.isdigit() and ref.isdigit()):
+        if not (index.isascii() and index.isdigit() and ref.isascii() and ref.isdigit()):   # "²" is a digit too
             return None
         line = self.lines.get(int(index))
         return Lessee(self, line, int(ref)) if line is not None else None

@@ -125,5 +125,5 @@ async def test_a_channel_that_does_not_begin_with_hello_is_closed(tmp_path: Path
 
 def test_a_lease_header_that_names_no_connected_worker_is_none() -> None:
     desk = LeaseDesk()
-    for value in ("0:1", "x:1", "0:", "", "-1:2", "0:1:2"):
+    for value in ("0:1", "x:1", "0:", "", "-1:2", "0:1:2", "²:1", "0:²"):
         assert desk.lessee(value) is None
