@@ -174,11 +174,15 @@ class ProxyProcess:
         assert status == 200, body
         return list(body["data"])
 
+    def worker_pids(self) -> tuple[int, ...]:
+        """service.workers > 1: the PIDs of the workers serving now."""
+        return tuple(p["pid"] for p in self.processes() if p["role"] == "worker" and p["pid"] is not None)
+
     def _remember_workers(self) -> None:
         """service.workers > 1: the workers' PIDs, for cleanup to check (their controller stops them)."""
         if self.config["service"].get("workers", 1) > 1:
             with contextlib.suppress(OSError, AssertionError):
-                self.seen_pids.update(p["pid"] for p in self.processes() if p["pid"] is not None)
+                self.seen_pids.update(self.worker_pids())
 
     def _answers(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:

@@ -1,6 +1,6 @@
 """A pass-through stream's pieces, from the replica's connection to the client's as they arrive.
 
-The relay (forward._relay) reads a stream's first piece as it reads any answer, and writes it with
+The relay (stream_relay.relay_stream) reads a stream's first piece as it reads any answer, and writes it with
 the answer's headers. From then on each piece is taken by a `Splice`: counted, stripped of a usage
 chunk the client did not ask for, and written to the client's transport with the chunk framing
 aiohttp gives an HTTP/1.1 stream. Over one of the proxy's own connections (proxy/upstream/

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from proxy.edge.anthropic import MESSAGES_PATH
 from proxy.edge.response_metrics import usage_at, usage_in
 
-MESSAGES_ROUTE = "/v1/messages"
 # The usage chunk a client did not ask for: the one chunk with no choices (OpenAI's rule, which
 # llama-server and vLLM follow), as compact JSON or as Python's json.dumps writes it.
 NO_CHOICES = (b'"choices":[]', b'"choices": []')
@@ -34,13 +34,13 @@ def first_usage_in(raw: bytes) -> dict[str, Any] | None:
 
 class Tally:
     """A pass-through stream's events as they go out, its first read, and whether its end did. The
-    relay counts in its own loop (forward._relay): `needle`s in each chunk that went out, and the
+    relay counts in its own loop (stream_relay.relay_stream): `needle`s in each chunk that went out, and the
     `marker` among a chunk's last 32 bytes for the end."""
 
     __slots__ = ("needle", "marker", "events", "head", "ended", "settled")
 
     def __init__(self, path: str) -> None:
-        messages = path == MESSAGES_ROUTE
+        messages = path == MESSAGES_PATH
         # Anthropic's text events (in their JSON, not the `event:` line), else every OpenAI chunk.
         self.needle = b'"content_block_delta"' if messages else b"data:"
         self.marker = b"message_stop" if messages else b"[DONE]"

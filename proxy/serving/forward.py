@@ -22,14 +22,13 @@ from proxy.upstream.connection import MalformedAnswer
 from proxy.upstream.reach import ProgramReach
 from proxy.lease_wire import RELAYED_HEADER
 from proxy.serving.affinity_key import SLOT_PATHS
-from proxy.edge.anthropic import message_start
 from proxy.serving.leases import LESSEE, LeasedAnswer, LeaseHttp, WorkerGone
 from proxy.serving.keys import (CACHE_SCOPE, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, REPLICA_HEADER,
                                 SETTINGS, STARTED, STREAM_ERROR, USAGE)
 from proxy.edge.response_metrics import usage_in
 from proxy.edge.relay import ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, input_refused, read_capped
-from proxy.edge.stream_count import MESSAGES_ROUTE, Tally
-from proxy.edge.stream_relay import opens_without_message_start, relay_stream
+from proxy.edge.stream_count import Tally
+from proxy.edge.stream_relay import missing_message_start, relay_stream
 from proxy.serving.stream_usage import USAGE_ROUTES, ask_usage, mark_ended, settle_tally
 
 log = logging.getLogger(__name__)
@@ -389,11 +388,7 @@ class PoolEnd:
     def first(self, chunk: bytes) -> bytes:
         request = self.request
         self.first_after(time.perf_counter() - request[STARTED])
-        if request.path == MESSAGES_ROUTE and opens_without_message_start(chunk):
-            # llama-server leaves it out now and then (13% of short streams, measured), and
-            # Anthropic's SDK then has no message to give: it gets the one its translation sends.
-            return message_start(self.replica.model, f"msg_{self.request_id}")
-        return b""
+        return missing_message_start(request.path, chunk, self.replica.model, self.request_id)
 
     def first_after(self, seconds: float) -> None:
         metrics = self.request.app[METRICS]

@@ -38,7 +38,6 @@ class WorkerProcess:
     process: asyncio.subprocess.Process | None = None
     started: float = 0.0
     restarts: int = 0
-    last_exit: int | None = None
     watch: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
@@ -83,7 +82,6 @@ class Workers:
     async def _watch(self, proc: WorkerProcess) -> None:
         assert proc.process is not None
         code = await proc.process.wait()
-        proc.last_exit = code
         if self.stopping:
             return
         # A worker's death costs the requests it relayed; the service goes on with a new one.

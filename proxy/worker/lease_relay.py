@@ -10,10 +10,9 @@ import aiohttp
 from aiohttp import web
 
 from proxy.errors import PoolError
-from proxy.edge.anthropic import message_start
 from proxy.edge.relay import Timeouts, read_capped
-from proxy.edge.stream_count import MESSAGES_ROUTE, Tally
-from proxy.edge.stream_relay import opens_without_message_start, relay_stream
+from proxy.edge.stream_count import Tally
+from proxy.edge.stream_relay import missing_message_start, relay_stream
 from proxy.upstream.client import Answer, Send, UpstreamHttp, post_retrying
 from proxy.upstream.connection import MalformedAnswer
 
@@ -35,9 +34,7 @@ class WorkerEnd:
 
     def first(self, chunk: bytes) -> bytes:
         self.ttft = time.perf_counter() - self.started
-        if self.path == MESSAGES_ROUTE and opens_without_message_start(chunk):
-            return message_start(self.model, f"msg_{self.request_id}")   # as forward.PoolEnd does
-        return b""
+        return missing_message_start(self.path, chunk, self.model, self.request_id)
 
     def ended(self, tally: Tally, tail: bytes, out: web.StreamResponse) -> None:
         self.tally, self.tail = tally, tail

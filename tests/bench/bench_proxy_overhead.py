@@ -275,7 +275,7 @@ async def bench(args: argparse.Namespace, proxy: ProxyProcess, direct: str, remo
             targets.append(Target("llm-pool", proxy.url + chat, body, pid=pid))
             targets += [Target(name, url + chat, body, pid=pid_) for name, url, pid_ in base]
             if split is not None and split.proc is not None:
-                workers = tuple(p["pid"] for p in split.processes() if p["role"] == "worker")
+                workers = split.worker_pids()
                 targets.append(Target(f"llm-pool w{len(workers)}", split.url + chat, body, pid=split.proc.pid,
                                       workers=workers))
             for t in targets:   # warm every path

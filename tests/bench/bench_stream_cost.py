@@ -163,7 +163,7 @@ def main() -> None:
             split.start()
             assert split.proc is not None
             split.wait_state("m", "loaded")
-            workers = tuple(p["pid"] for p in split.processes() if p["role"] == "worker")
+            workers = split.worker_pids()
             targets.append(Target(f"llm-pool w{args.workers}", split.url, split.proc.pid, workers))
         for name, on_uvloop in (("forwarder", False), ("fwd-uvloop", True)):
             if on_uvloop and not has_uvloop():

@@ -54,6 +54,14 @@ async def post(desk: LeaseDesk) -> "asyncio.Task[LeasedAnswer]":
                                            timeout=aiohttp.ClientTimeout(sock_connect=5)))
 
 
+async def answered(desk: LeaseDesk, worker: FakeWorker, stream: bool) -> tuple[int, LeasedAnswer]:
+    """A send leased and its head told by the worker: the lease's id and the controller's answer."""
+    sent = await post(desk)
+    lease, _ = await worker.heard()
+    worker.tell({"t": "head", "lease": lease["lease"], "status": 200, "headers": [], "stream": stream})
+    return lease["lease"], await sent
+
+
 async def test_a_lease_carries_the_send_and_the_head_and_end_come_back(desk: Any) -> None:
     desk, worker = desk
     sent = await post(desk)
@@ -85,11 +93,8 @@ async def test_a_failed_send_is_raised_as_one_process_would_meet_it(desk: Any, k
 
 async def test_a_whole_answer_is_read_from_its_body_frame(desk: Any) -> None:
     desk, worker = desk
-    sent = await post(desk)
-    lease, _ = await worker.heard()
-    worker.tell({"t": "head", "lease": lease["lease"], "status": 200, "headers": [], "stream": False})
-    answer = await sent
-    worker.tell({"t": "body", "lease": lease["lease"]}, b'{"ok": true}')
+    lease_id, answer = await answered(desk, worker, stream=False)
+    worker.tell({"t": "body", "lease": lease_id}, b'{"ok": true}')
     assert await answer.content.readany() == b'{"ok": true}' and await answer.content.readany() == b""
 
 
@@ -103,10 +108,7 @@ async def test_a_cancelled_send_is_aborted_at_the_worker(desk: Any) -> None:
 
 async def test_a_worker_that_goes_away_fails_every_lease_it_held(desk: Any) -> None:
     desk, worker = desk
-    sent = await post(desk)
-    lease, _ = await worker.heard()
-    worker.tell({"t": "head", "lease": lease["lease"], "status": 200, "headers": [], "stream": True})
-    answer = await sent
+    _, answer = await answered(desk, worker, stream=True)
     worker.writer.close()
     with pytest.raises(WorkerGone):
         await asyncio.wait_for(answer.ended(), 5)
