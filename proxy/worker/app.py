@@ -19,15 +19,19 @@ from multidict import CIMultiDict
 
 from proxy.lease_wire import LEASE_HEADER, PEER_HEADER, RELAYED_HEADER
 from proxy.upstream.client import NotingConnector, UpstreamHttp
+from proxy.upstream.connection import UpstreamAnswer
+from proxy.worker.controller_http import METHODS, ControllerHttp
 from proxy.worker.lease_relay import run_lease
 from proxy.worker.line import ControllerLine
 
 log = logging.getLogger(__name__)
 
 # Hop-by-hop headers (RFC 9110 7.6.1) are the connection's, not the request's; the lengths are the
-# new connection's to set; the lease header is the worker's alone to send.
+# new connection's to set; Expect was met here (the body is read); the lease header is the worker's
+# alone to send.
 HOP = frozenset(h.lower() for h in ("Connection", "Keep-Alive", "Proxy-Connection", "TE", "Trailer",
-                                     "Transfer-Encoding", "Upgrade", "Content-Length", LEASE_HEADER, PEER_HEADER))
+                                     "Transfer-Encoding", "Upgrade", "Content-Length", "Expect",
+                                     LEASE_HEADER, PEER_HEADER))
 ANSWER_HOP = HOP | {"date", "server", RELAYED_HEADER.lower()}
 # A body up to this size is read and sent whole; a larger one is streamed to the controller, which
 # holds the limit (service.max_body_bytes) and answers a body over it as it always does.
@@ -52,6 +56,7 @@ class Worker:
             connector=aiohttp.UnixConnector(path=controller_socket, limit=0), auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
             timeout=aiohttp.ClientTimeout(total=None))
+        self.fast = ControllerHttp(controller_socket)
         self.upstream = UpstreamHttp(aiohttp.ClientSession(connector=NotingConnector()))
         self.line = ControllerLine(index, self.on_frame)
         self.refs = itertools.count(1)
@@ -113,13 +118,19 @@ class Worker:
         if request.body_exists:
             length = request.content_length
             data = await request.read() if length is not None and length <= READ_WHOLE else request.content
+        resp: aiohttp.ClientResponse | UpstreamAnswer | None = None
         try:
-            async with self.controller.request(request.method, "http://controller" + request.path_qs,
-                                               headers=headers, data=data, allow_redirects=False) as resp:
-                if resp.headers.get(RELAYED_HEADER) == "1" and passed.out is not None:
-                    await resp.read()
-                    return passed.out
-                return await _pass_back(request, resp)
+            if request.method in METHODS and (data is None or isinstance(data, bytes)):
+                # The request line's target as the client sent it (an absolute form, as its path)
+                target = request.raw_path if request.raw_path.startswith("/") else request.rel_url.raw_path_qs
+                resp = await self.fast.send(request.method, target, headers, data)
+            else:
+                resp = await self.controller.request(request.method, "http://controller" + request.path_qs,
+                                                     headers=headers, data=data, allow_redirects=False)
+            if resp.headers.get(RELAYED_HEADER) == "1" and passed.out is not None:
+                await resp.read()
+                return passed.out
+            return await _pass_back(request, resp)
         except (aiohttp.ClientError, OSError):
             if passed.lease is None:
                 raise
@@ -129,6 +140,9 @@ class Worker:
             if passed.out is None:
                 raise
             return passed.out
+        finally:
+            if resp is not None:
+                resp.close()   # read to its end, a no-op; else (the client left) the request there ends
 
     def on_frame(self, message: dict[str, Any], payload: bytes) -> None:
         kind = message["t"]
@@ -166,25 +180,30 @@ class Worker:
         for task in list(self.background):
             task.cancel()
         await self.line.close()
+        self.fast.close()
         await self.controller.close()
         await self.upstream.close()
 
 
-async def _pass_back(request: web.Request, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+async def _pass_back(request: web.Request, resp: aiohttp.ClientResponse | UpstreamAnswer) -> web.StreamResponse:
     """The controller's answer to the client, as it comes (a stream it relays, event by event)."""
-    headers = CIMultiDict((k, v) for k, v in resp.headers.items() if k.lower() not in ANSWER_HOP)
+    headers = CIMultiDict((k, _header_value(v)) for k, v in resp.headers.items() if k.lower() not in ANSWER_HOP)
     if resp.content_length is not None:
         return web.Response(status=resp.status, body=await resp.read(), headers=headers)
     stream = web.StreamResponse(status=resp.status, headers=headers)
     await stream.prepare(request)
     try:
-        async for chunk in resp.content.iter_any():
+        while chunk := await resp.content.readany():
             await stream.write(chunk)
     except ConnectionResetError:
-        resp.close()   # the client left: closing this ends the request in the controller, as a client leaving would
-        return stream
+        return stream   # the client left: the caller's close ends the request in the controller
     await stream.write_eof()
     return stream
+
+
+def _header_value(value: str) -> str:
+    """A header's value as the controller's aiohttp wrote it (UTF-8), from the parser's Latin-1."""
+    return value if value.isascii() else value.encode("latin-1").decode("utf-8", "replace")
 
 
 def _settled_quietly(task: asyncio.Task[Any]) -> None:
