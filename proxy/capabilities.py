@@ -72,11 +72,12 @@ def capabilities(model: ModelConfig, traits: Traits) -> Capabilities:
     else:
         thinking = ("default",)
     embeddings = traits.embeddings_field is not None and bool(model.get(traits.embeddings_field))
+    apis = served_apis(model, traits)
     return Capabilities(modalities=("text",) if traits.text_only else tuple(model.modalities),
                         multi_turn=multi_turn,
                         file_inputs=traits.file_inputs_field is not None and bool(model.get(traits.file_inputs_field)),
                         thinking_modes=thinking, embeddings=embeddings,
-                        endpoints=tuple(path for path, api in ROUTES.items() if api in served_apis(model, traits)))
+                        endpoints=tuple(path for path, api in ROUTES.items() if api in apis))
 
 
 def served_apis(model: ModelConfig, traits: Traits) -> frozenset[str]:

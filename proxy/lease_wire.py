@@ -31,12 +31,16 @@ RELAYED_HEADER = "X-LLM-Pool-Relayed"
 PEER_HEADER = "X-LLM-Pool-Peer"   # the client's address, as the worker saw it
 
 
+# One encoder for every frame: json.dumps with any argument builds a new one per call.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
 class WireError(Exception):
     """A frame that breaks the framing: the channel is closed."""
 
 
 def frame(message: dict[str, Any], payload: bytes = b"") -> bytes:
-    head = json.dumps(message, separators=(",", ":")).encode()
+    head = _encode(message).encode()
     return LENGTHS.pack(len(head), len(payload)) + head + payload
 
 

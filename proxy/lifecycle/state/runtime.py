@@ -86,6 +86,8 @@ class ModelRuntime:
     # Serialises admin operations on this model; request routing never takes it.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # (settings, traits, what they serve): every request checks its route against it.
+    _capabilities: tuple[ModelConfig, Traits, Capabilities] | None = None
 
     @property
     def name(self) -> str:
@@ -106,7 +108,11 @@ class ModelRuntime:
         return self.admission.last_used
 
     def capabilities(self) -> Capabilities:
-        return capabilities(self.model, self.traits)
+        model, traits, known = self.model, self.traits, self._capabilities
+        if known is None or known[0] is not model or known[1] is not traits:
+            # Settings and traits are replaced, never changed in place: the same pair serves the same.
+            known = self._capabilities = (model, traits, capabilities(model, traits))
+        return known[2]
 
     def with_replicas(self, count: int) -> ModelConfig:
         """The active settings with `count` replicas (a live scale): shown as an override unless it
