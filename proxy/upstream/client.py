@@ -237,12 +237,7 @@ class UpstreamHttp:
 
     def _take(self, key: tuple[str, int], now: float) -> Connection | None:
         idle = self._idle.get(key)
-        while idle:
-            conn = idle.pop()
-            if not conn.lost and not conn.transport.is_closing() and now - conn.idle_since < KEEPALIVE_S:
-                return conn
-            conn.close()
-        return None
+        return take_idle(idle, now) if idle else None
 
     async def _connect(self, host: str, port: int, timeout: aiohttp.ClientTimeout,
                        loop: asyncio.AbstractEventLoop) -> Connection:
@@ -257,6 +252,17 @@ class UpstreamHttp:
             request = aiohttp.ClientRequest("POST", URL.build(scheme="http", host=host, port=port), loop=loop)
             raise aiohttp.ClientConnectorError(request.connection_key, exc) from exc
         return conn
+
+
+def take_idle(idle: list[Connection], now: float) -> Connection | None:
+    """The most recently kept of `idle` that is still open and not past KEEPALIVE_S (the others
+    are closed on the way), or None."""
+    while idle:
+        conn = idle.pop()
+        if not conn.lost and not conn.transport.is_closing() and now - conn.idle_since < KEEPALIVE_S:
+            return conn
+        conn.close()
+    return None
 
 
 def _unsafe(text: str) -> bool:

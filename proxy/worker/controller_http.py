@@ -13,7 +13,7 @@ import asyncio
 
 import aiohttp
 
-from proxy.upstream.client import CLOSED_UNDER_US, KEEPALIVE_S
+from proxy.upstream.client import CLOSED_UNDER_US, take_idle
 from proxy.upstream.connection import Connection, UpstreamAnswer
 
 # The controller answers when it answers (a request may wait in a fair queue for minutes): its own
@@ -41,7 +41,7 @@ class ControllerHttp:
         # surrogateescape: a header the worker read as undecodable bytes goes on as those bytes
         head = f"{method} {target} HTTP/1.1\r\n{lines}".encode("utf-8", "surrogateescape")
         message = head + (b"\r\n" if body is None else b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        conn = self._take(asyncio.get_running_loop().time())
+        conn = take_idle(self._idle, asyncio.get_running_loop().time())
         if conn is not None:
             try:
                 return await self._exchange(conn, message)
@@ -63,15 +63,6 @@ class ControllerHttp:
     def keep(self, conn: Connection) -> None:
         """A connection whose answer ended, kept for the next request (Connection's pool)."""
         self._idle.append(conn)
-
-    def _take(self, now: float) -> Connection | None:
-        idle = self._idle
-        while idle:
-            conn = idle.pop()
-            if not conn.lost and not conn.transport.is_closing() and now - conn.idle_since < KEEPALIVE_S:
-                return conn
-            conn.close()
-        return None
 
     async def _connect(self) -> Connection:
         try:
