@@ -330,13 +330,41 @@ def lease_middleware(desk: LeaseDesk) -> Any:
     return middleware
 
 
-def private_dir() -> Path:
+PRIVATE_PREFIX = "llm-pool-"
+
+
+def private_dir(parent: str | None = None) -> Path:
     """A folder for the controller's sockets that only this user can enter (mode 0700): a socket's
-    path must be short (108 bytes), which a state folder's need not be."""
+    path must be short (108 bytes), which a state folder's need not be. Its name holds this PID, so
+    that the folders of controllers that were killed (no stop removed theirs) are removed here."""
     import tempfile
-    path = Path(tempfile.mkdtemp(prefix="llm-pool-"))
+    parent = parent or tempfile.gettempdir()
+    _remove_orphans(Path(parent))
+    path = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=parent))
     os.chmod(path, 0o700)
     return path
+
+
+def _remove_orphans(parent: Path) -> None:
+    """This user's socket folders whose controller is gone. Only what private_dir makes is touched:
+    a folder of ours, named for a PID no process has, holding nothing but sockets."""
+    uid = os.getuid()
+    for path in parent.glob(f"{PRIVATE_PREFIX}*-*"):
+        pid = path.name[len(PRIVATE_PREFIX):].split("-", 1)[0]
+        if not pid.isascii() or not pid.isdigit():
+            continue
+        try:
+            if path.lstat().st_uid != uid or not path.is_dir() or path.is_symlink():
+                continue
+            os.kill(int(pid), 0)
+            continue   # its controller runs (or the PID is another's now: left alone)
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue   # not ours to look at, or gone meanwhile
+        with contextlib.suppress(OSError):
+            if all(entry.is_socket() for entry in path.iterdir()):
+                remove_private_dir(path)
 
 
 def remove_private_dir(path: Path) -> None:

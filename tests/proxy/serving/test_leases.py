@@ -13,7 +13,7 @@ import pytest
 
 from proxy.errors import PoolError
 from proxy.lease_wire import frame, read_frame
-from proxy.serving.leases import LeaseDesk, LeasedAnswer, Refused, WorkerGone
+from proxy.serving.leases import LeaseDesk, LeasedAnswer, Refused, WorkerGone, private_dir
 from proxy.upstream.connection import MalformedAnswer
 
 
@@ -129,3 +129,32 @@ def test_a_lease_header_that_names_no_connected_worker_is_none() -> None:
     desk = LeaseDesk()
     for value in ("0:1", "x:1", "0:", "", "-1:2", "0:1:2", "²:1", "0:²"):
         assert desk.lessee(value) is None
+
+
+def _socket_file(path: Path) -> None:
+    """A Unix socket's file, left behind as a killed process leaves it (closed, never unlinked)."""
+    import socket
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))
+
+
+def test_the_socket_folders_of_killed_controllers_are_removed_and_no_other(tmp_path: Path) -> None:
+    import subprocess
+    gone = subprocess.Popen(["true"])
+    gone.wait()   # a PID no process has now
+    orphan = tmp_path / f"llm-pool-{gone.pid}-abc"
+    orphan.mkdir()
+    _socket_file(orphan / "http.sock")
+    _socket_file(orphan / "channel.sock")
+    live = tmp_path / f"llm-pool-{os.getpid()}-def"          # a controller that runs
+    live.mkdir()
+    _socket_file(live / "http.sock")
+    not_ours = tmp_path / f"llm-pool-{gone.pid}-ghi"         # holds what no controller writes
+    not_ours.mkdir()
+    (not_ours / "notes.txt").write_text("keep")
+    other = tmp_path / "llm-pool-cache"                      # a name private_dir never makes
+    other.mkdir()
+    made = private_dir(str(tmp_path))
+    assert made.name.startswith(f"llm-pool-{os.getpid()}-") and made.stat().st_mode & 0o777 == 0o700
+    assert not orphan.exists()
+    assert live.exists() and not_ours.exists() and other.exists()
