@@ -156,6 +156,9 @@ class FakeProvider:
     Two knobs make it a hostile or a slow provider: `usage`, when set, is the usage object every chat
     answer carries, sent as given (`{"prompt_tokens": 10**30}`, NaN as JSON's NaN); `hold()` keeps
     every chat answer back (`held` counts those waiting) until `release()`.
+    `tool_call`, when set to (name, arguments), makes every chat answer to a request that carries
+    `tools` call that tool after its words, as OpenAI does: a message's `tool_calls`, or in a stream
+    the call's name first and its arguments in three pieces, then `finish_reason: tool_calls`.
     """
 
     CACHED_TOKENS = 3
@@ -170,6 +173,7 @@ class FakeProvider:
         self.slow_s = 30.0
         self.words = ["Hello", " from", " the", " fake", " provider"]
         self.usage: object = None
+        self.tool_call: tuple[str, dict[str, object]] | None = None
         self.holding = False
         self.held = 0
         self._ids = 0
@@ -203,6 +207,7 @@ class FakeProvider:
     def clear(self) -> None:
         self.requests.clear()
         self.scripts.clear()
+        self.tool_call = None
 
     def hold(self) -> None:
         self._loop.call_soon_threadsafe(self._released.clear)
@@ -314,11 +319,16 @@ class FakeProvider:
             self.held -= 1
         words = list(self.words)
         prompt = sum(len(str(m.get("content"))) for m in body.get("messages", [])) // 4 + 1
+        call = self.tool_call if body.get("tools") else None
+        arguments = json.dumps(call[1]) if call is not None else ""
         if not body.get("stream"):
+            message: dict[str, object] = {"role": "assistant", "content": "".join(words) or None}
+            if call is not None:
+                message["tool_calls"] = [{"id": "call_fake", "type": "function",
+                                          "function": {"name": call[0], "arguments": arguments}}]
             return web.json_response({
                 "id": "chatcmpl-fake", "object": "chat.completion", "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(words)},
-                             "finish_reason": "stop"}],
+                "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if call else "stop"}],
                 "usage": self._usage(model, prompt, len(words))})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
@@ -338,6 +348,17 @@ class FakeProvider:
             if step.startswith("hold:") and i + 1 == int(step[5:]):
                 await asyncio.sleep(self.slow_s)   # cancelled when the caller hangs up
                 return out
+        if call is not None:
+            third = len(arguments) // 3 + 1
+            deltas = [{"index": 0, "id": "call_fake", "type": "function", "function": {"name": call[0], "arguments": ""}}]
+            deltas += [{"index": 0, "function": {"arguments": arguments[i:i + third]}}
+                       for i in range(0, len(arguments), third)]
+            for delta in deltas:
+                await out.write(chunk({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": model,
+                                       "choices": [{"index": 0, "delta": {"tool_calls": [delta]},
+                                                    "finish_reason": None}]}))
+            await out.write(chunk({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": model,
+                                   "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}))
         if (body.get("stream_options") or {}).get("include_usage"):
             await out.write(chunk({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": model,
                                    "choices": [], "usage": self._usage(model, prompt, len(words))}))

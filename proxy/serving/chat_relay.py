@@ -27,13 +27,14 @@ CHAT_PATH = "/v1/chat/completions"
 
 @dataclass
 class Piece:
-    """What the relay hands its output: text, and the backend's usage, timings and finish reason
-    when it sent them."""
+    """What the relay hands its output: text, and the backend's usage, timings, finish reason and
+    tool calls (a message's, or a stream chunk's pieces of them: untrusted, as sent) when it sent them."""
 
     text: str
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
     finish_reason: str | None = None
+    tool_calls: list[Any] | None = None
 
 
 def numbers(value: Any) -> dict[str, Any] | None:
@@ -50,21 +51,27 @@ def numbers(value: Any) -> dict[str, Any] | None:
     return kept
 
 
-def _text_of_chunk(chunk: dict[str, Any]) -> tuple[str, str | None]:
-    """A stream chunk's text and finish reason (untrusted: anything else reads as none)."""
+def _piece_of_chunk(chunk: dict[str, Any], own_timings: bool) -> Piece:
+    """A stream chunk's text, usage, timings, finish reason and tool calls' pieces (untrusted:
+    anything else reads as none)."""
     choices = chunk.get("choices")
     pieces = []
     finish = None
+    calls: list[Any] = []
     for choice in choices if isinstance(choices, list) else []:
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta")
-        content = delta.get("content") if isinstance(delta, dict) else None
-        if isinstance(content, str):
-            pieces.append(content)
+        if isinstance(delta, dict):
+            content = delta.get("content")
+            if isinstance(content, str):
+                pieces.append(content)
+            if isinstance(delta.get("tool_calls"), list):
+                calls += delta["tool_calls"]
         if isinstance(choice.get("finish_reason"), str):
             finish = choice["finish_reason"]
-    return "".join(pieces), finish
+    return Piece("".join(pieces), numbers(chunk.get("usage")), numbers(chunk.get("timings")) if own_timings else None,
+                 finish, calls or None)
 
 
 def _chat_completion(raw: bytes) -> Piece | None:
@@ -76,10 +83,11 @@ def _chat_completion(raw: bytes) -> Piece | None:
         if not isinstance(text, str):
             return None
         finish = choice.get("finish_reason")
+        calls = choice["message"].get("tool_calls")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):
         return None
     return Piece(text, numbers(answer.get("usage")), numbers(answer.get("timings")),
-                 finish if isinstance(finish, str) else None)
+                 finish if isinstance(finish, str) else None, calls if isinstance(calls, list) else None)
 
 
 async def relay_chat(request: web.Request, runtime: ModelRuntime, queued: Any, payload: dict[str, Any],
@@ -118,9 +126,7 @@ async def relay_chat(request: web.Request, runtime: ModelRuntime, queued: Any, p
                 raise BackendError(f"{label(replica)} did not answer with an event stream")
             try:
                 async for chunk in sse_data(resp, timeouts, label(replica)):
-                    text, finish = _text_of_chunk(chunk)
-                    yield Piece(text, numbers(chunk.get("usage")),
-                                numbers(chunk.get("timings")) if own_timings else None, finish)
+                    yield _piece_of_chunk(chunk, own_timings)
             except ConnectionResetError:
                 raise  # the client left (aiohttp's reset error is a ClientConnectionError too)
             except (PoolError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:

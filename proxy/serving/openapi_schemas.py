@@ -78,10 +78,15 @@ def messages_request() -> dict[str, Any]:
     return {"type": "object", "required": ["model", "messages", "max_tokens"], "additionalProperties": True,
             "properties": {**PROXY_READS,
                            "messages": {"type": "array", "minItems": 1, "items": {"type": "object"},
-                                        "description": "user and assistant turns: text, or text and image blocks"},
+                                        "description": "user and assistant turns: text, or blocks: text, image, "
+                                                       "tool_use (an assistant's) and tool_result (a user's)"},
                            "max_tokens": {"type": "integer", "minimum": 1},
                            "system": {"type": ["string", "array"]},
-                           "stop_sequences": {"type": "array", "items": {"type": "string"}}}}
+                           "stop_sequences": {"type": "array", "items": {"type": "string"}},
+                           "tools": {"type": "array", "items": {"type": "object", "required": ["name", "input_schema"]},
+                                     "description": "custom tools: name, description, input_schema"},
+                           "tool_choice": {"type": "object", "required": ["type"],
+                                           "description": "auto, any, tool (with name) or none"}}}
 
 
 def pass_through_request(path: str) -> dict[str, Any]:

@@ -61,13 +61,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
         pieces = [piece async for piece in relay]
     last = pieces[-1]
     _count(request, runtime, last)
-    answer = anthropic.to_message(_completion("".join(p.text for p in pieces), last), name, message_id)
+    calls = [call for p in pieces for call in p.tool_calls or ()]
+    answer = anthropic.to_message(_completion("".join(p.text for p in pieces), last, calls), name, message_id)
     return web.json_response(answer, headers={**headers, REPLICA_HEADER: str(request[REPLICA].index)})
 
 
-def _completion(text: str, last: Piece) -> dict[str, Any]:
+def _completion(text: str, last: Piece, calls: list[Any]) -> dict[str, Any]:
     """The chat completion the pieces make, as anthropic.to_message reads one."""
-    return {"choices": [{"message": {"content": text}, "finish_reason": last.finish_reason}],
+    return {"choices": [{"message": {"content": text, "tool_calls": calls}, "finish_reason": last.finish_reason}],
             "usage": last.usage or {}}
 
 
@@ -88,7 +89,7 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], q
         runtime.admission.abandon(queued)  # the client is gone before it took its place
         raise
     last: Piece | None = None
-    texts = 0   # the text events that went out: what an answer cut short is charged for
+    texts = 0   # the text and tool call events that went out: what an answer cut short is charged for
     try:
         # aclosing: a client that leaves while an event is written ends the relay (slot, upstream) now.
         async with contextlib.aclosing(relay):
@@ -126,8 +127,8 @@ async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], q
 
 def _chunk(piece: Piece) -> dict[str, Any]:
     """A piece as the chat stream chunk it came from, for anthropic.MessageStream."""
-    return {"choices": [{"delta": {"content": piece.text}, "finish_reason": piece.finish_reason}],
-            "usage": piece.usage}
+    return {"choices": [{"delta": {"content": piece.text, "tool_calls": piece.tool_calls},
+                         "finish_reason": piece.finish_reason}], "usage": piece.usage}
 
 
 async def _end_with(out: web.StreamResponse, err: PoolError) -> web.StreamResponse:

@@ -102,6 +102,33 @@ def test_the_anthropic_sdk_streams_event_by_event(proxy: ProxyProcess, claude: a
         assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 5
 
 
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOL_TURNS = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                 "input": {"city": "Paris"}}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]
+
+
+def test_an_agents_tools_reach_llama_server_as_they_are(proxy: ProxyProcess, claude: anthropic.Anthropic) -> None:
+    port = proxy.wait_state("tiny", "loaded")["replicas"][0]["port"]
+    direct = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="unused", max_retries=0)
+    greedy = {"temperature": 0}
+    for turns, choice in ((TOOL_TURNS[:1], {"type": "auto"}), (TOOL_TURNS, {"type": "any"})):
+        shapes = []
+        for client in (direct, claude):
+            message = client.messages.create(model="tiny", max_tokens=6, tools=[WEATHER], tool_choice=choice,  # type: ignore[list-item,arg-type]
+                                             messages=turns, extra_body=greedy)  # type: ignore[arg-type]
+            shapes.append(([b.type for b in message.content], message.stop_reason, message.usage.output_tokens))
+        # Streamed through the pool only: straight to llama-server a stream now and then lacks its
+        # message_start (test_the_anthropic_sdk_streams_event_by_event), which the pool puts back.
+        with claude.messages.stream(model="tiny", max_tokens=6, tools=[WEATHER], messages=turns,  # type: ignore[list-item,arg-type]
+                                    extra_body=greedy) as stream:
+            final = stream.get_final_message()
+        shapes.append(([b.type for b in final.content], final.stop_reason, final.usage.output_tokens))
+        assert shapes[0][0] and shapes[0] == shapes[1] == shapes[2], shapes   # as straight to llama-server
+
+
 def test_an_image_block_reaches_a_model_with_a_projector(claude: anthropic.Anthropic) -> None:
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": base64.b64encode(tiny_png()).decode()}}

@@ -505,6 +505,42 @@ def test_messages_to_a_remote_chat_provider_are_translated_both_ways(proxy: Prox
     assert final.content[0].text == "Hello from the fake provider" and final.usage.output_tokens == 5
 
 
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_an_anthropic_agents_tool_loop_runs_on_a_chat_provider(proxy: ProxyProcess, fake: FakeProvider) -> None:
+    client = claude(proxy, **{"X-Allow-Remote": "true"})
+    fake.tool_call = ("get_weather", {"city": "Paris", "days": [1, 2]})
+    fake.words = []   # OpenAI's way: a call and no text
+    try:
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        message = client.messages.create(model="openai-like", max_tokens=32, tools=[WEATHER],  # type: ignore[list-item]
+                                         tool_choice={"type": "any"}, messages=ask)  # type: ignore[arg-type]
+        with client.messages.stream(model="openai-like", max_tokens=32, tools=[WEATHER], messages=ask) as stream:  # type: ignore[list-item,arg-type]
+            streamed = stream.get_final_message()
+    finally:
+        fake.words, fake.tool_call = ["Hello", " from", " the", " fake", " provider"], None
+    for final in (message, streamed):
+        assert [(b.type, b.name, b.input) for b in final.content] == [  # type: ignore[union-attr]
+            ("tool_use", "get_weather", {"city": "Paris", "days": [1, 2]})]
+        assert (final.content[0].id, final.stop_reason) == ("call_fake", "tool_use")  # type: ignore[union-attr]
+    sent = upstream_chats(fake)
+    assert sent[0]["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER["input_schema"]}}]
+    assert sent[0]["tool_choice"] == "required" and "tool_choice" not in sent[1]
+    # The agent answers the call; the provider gets chat's tool message, and the model's words come back.
+    call = message.content[0]
+    answer = client.messages.create(model="openai-like", max_tokens=32, tools=[WEATHER], messages=[  # type: ignore[list-item]
+        *ask, {"role": "assistant", "content": message.content},  # type: ignore[typeddict-item]
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny"}]}])  # type: ignore[union-attr]
+    assert answer.content[0].text == "Hello from the fake provider"  # type: ignore[union-attr]
+    assert upstream_chats(fake)[-1]["messages"][1:] == [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_fake", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "days": [1, 2]}'}}]},
+        {"role": "tool", "tool_call_id": "call_fake", "content": "sunny"}]
+
+
 def test_messages_keep_the_remote_gate_and_a_providers_429(proxy: ProxyProcess, fake: FakeProvider) -> None:
     with pytest.raises(anthropic.PermissionDeniedError, match="allow_remote"):
         claude(proxy).messages.create(model="no-retry", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])

@@ -46,7 +46,7 @@ def sdk(status: int, body: bytes, content_type: str = "application/json",
     ({"messages": CHAT, "max_tokens": 4, "stop_sequences": "END"}, "stop_sequences"),
     ({"messages": CHAT, "max_tokens": 4, "temperature": "hot"}, "temperature"),
     ({"messages": CHAT, "max_tokens": 4, "stream": "yes"}, "stream"),
-    ({"messages": CHAT, "max_tokens": 4, "tools": [{"name": "t"}]}, "tools"),
+    ({"messages": CHAT, "max_tokens": 4, "tools": [{"name": "t"}]}, "tools.0.input_schema"),
 ])
 def test_what_anthropic_would_refuse_is_refused_naming_where(body: dict[str, Any], param: str) -> None:
     with pytest.raises(BadRequest) as refused:
@@ -185,8 +185,8 @@ def test_more_that_anthropic_refuses_is_refused_naming_where(body: dict[str, Any
 def test_an_unsupported_block_is_named_with_the_types_that_are_supported() -> None:
     with pytest.raises(BadRequest) as refused:
         check_request({"max_tokens": 4, "messages": [
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "42"}]}]})
-    assert "'tool_result'" in refused.value.message and "text and image" in refused.value.message
+            {"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "42"}}]}]})
+    assert "'document'" in refused.value.message and "text, image, tool_use" in refused.value.message
 
 
 def test_the_messages_say_what_the_field_must_be() -> None:
@@ -197,7 +197,8 @@ def test_the_messages_say_what_the_field_must_be() -> None:
     assert "integer" in message(top_k=0.5) and "number" in message(top_p="x")
     assert "image/png, image/jpeg, image/gif, image/webp" in message(
         messages=[image({"type": "base64", "media_type": "image/tiff", "data": PNG})])
-    assert "not supported" in message(tools=[{"name": "search", "input_schema": {}}])
+    assert "JSON schema of type object" in message(tools=[{"name": "search", "input_schema": {}}])
+    assert "server tools run at Anthropic" in message(tools=[{"type": "web_search_20250305", "name": "web_search"}])
 
 
 @pytest.mark.parametrize("extra", [
@@ -270,7 +271,7 @@ def test_every_well_formed_request_passes_and_keeps_its_turns_in_order(body: dic
 # -- the answer ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("finish, reason", [
-    ("stop", "end_turn"), ("length", "max_tokens"), (None, "end_turn"), ("tool_calls", "end_turn"),
+    ("stop", "end_turn"), ("length", "max_tokens"), (None, "end_turn"), ("tool_calls", "tool_use"),
     ("content_filter", "end_turn"), (3, "end_turn"), (["length"], "end_turn")])
 def test_a_finish_reason_is_a_stop_reason(finish: Any, reason: str) -> None:
     message = to_message({"choices": [{"message": {"content": "x"}, "finish_reason": finish}]}, "m", "msg")
@@ -395,3 +396,185 @@ def test_an_error_event_is_one_sse_event_in_anthropics_shape() -> None:
                 model="m", max_tokens=2, messages=CHAT) as s:  # type: ignore[arg-type]
             s.get_final_message()
     assert raised.value.body == error_body(err)
+
+
+# -- tools ----------------------------------------------------------------------------------------
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": [
+        {"type": "text", "text": "Looking."},
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+        {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Rome"}}]},
+    {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+        {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+         "content": [{"type": "text", "text": "no station"},
+                     {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}]},
+        {"type": "text", "text": "Thanks"}]}]
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": [WEATHER]}, {"tools": [{**WEATHER, "type": "custom", "cache_control": {"type": "ephemeral"}}]},
+    {"tools": [WEATHER], "tool_choice": {"type": "any", "disable_parallel_tool_use": True}},
+    {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}},
+    {"tools": [WEATHER], "tool_choice": {"type": "none"}, "messages": TOOL_TURNS},
+    {"tools": [WEATHER], "messages": TOOL_TURNS[:2] + [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1"}, {"type": "tool_result", "tool_use_id": "toolu_2",
+                                                            "content": []}]}]},
+])
+def test_a_request_with_tools_passes_as_anthropic_takes_it(extra: dict[str, Any]) -> None:
+    check_request({"model": "m", "max_tokens": 4, "messages": CHAT, **extra})
+
+
+def use(**fields: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}, **fields}]}
+
+
+def result(**fields: Any) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", **fields}]}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": {"name": "f"}}, "tools"),
+    ({"tools": ["f"]}, "tools.0"),
+    ({"tools": [{**WEATHER, "type": "web_search_20250305"}]}, "tools.0.type"),
+    ({"tools": [{**WEATHER, "name": "get weather"}]}, "tools.0.name"),
+    ({"tools": [{**WEATHER, "name": "x" * 129}]}, "tools.0.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools.1.name"),
+    ({"tools": [{**WEATHER, "description": 3}]}, "tools.0.description"),
+    ({"tools": [{**WEATHER, "input_schema": {"type": "string"}}]}, "tools.0.input_schema"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "required"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "other"}}, "tool_choice.name"),
+    ({"tool_choice": {"type": "tool", "name": "get_weather"}}, "tool_choice.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+     "tool_choice.disable_parallel_tool_use"),
+    ({"messages": [{"role": "user", "content": use()["content"]}]}, "messages.0.content.0"),
+    ({"messages": [{"role": "assistant", "content": result()["content"]}]}, "messages.0.content.0"),
+    ({"messages": [use(id="")]}, "messages.0.content.0.id"),
+    ({"messages": [use(name=None)]}, "messages.0.content.0.name"),
+    ({"messages": [use(input="{}")]}, "messages.0.content.0.input"),
+    ({"messages": [result(tool_use_id=7)]}, "messages.0.content.0.tool_use_id"),
+    ({"messages": [result(is_error="no")]}, "messages.0.content.0.is_error"),
+    ({"messages": [result(content=3)]}, "messages.0.content.0.content"),
+    ({"messages": [result(content=[{"type": "document"}])]}, "messages.0.content.0.content.0"),
+    ({"messages": [result(content=[{"type": "image", "source": {"type": "file"}}])]},
+     "messages.0.content.0.content.0.source"),
+])
+def test_a_malformed_tool_is_refused_naming_where(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadRequest) as refused:
+        check_request({"model": "m", "max_tokens": 4, "messages": CHAT, **body})
+    assert (refused.value.status, refused.value.param) == (400, param)
+    assert f"`{param}`" in refused.value.message
+
+
+def test_tools_and_their_turns_become_chats_functions_calls_and_tool_messages() -> None:
+    body = {"model": "m", "max_tokens": 8, "messages": TOOL_TURNS, "tools": [WEATHER, {**WEATHER, "name": "x",
+                                                                                      "description": ""}],
+            "tool_choice": {"type": "tool", "name": "x", "disable_parallel_tool_use": True}}
+    check_request(body)
+    chat = to_chat(body)
+    assert chat["tools"] == [
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"],
+                                          "description": "The weather in a city"}},
+        {"type": "function", "function": {"name": "x", "parameters": WEATHER["input_schema"]}}]
+    assert (chat["tool_choice"], chat["parallel_tool_calls"]) == ({"type": "function", "function": {"name": "x"}}, False)
+    assert chat["messages"] == [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Looking.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "toolu_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        # The tool messages first, at once after the calls (chat's rule); the result's image and the
+        # turn's text after them, as the user's.
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no station"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+                                     {"type": "text", "text": "Thanks"}]}]
+    only_calls = to_chat({"model": "m", "max_tokens": 1, "messages": [use()]})["messages"]
+    assert only_calls == [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert [m["role"] for m in to_chat({"model": "m", "max_tokens": 1, "messages": [result()]})["messages"]] == ["tool"]
+    auto = to_chat({"model": "m", "max_tokens": 1, "messages": CHAT, "tools": [WEATHER], "tool_choice": {"type": "any"}})
+    assert (auto["tool_choice"], "parallel_tool_calls" in auto) == ("required", False)
+
+
+def test_a_chat_completions_tool_calls_are_the_sdks_tool_use_blocks() -> None:
+    chat = {"choices": [{"message": {"content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": '}},   # a model's bad JSON
+        {"id": "call_3", "function": {"name": "f", "arguments": {"already": "an object"}}}, "junk"]},
+        "finish_reason": "tool_calls"}], "usage": {"prompt_tokens": 9, "completion_tokens": 7}}
+    message = to_message(chat, "m", "msg_t")
+    final = sdk(200, json.dumps(message).encode()).messages.create(model="m", max_tokens=4, messages=CHAT)  # type: ignore[arg-type]
+    blocks = [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in final.content]
+    assert blocks == [("tool_use", "get_weather", {"city": "Paris"}), ("tool_use", "get_weather", {}),
+                      ("tool_use", "f", {"already": "an object"})]
+    ids = [b.id for b in final.content]  # type: ignore[union-attr]
+    assert ids[0] == "call_1" and ids[1].startswith("toolu_") and ids[2] == "call_3"
+    assert final.stop_reason == "tool_use"
+    with_text = to_message({"choices": [{"message": {"content": "Let me look.", "tool_calls": chat["choices"][0][
+        "message"]["tool_calls"][:1]}, "finish_reason": "tool_calls"}]}, "m", "msg")
+    assert [b["type"] for b in with_text["content"]] == ["text", "tool_use"]
+
+
+def tool_chunk(index: int | None, arguments: str | None = None, call_id: str | None = None,
+               name: str | None = None) -> dict[str, Any]:
+    call: dict[str, Any] = {"function": {}}
+    if index is not None:
+        call["index"] = index
+    if call_id is not None:
+        call.update(id=call_id, type="function")
+    if name is not None:
+        call["function"]["name"] = name
+    if arguments is not None:
+        call["function"]["arguments"] = arguments
+    return {"choices": [{"delta": {"tool_calls": [call]}}]}
+
+
+def test_a_streamed_tool_call_is_the_sdks_tool_use_block_whole() -> None:
+    stream = MessageStream("m", "msg_s")
+    chunks = [{"choices": [{"delta": {"content": "Checking"}}]}, {"choices": [{"delta": {"content": " both."}}]},
+              tool_chunk(0, "", "call_a", "get_weather"), tool_chunk(0, '{"ci'), tool_chunk(0, 'ty": "Par'),
+              tool_chunk(0, 'is"}'), tool_chunk(1, '{"city": "Rome"}', "call_b", "get_weather"),
+              {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
+              {"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 12}}]
+    raw = stream.start() + b"".join(stream.feed(c) for c in chunks) + stream.end()
+    names = [name for name, _ in events_of(raw)]
+    assert names == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+                     "content_block_stop", "content_block_start"] + ["content_block_delta"] * 3 + [
+                     "content_block_stop", "content_block_start", "content_block_delta", "content_block_stop",
+                     "message_delta", "message_stop"]
+    with sdk(200, raw, "text/event-stream").messages.stream(model="m", max_tokens=4, messages=CHAT) as s:  # type: ignore[arg-type]
+        final = s.get_final_message()
+    assert [(b.type, getattr(b, "text", None), getattr(b, "id", None), getattr(b, "input", None))
+            for b in final.content] == [("text", "Checking both.", None, None),
+                                        ("tool_use", None, "call_a", {"city": "Paris"}),
+                                        ("tool_use", None, "call_b", {"city": "Rome"})]
+    assert (final.stop_reason, final.usage.input_tokens, final.usage.output_tokens) == ("tool_use", 20, 12)
+
+
+def test_a_stream_of_only_a_tool_call_has_no_text_block_and_pieces_without_index_continue_it() -> None:
+    stream = MessageStream("m", "msg_o")
+    raw = stream.start() + stream.feed(tool_chunk(None, '{"a":', None, "f")) + stream.feed(tool_chunk(None, " 1}"))
+    raw += stream.feed({"choices": [{"delta": {"tool_calls": "junk"}, "finish_reason": "tool_calls"}]}) + stream.end()
+    with sdk(200, raw, "text/event-stream").messages.stream(model="m", max_tokens=4, messages=CHAT) as s:  # type: ignore[arg-type]
+        final = s.get_final_message()
+    assert [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in final.content] == [
+        ("tool_use", "f", {"a": 1})]
+    assert final.content[0].id.startswith("toolu_")  # type: ignore[union-attr]
+
+
+@given(st.dictionaries(st.text(max_size=6), st.integers() | st.text(max_size=6), max_size=4), st.data())
+def test_the_sdk_reads_back_the_arguments_however_they_were_cut(arguments: dict[str, Any], data: st.DataObject) -> None:
+    text = json.dumps(arguments)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    stream = MessageStream("m", "msg_p")
+    raw = stream.start() + stream.feed(tool_chunk(0, "", "call_p", "f"))
+    raw += b"".join(stream.feed(tool_chunk(0, p)) for p in pieces) + stream.end()
+    with sdk(200, raw, "text/event-stream").messages.stream(model="m", max_tokens=4, messages=CHAT) as s:  # type: ignore[arg-type]
+        final = s.get_final_message()
+    assert final.content[0].input == arguments  # type: ignore[union-attr]

@@ -5,8 +5,11 @@ which never sends usage unless asked, with the tenants' real ledger."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from metered import Metered, content_of, metered_pool
 
@@ -71,8 +74,10 @@ async def test_a_stream_the_backend_broke_off_is_charged_for_what_went_out(tmp_p
         assert metered.ledger()["output_tokens"] == 1
 
 
-async def test_translated_streams_cut_short_are_charged_for_what_went_out(tmp_path: Path) -> None:
+async def test_translated_streams_cut_short_are_charged_for_what_went_out(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
     # /v1/messages and /v1/responses to a provider are chat streams translated by the proxy.
+    caplog.set_level(logging.WARNING)
     async with metered_pool(tmp_path) as metered:
         metered.provider.words = [f" w{i}" for i in range(WORDS)]
         bodies = {"/v1/messages": {"model": "r", "max_tokens": 64, "stream": True,
@@ -86,6 +91,8 @@ async def test_translated_streams_cut_short_are_charged_for_what_went_out(tmp_pa
             assert seen_path == path and usage is not None and usage[2] == 7 and estimated is True
             assert abs(usage[0] - PROVIDER_PROMPT) <= 0.05 * PROVIDER_PROMPT
         assert metered.ledger()["output_tokens"] == 14
+    # A client that leaves is no error of the pool's: nothing in its log (issue 43).
+    assert [r.getMessage() for r in caplog.records if r.name.startswith(("proxy", "aiohttp"))] == []
 
 
 async def test_a_translated_stream_the_backend_refused_is_charged_nothing(tmp_path: Path) -> None:
