@@ -129,7 +129,11 @@ class BackendTimeout(PoolError):
 # lists them) and the set tests/proxy/test_error_codes.py holds the source to, so a new code cannot
 # ship undocumented. A backend's own code passes on as it sent it (proxy/edge/relay.py).
 CODES: dict[str, str] = {
-    "invalid_request": "a field breaks the request schema of /v1/responses",
+    "invalid_request": "a field breaks the request schema of /v1/responses, or a field of the Ollama API's is wrong",
+    "unsupported_field": "an Ollama API field no engine behind the pool honours (template, suffix, context; "
+                         "system or images with raw)",
+    "not_implemented": "an Ollama API route that manages models (pull, push, create, copy, delete): the admin "
+                       "API's and conf/'s (501)",
     "invalid_request_error": "a backend refused the request as malformed (its message and status pass on)",
     "context_length_exceeded": "the prompt does not fit the model's context (a backend's refusal)",
     "invalid_json": "the body is not a UTF-8 JSON object (no BOM, NaN or Infinity), is nested too deep, or holds "

@@ -142,7 +142,29 @@ def semantic_problems(settings: Settings) -> list[str]:
         if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
             problems.append(f"{where}.prompt_format: {prompt_format!r} is not a prompt format llm-pool knows"
                             f"{did_you_mean(prompt_format, PROMPT_FORMATS)} (one of {', '.join(PROMPT_FORMATS)})")
+    problems += _alias_and_fallback_problems(settings)
     return [settings.where(p) for p in problems]
+
+
+def _alias_and_fallback_problems(settings: Settings) -> list[str]:
+    """An alias names a model and is none; a fallback names another model (an alias resolves)."""
+    problems = []
+    models = settings.models
+    for alias, target in settings.aliases.items():
+        if alias in models:
+            problems.append(f"engine.aliases.{alias}: {alias!r} is a model's name; an alias needs a name of its own")
+        elif target not in models:
+            problems.append(f"engine.aliases.{alias}: {target!r} is not a configured model"
+                            f"{did_you_mean(target, list(models))}")
+    for name, model in models.items():
+        for i, fallback in enumerate(model.fallbacks):
+            target = settings.aliases.get(fallback.model, fallback.model)
+            if target not in models:
+                problems.append(f"engine.models.{name}.fallbacks.{i}: {fallback.model!r} is not a configured model"
+                                f"{did_you_mean(fallback.model, [*models, *settings.aliases])}")
+            elif target == name:
+                problems.append(f"engine.models.{name}.fallbacks.{i}: {fallback.model!r} is the model itself")
+    return problems
 
 
 def tenant_findings(settings: Settings, environ: Mapping[str, str],

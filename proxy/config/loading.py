@@ -4,6 +4,7 @@ unusable."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlsplit
@@ -13,8 +14,8 @@ import yaml
 from proxy.config import files
 from proxy.config.checks import schema_findings, semantic_problems
 from proxy.config.merge import deep_merge
-from proxy.config.model import (DEFAULT_MODEL, DEFAULT_ROUTING, MODEL_LIFECYCLE_FIELDS, PATH_FIELDS, PATH_LIST_FIELDS,
-                                ModelConfig)
+from proxy.config.model import (DEFAULT_FALLBACK_ON, DEFAULT_MODEL, DEFAULT_ROUTING, MODEL_LIFECYCLE_FIELDS,
+                                PATH_FIELDS, PATH_LIST_FIELDS, Fallback, ModelConfig)
 from proxy.config.origins import Key, Origin, Origins, duplicate_keys, key_origins, merge_origins
 from proxy.config.settings import (DEFAULT_LIFECYCLE, DEFAULT_MEMORY, DEFAULT_NODE_USERNAME, DEFAULT_RELIABILITY,
                                    DEFAULT_SERVICE, DEFAULT_SUPERVISOR, HostSettings, LifecycleSettings,
@@ -31,6 +32,20 @@ class ConfigError(Exception):
         self.warnings = warnings
 
 
+class SettingsLoader(yaml.SafeLoader):
+    """YAML 1.1's SafeLoader, but `on` and `off` are words, not booleans (as in YAML 1.2): a model's
+    fallbacks say `on: [unavailable]`, which 1.1 reads as the key True. `true`, `false`, `yes` and
+    `no` stay booleans; `enabled: on` is then a string the schema names."""
+
+
+SettingsLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+SettingsLoader.add_implicit_resolver("tag:yaml.org,2002:bool",
+                                      re.compile(r"^(?:yes|Yes|YES|no|No|NO|true|True|TRUE|false|False|FALSE)$"),
+                                      list("yYnNtTfF"))
+
+
 def _read_document(path: Path) -> tuple[dict[str, Any], list[tuple[Key, Origin]], list[str]]:
     """The file's document, the line of each of its keys (from the composed nodes' marks; JSON
     is YAML, so a settings.json has its lines too) and its keys given twice in one mapping."""
@@ -38,7 +53,7 @@ def _read_document(path: Path) -> tuple[dict[str, Any], list[tuple[Key, Origin]]
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
-    loader = yaml.SafeLoader(text)
+    loader = SettingsLoader(text)
     try:
         node = loader.get_single_node()
         duplicates = list(duplicate_keys(node, path)) if node is not None else []
@@ -141,6 +156,9 @@ def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_d
         idle_unload_s=None if life["idle_unload_s"] is None else float(life["idle_unload_s"]),
         pinned=bool(life["pinned"]),
         hosts=tuple(data.get("hosts") or ()),
+        fallbacks=tuple(Fallback(f) if isinstance(f, str) else Fallback(f["model"], frozenset(f.get("on") or ())
+                                                                          or DEFAULT_FALLBACK_ON)
+                        for f in data.get("fallbacks") or ()),
     )
 
 
@@ -229,6 +247,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
         warnings=tuple(warnings),
         origins=origins,
         tenants=tenants,
+        aliases=dict(engine.get("aliases") or {}),
     )
     problems = semantic_problems(settings)
     if problems:

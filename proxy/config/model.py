@@ -22,6 +22,17 @@ DEFAULT_ROUTING: dict[str, Any] = {"routing": "affinity", "affinity_max_imbalanc
 PATH_FIELDS = ("model_path", "llama_server_binary", "llama_server_mmproj_path", "llama_server_draft_model_path",
                "llama_server_media_path", "vllm_serve_binary")
 PATH_LIST_FIELDS = ("llama_server_library_path", "vllm_serve_library_path")
+# What a model's request may fall back on (`fallbacks`): a bare name takes the first two.
+FALLBACK_REASONS = ("unavailable", "overloaded", "context_length_exceeded")
+DEFAULT_FALLBACK_ON = frozenset(("unavailable", "overloaded"))
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A model that answers in another's place when that one cannot, for the reasons in `on`."""
+
+    model: str
+    on: frozenset[str] = DEFAULT_FALLBACK_ON
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,7 @@ class ModelConfig:
     idle_unload_s: float | None = None  # unloaded after this long without a request; None: never
     pinned: bool = False                # never unloaded by the pool (idle or to make room)
     hosts: tuple[str, ...] = ()         # where its replicas may run; (): any host
+    fallbacks: tuple[Fallback, ...] = ()   # in order (docs/routing.md: Aliases and fallbacks)
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.options.get(key)

@@ -166,6 +166,7 @@ class Settings:
     warnings: tuple[str, ...] = ()         # unknown keys, each with the closest known name
     origins: Origins = field(default_factory=Origins, compare=False)
     tenants: Mapping[str, TenantSettings] = field(default_factory=dict)   # none: every caller is trusted
+    aliases: Mapping[str, str] = field(default_factory=dict)   # a public id: the model it stands for
 
     def where(self, message: str) -> str:
         """A config message with the file and line that set its key, e.g. `(conf/local.yaml:12)`."""

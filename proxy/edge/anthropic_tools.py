@@ -153,7 +153,7 @@ def tool_use_blocks(calls: Any) -> list[dict[str, Any]]:
             continue
         function = an_object(call.get("function"))
         blocks.append({"type": "tool_use", "id": call_id(call.get("id")), "name": _name(function.get("name")),
-                       "input": _input(function.get("arguments"))})
+                       "input": arguments_object(function.get("arguments"))})
     return blocks
 
 
@@ -171,7 +171,7 @@ def _name(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _input(arguments: Any) -> dict[str, Any]:
+def arguments_object(arguments: Any) -> dict[str, Any]:
     """A call's arguments as the object a tool_use block's input is: JSON text (chat's form), or an
     object (some engines'); anything else (a model's malformed JSON) is an empty input."""
     if isinstance(arguments, dict):

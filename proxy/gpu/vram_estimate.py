@@ -155,7 +155,7 @@ class Estimator:
 
 def _context(model: ModelConfig, arch: Architecture) -> tuple[int, str] | None:
     """The tokens the engine's KV cache holds, all slots together, and where that comes from."""
-    ctx_field, ctx = _configured_context(model)
+    ctx_field, ctx = configured_context(model)
     if not ctx:
         if arch.context_length is None:
             return None
@@ -249,7 +249,7 @@ def _gguf_file(path: Path) -> Path | None:
     return found[0] if found else None
 
 
-def _configured_context(model: ModelConfig) -> tuple[str, int]:
+def configured_context(model: ModelConfig) -> tuple[str, int]:
     for key in CONTEXT_FIELDS:
         value = model.options.get(key)
         if isinstance(value, int) and value > 0:

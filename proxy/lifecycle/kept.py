@@ -26,7 +26,7 @@ from launchers import launcher_for
 from proxy.atomic_file import PRIVATE_MODE, read_back, write_atomic
 from proxy.config.checks import override_problems, replicas_problem
 from proxy.config.merge import changed
-from proxy.config.model import ModelConfig
+from proxy.config.model import Fallback, ModelConfig
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 
@@ -46,8 +46,10 @@ class KeptModel:
     settings: ModelConfig | None    # None: written by a version that kept none, or unreadable
 
     def to_json(self) -> dict[str, Any]:
-        return {"overrides": dict(self.overrides),
-                "settings": None if self.settings is None else asdict(self.settings)}
+        settings = None if self.settings is None else asdict(self.settings)
+        if settings is not None:   # JSON has no sets: each fallback's reasons as a sorted list
+            settings["fallbacks"] = [{"model": f["model"], "on": sorted(f["on"])} for f in settings["fallbacks"]]
+        return {"overrides": dict(self.overrides), "settings": settings}
 
 
 def entry(config: ModelConfig, active: ModelConfig) -> KeptModel:
@@ -60,8 +62,9 @@ def _settings(raw: Any) -> ModelConfig | None:
         return None
     try:
         values: dict[str, Any] = {k: tuple(v) if k in _TUPLES else v for k, v in raw.items()}
+        values["fallbacks"] = tuple(Fallback(f["model"], frozenset(f["on"])) for f in raw["fallbacks"])
         return ModelConfig(**values)
-    except TypeError:
+    except (TypeError, KeyError):
         return None
 
 

@@ -21,6 +21,7 @@ from proxy.serving import routes_admin
 from proxy.serving import routes_public
 from proxy.serving import routes_messages
 from proxy.serving import routes_responses
+from proxy.serving import routes_ollama
 from proxy.serving import routes_tenants
 from proxy.serving import ui
 from proxy.config.settings import Settings
@@ -30,6 +31,7 @@ from proxy.events import RELOAD
 from proxy.serve_address import ServeAddress, remove_address, write_address
 from proxy.serving.edge_guard import edge_guard_middleware
 from proxy.serving.errors_http import ERROR_CODE, error_middleware
+from proxy.serving.fallbacks import model_header
 from proxy.serving.forward import upstream_session
 from proxy.serving.carried import parse, seed
 from proxy.serving.handover import COUNTERS, EVENT, Inherited, Succession
@@ -148,9 +150,11 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
     app[VOCABULARIES] = Vocabularies()
     app[SHUTDOWN] = Shutdown(keep_models, successor=successor)
     app.on_response_prepare.append(close_after_handover)
+    app.on_response_prepare.append(model_header)
     app.add_routes(routes_public.routes)
     app.add_routes(routes_admin.routes)
     app.add_routes(routes_responses.routes)
+    app.add_routes(routes_ollama.routes)
     app.add_routes(routes_messages.routes)
     app.add_routes(routes_tenants.routes)
     app.add_routes(ui.routes)

@@ -15,7 +15,7 @@ from proxy.fairness import normalize_key
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.serving.keys import ADOPTING, CACHE_SCOPE, FAIRNESS_KEY, MODEL, SETTINGS
+from proxy.serving.keys import ADOPTING, CACHE_SCOPE, FAIRNESS_KEY, FALLBACK_BODY, MODEL, SETTINGS
 from proxy.serving.shutdown import SHUTDOWN, handed_over_error
 from proxy.edge.strict_json import decode
 from proxy.serving.token_ids import check_token_ids
@@ -45,9 +45,13 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return (await read_body(request))[0]
 
 
-async def read_body(request: web.Request) -> tuple[dict[str, Any], bytes]:
+async def read_body(request: web.Request) -> tuple[dict[str, Any], bytes | None]:
     """The request's JSON object (proxy/edge/strict_json.py), and the bytes it was read from:
-    exactly those that were checked, forwarded as they are where nothing in them must change."""
+    exactly those that were checked, forwarded as they are where nothing in them must change. A
+    fallback's run reads its own body (no bytes: proxy/serving/fallbacks.py)."""
+    fallback: tuple[dict[str, Any], None] | None = request.get(FALLBACK_BODY)
+    if fallback is not None:
+        return fallback
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -87,8 +91,8 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any],
     refused for a model not served on it before anything loads or counts."""
     tenancy = request.app.get(TENANCY)
     caller = tenancy.caller(request) if tenancy is not None else None   # 401 before anything else
-    runtime = pool.get(name)
-    request[MODEL] = name
+    runtime = pool.get(request.app[SETTINGS].aliases.get(name, name))   # an alias is its model's
+    name = request[MODEL] = runtime.name
     if tenancy is not None and caller is not None:
         tenancy.allow(caller, runtime)   # 403: never this model, whatever the request says
         request[CACHE_SCOPE] = caller.tenant.name   # no cache of another tenant's is reused

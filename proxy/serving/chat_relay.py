@@ -62,7 +62,9 @@ def _piece_of_chunk(chunk: dict[str, Any], own_timings: bool) -> Piece:
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta")
-        if isinstance(delta, dict):
+        if isinstance(choice.get("text"), str):   # a completions stream's chunk
+            pieces.append(choice["text"])
+        elif isinstance(delta, dict):
             content = delta.get("content")
             if isinstance(content, str):
                 pieces.append(content)
@@ -79,11 +81,12 @@ def _chat_completion(raw: bytes) -> Piece | None:
     try:
         answer = json.loads(raw)
         choice = answer["choices"][0]
-        text = choice["message"].get("content") or ""
+        # A completion's text, or a chat completion's message.
+        text = choice["text"] if "text" in choice else choice["message"].get("content") or ""
         if not isinstance(text, str):
             return None
         finish = choice.get("finish_reason")
-        calls = choice["message"].get("tool_calls")
+        calls = choice["message"].get("tool_calls") if "message" in choice else None
     except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):
         return None
     return Piece(text, numbers(answer.get("usage")), numbers(answer.get("timings")),
@@ -92,8 +95,9 @@ def _chat_completion(raw: bytes) -> Piece | None:
 
 async def relay_chat(request: web.Request, runtime: ModelRuntime, queued: Any, payload: dict[str, Any],
                      request_id: str, timer: response_metrics.Timer,
-                     affinity: str | None, cold: bool) -> AsyncGenerator[Piece, None]:
-    """Send `payload` (a chat completions body) once a slot is free; yield the answer as Pieces."""
+                     affinity: str | None, cold: bool, path: str = CHAT_PATH) -> AsyncGenerator[Piece, None]:
+    """Send `payload` (a chat completions body, or a completions one to `path` /v1/completions) once
+    a slot is free; yield the answer as Pieces."""
     outcomes = request.app[POOL].outcomes
     settings = request.app[SETTINGS]
     async with Slot(runtime, queued):
@@ -104,7 +108,7 @@ async def relay_chat(request: web.Request, runtime: ModelRuntime, queued: Any, p
             if cold:
                 request.app[METRICS].load_wait.labels(runtime.name).observe(timer.admitted - timer.enqueued)
         timeouts = Timeouts.of(settings.service, runtime.model)
-        async with upstream(outcomes, request.app[HTTP], runtime, CHAT_PATH, payload, request_id,
+        async with upstream(outcomes, request.app[HTTP], runtime, path, payload, request_id,
                             timeouts, affinity, scope=request.get(CACHE_SCOPE)) as (replica, resp):
             request[REPLICA] = replica
             # A provider's timings are not engine times we measured.

@@ -9,7 +9,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from proxy.errors import BadRequest, NotFound, PoolError, TooLarge
-from proxy.edge import anthropic
+from proxy.edge import anthropic, ollama
 from proxy.edge.anthropic import route as anthropic_route
 from proxy.serving.keys import REPLICA, REPLICA_HEADER
 
@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 
 def error_response(err: PoolError, path: str = "") -> web.Response:
-    body = anthropic.error_body(err) if anthropic_route(path) else err.body()
+    body = anthropic.error_body(err) if anthropic_route(path) else \
+        ollama.error_body(err) if ollama.route(path) else err.body()
     return web.json_response(body, status=err.status, headers=err.headers())
 
 

@@ -23,6 +23,11 @@ ADOPTING: web.AppKey[frozenset[str]] = web.AppKey("adopting")
 # The model a request was admitted for, set once it is known to be a served model (so metric
 # labels only ever hold configured model ids, never whatever a client typed).
 MODEL = web.RequestKey("model", str)
+# A fallback's body (proxy/serving/fallbacks.py): the request's, naming the model that answers in
+# its model's place, and no raw bytes (they name the first).
+FALLBACK_BODY = web.RequestKey("fallback_body", tuple)
+# Set once the request's answer began (its headers went out): no fallback answers after that.
+ANSWERED = web.RequestKey("answered", bool)
 # For the request metrics: the request's fairness key, when it arrived (perf_counter), and the
 # error code of a stream that failed after its 200 went out.
 FAIRNESS_KEY = web.RequestKey("fairness_key", str)

@@ -250,6 +250,8 @@ class ProxyMetrics:
                                      ["model", "key"], registry=r)
         self.output_tokens = Counter("llm_pool_output_tokens", "Output tokens, as the backend's usage reports",
                                      ["model", "key"], registry=r)
+        self.fallbacks = Counter("llm_pool_fallbacks", "Requests a model's fallback answered, by the model, "
+                                 "the fallback and why", ["model", "to", "reason"], registry=r)
         self.named_keys: frozenset[str] = frozenset()
         # Models whose answers had a usage that was no count (10**30, NaN, a string): logged once each.
         self._bad_usage_logged: set[str] = set()

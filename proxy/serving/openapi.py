@@ -24,6 +24,7 @@ routes = web.RouteTableDef()
 
 OPENAPI_VERSION = "3.1.0"
 SSE = "text/event-stream"
+NDJSON = "application/x-ndjson"
 RESPONSE_EVENTS = ("response.created", "response.output_text.delta", "response.metrics", "response.completed")
 MESSAGE_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
                   "message_stop", "ping")
@@ -51,7 +52,8 @@ STATUS_TEXT = {400: "the request is wrong (`param` says where)",
                     "(even with no body)",
                413: "the body is over service.max_body_bytes", 429: "queue full or waited too long",
                502: "the model server failed", 503: "not available now; come back after Retry-After",
-               504: "the model server did not answer in time"}
+               504: "the model server did not answer in time",
+               501: "not served here: the message says what does it"}
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class Operation:
     parameters: tuple[dict[str, Any], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)   # more responses (status: response object)
     links: tuple[str, ...] = ()     # what may follow a 200 for the same model (admin: load, scale, unload)
-    error_schema: str = "Error"     # the shape of its errors: OpenAI's envelope, or Anthropic's
+    error_schema: str = "Error"     # the shape of its errors: OpenAI's envelope, Anthropic's or Ollama's
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +94,7 @@ def operations() -> tuple[Operation, ...]:
                    "description": "a configured tenant"}
     by_name = ({"name": "name", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
                 "description": "a configured model id"},)
-    return (*pass_through,
+    return (*pass_through, *_ollama_operations(),
             Operation("post", "/v1/responses", "the llm-pool request: input or messages, decoding, thinking, "
                       "translation; JSON or SSE (response.created, response.output_text.delta, response.metrics, "
                       "response.completed, error)",
@@ -204,6 +206,43 @@ def operations() -> tuple[Operation, ...]:
 
 
 
+def _ollama_operations() -> tuple[Operation, ...]:
+    """The Ollama API (docs/api.md: The Ollama API): its answers' and errors' shapes are Ollama's."""
+    def post(path: str, summary: str, ok: dict[str, Any], errors: tuple[int, ...] = MODEL_ERRORS) -> Operation:
+        return Operation("post", path, summary, ok, body=schemas.ollama_request(path), errors=errors,
+                         error_schema="OllamaError")
+
+    answer = {**_json({"type": "object", "required": ["model", "created_at", "done"]}),
+              NDJSON: {"schema": {"type": "string", "description": "one JSON object a line, the last `done`"}}}
+    managed = tuple(Operation(method, path, "not served: models are the admin's (501, naming the admin API)",
+                              {}, errors=(501,), error_schema="OllamaError")
+                    for method, path in (("post", "/api/pull"), ("post", "/api/push"), ("post", "/api/create"),
+                                         ("post", "/api/copy"), ("delete", "/api/delete")))
+    return (
+        post("/api/chat", "Ollama chat: onto the model's chat completions; NDJSON lines (stream: true, the default) "
+             "or one object", answer),
+        post("/api/generate", "Ollama generate: a prompt (raw: to /v1/completions as it is); no prompt loads the "
+             "model", answer),
+        post("/api/embed", "Ollama embed: /v1/embeddings of each input",
+             _json({"type": "object", "required": ["model", "embeddings"],
+                    "properties": {"embeddings": {"type": "array", "items": {"type": "array"}}}})),
+        post("/api/embeddings", "Ollama's older embeddings route: one prompt, one embedding",
+             _json({"type": "object", "required": ["embedding"], "properties": {"embedding": {"type": "array"}}})),
+        post("/api/show", "a model's details and capabilities", _json({"type": "object", "required": [
+             "details", "model_info", "capabilities"]}), errors=(400, 401, 403, 404, 413, 415)),
+        Operation("get", "/api/tags", "the models a request may use now, as GET /v1/models lists them",
+                  _json({"type": "object", "required": ["models"],
+                         "properties": {"models": {"type": "array", "items": schemas.ollama_model(ps=False)}}}),
+                  errors=(401,), error_schema="OllamaError"),
+        Operation("get", "/api/ps", "the loaded models, with when the pool's lifecycle would unload each",
+                  _json({"type": "object", "required": ["models"],
+                         "properties": {"models": {"type": "array", "items": schemas.ollama_model(ps=True)}}}),
+                  errors=(401,), error_schema="OllamaError"),
+        Operation("get", "/api/version", "the Ollama API version this follows",
+                  _json({"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}})),
+        *managed)
+
+
 def _retry_after() -> dict[str, Any]:
     return {"Retry-After": {"required": True, "description": "seconds to wait before trying again",
                             "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
@@ -229,8 +268,9 @@ def _operation(op: Operation, models: list[str]) -> dict[str, Any]:
         responses[str(status)] = _error_response(status, op.error_schema)
     responses.update(op.extra)
     # Any route: 500 (a bug), 405 (another method), and a backend's own status passed on.
-    responses["default"] = {"description": "an error, as the OpenAI envelope" if op.error_schema == "Error" else
-                            "an error, in Anthropic's shape",
+    responses["default"] = {"description": {"Error": "an error, as the OpenAI envelope",
+                                            "AnthropicError": "an error, in Anthropic's shape"}.get(
+                                                op.error_schema, "an error, in Ollama's shape"),
                             "content": _json({"$ref": f"#/components/schemas/{op.error_schema}"})}
     out: dict[str, Any] = {"summary": op.summary, "operationId": _operation_id(op), "responses": responses}
     parameters = [dict(p) for p in op.parameters]
@@ -267,10 +307,12 @@ def build(settings: Settings | None = None) -> dict[str, Any]:
         "info": {"title": "llm-pool", "version": "0.1.0",
                  "description": "One OpenAI-compatible endpoint in front of many LLM runtimes. Errors are the "
                                 "OpenAI envelope; `code` is one of components.schemas.Error's x-codes. On "
-                                "/v1/messages and its count_tokens they are Anthropic's shape instead."},
+                                "/v1/messages and its count_tokens they are Anthropic's shape instead, on /api/* "
+                                "(the Ollama API) Ollama's."},
         "paths": paths,
         "components": {
-            "schemas": {"Error": schemas.error_schema(), "AnthropicError": schemas.anthropic_error_schema()},
+            "schemas": {"Error": schemas.error_schema(), "AnthropicError": schemas.anthropic_error_schema(),
+                        "OllamaError": schemas.ollama_error_schema()},
             # Required only when service.admin_token_env names a variable; then every admin call needs it.
             "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer",
                                                "description": "the token in service.admin_token_env's variable"}},

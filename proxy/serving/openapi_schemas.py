@@ -17,6 +17,7 @@ from proxy.errors import CODES
 from proxy.events import KINDS as EVENT_KINDS
 from proxy.lifecycle.state.replicas import ModelState, ReplicaState
 from proxy.edge.anthropic import ANTHROPIC_ERROR_TYPES
+from proxy.edge.ollama import SCHEMAS as OLLAMA_SCHEMAS
 from proxy.serving.body import REQUIRED
 from proxy.edge.relay import KNOWN_BACKEND_CODES
 from proxy.serving.responses import REQUEST_SCHEMA
@@ -59,6 +60,31 @@ def anthropic_error_schema() -> dict[str, Any]:
                 "type": "object", "required": ["type", "message"],
                 "properties": {"type": {"enum": sorted(set(ANTHROPIC_ERROR_TYPES.values()) | {"api_error"})},
                                "message": {"type": "string"}}}}}
+
+
+def ollama_error_schema() -> dict[str, Any]:
+    """Ollama's error shape (/api/*): what its clients raise as ResponseError."""
+    return {"type": "object", "required": ["error"], "additionalProperties": False,
+            "properties": {"error": {"type": "string"}}}
+
+
+def ollama_request(path: str) -> dict[str, Any]:
+    """An Ollama route's body, as proxy/edge/ollama.py checks it (a copy: the document may be changed)."""
+    schema: dict[str, Any] = json.loads(json.dumps(OLLAMA_SCHEMAS[path]))
+    return schema
+
+
+def ollama_model(ps: bool) -> dict[str, Any]:
+    """One model of GET /api/tags, or of GET /api/ps."""
+    details = {"type": "object", "required": ["parent_model", "format", "family", "families", "parameter_size",
+                                              "quantization_level"]}
+    fields = ["name", "model", "size", "digest", "details", *(["expires_at", "size_vram", "context_length"] if ps
+                                                              else ["modified_at"])]
+    return {"type": "object", "required": fields,
+            "properties": {"name": {"type": "string"}, "model": {"type": "string"}, "size": {"type": "integer"},
+                           "digest": {"type": "string"}, "details": details, "modified_at": {"type": "string"},
+                           "expires_at": {"type": "string"}, "size_vram": {"type": "integer"},
+                           "context_length": {"type": "integer"}}}
 
 
 def usage() -> dict[str, Any]:
@@ -190,6 +216,8 @@ def models_list() -> dict[str, Any]:
                                               "status": {"enum": ["loaded", "loading", "cold"],
                                                          "description": "cold: not loaded; a request loads it"},
                                               "load_on_demand": {"type": "boolean"},
+                                              "alias_of": {"type": "string", "description": "an alias "
+                                                           "(engine.aliases): the model that serves it"},
                                               "capabilities": {"type": "object", "description": "as in GET "
                                                                "/v1/admin/models: modalities, endpoints, ..."}}}}}}
 

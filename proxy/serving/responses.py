@@ -10,8 +10,9 @@ the `X-Ignored-Fields` response header: a client written for another llm-pool ve
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jsonschema
 
@@ -83,6 +84,14 @@ REQUEST_SCHEMA: dict[str, Any] = {
 }
 _VALIDATOR = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
 IGNORED_HEADER = "X-Ignored-Fields"
+IGNORED_HEADER_MAX = 1024
+
+
+def ignored_header(names: Sequence[str]) -> str:
+    """The ignored fields' names as X-Ignored-Fields says them. A client's key may hold any character
+    and a header value only visible ASCII (aiohttp drops the connection otherwise): the others are
+    written as JSON escapes (`\\u001f`), and the whole is capped."""
+    return ", ".join(n if n.isascii() and n.isprintable() else json.dumps(n)[1:-1] for n in names)[:IGNORED_HEADER_MAX]
 
 # Stop strings each prompt format's chat template ends a turn with: the shims' own, one truth.
 FORMAT_STOPS: Mapping[str, tuple[str, ...]] = TURN_STOPS

@@ -26,6 +26,7 @@ from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_body, requested_model, servable
 from proxy.serving.chat_relay import CHAT_PATH, Piece, relay_chat
 from proxy.edge.anthropic import MESSAGES_PATH
+from proxy.serving.fallbacks import with_fallbacks
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, STREAM_ERROR, USAGE
@@ -35,11 +36,13 @@ log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 
 @routes.post(MESSAGES_PATH)
+@with_fallbacks
 async def messages(request: web.Request) -> web.StreamResponse:
     body, raw = await read_body(request)
     name = requested_model(body)
     anthropic.check_request(body)   # before servable: a malformed request loads nothing on demand
     runtime = servable(request, request.app[POOL], name, body, endpoint=request.path)
+    name = runtime.name   # the model that answers (an alias's, a fallback)
     chat = anthropic.to_chat(body)
     await check_image_urls(chat, runtime.model)   # the same URLs as the body's image blocks
     affinity = affinity_key(runtime, CHAT_PATH, request.headers, body, chat)

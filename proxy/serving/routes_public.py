@@ -10,6 +10,7 @@ from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import check_required, fairness_key, read_body, requested_model, servable
+from proxy.serving.fallbacks import with_fallbacks
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import METRICS, ON_ADMIN_LISTENER, POOL, SETTINGS, VOCABULARIES
@@ -22,6 +23,9 @@ routes = web.RouteTableDef()
 # Passed to a replica as they are (its answer back, streams as they arrive), where it speaks them.
 PASS_THROUGH = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages/count_tokens",
                 "/v1/rerank", "/infill", "/tokenize", "/detokenize")
+# Of them, those another model may answer in its place (a model's `fallbacks`): generation. Another
+# model's embeddings, token ids or scores would mean something else.
+GENERATION = ("/v1/chat/completions", "/v1/completions")
 
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
@@ -41,7 +45,7 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
 
 
 for _path in PASS_THROUGH:
-    routes.post(_path)(pass_through)
+    routes.post(_path)(with_fallbacks(pass_through) if _path in GENERATION else pass_through)
 
 
 @routes.get("/v1/models")
@@ -50,12 +54,23 @@ async def list_models(request: web.Request) -> web.Response:
     that picks from this list offers a cold model, and the request it sends loads it). A model that is
     neither stays unlisted: a load by an admin brings it. With tenants, the key's tenant sees the
     models its globs allow."""
+    data = [model_entry(name, runtime) if alias_of is None else {**model_entry(name, runtime), "alias_of": alias_of}
+            for name, runtime, alias_of in visible(request)]
+    return web.json_response({"object": "list", "data": data})
+
+
+def visible(request: web.Request) -> list[tuple[str, ModelRuntime, str | None]]:
+    """The public ids a request may use now (GET /v1/models, GET /api/tags), each with its model and,
+    for an alias, the model's name. An alias is listed where its model is."""
     models = request.app[POOL].models
     names = [name for name, runtime in models.items() if listed(runtime)]
     tenancy = request.app.get(TENANCY)
     if tenancy is not None:
         names = tenancy.allowed_models(request, names)   # a tenant sees the models it may use
-    return web.json_response({"object": "list", "data": [model_entry(name, models[name]) for name in names]})
+    shown = set(names)
+    return [*((name, models[name], None) for name in names),
+            *((alias, models[target], target) for alias, target in request.app[SETTINGS].aliases.items()
+              if target in shown)]
 
 
 def listed(runtime: ModelRuntime) -> bool:

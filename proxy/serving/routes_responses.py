@@ -24,9 +24,10 @@ from proxy.edge import response_metrics
 from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_json, servable
 from proxy.serving.chat_relay import Piece, relay_chat
+from proxy.serving.fallbacks import with_fallbacks
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STREAM_ERROR, USAGE
-from proxy.serving.responses import IGNORED_HEADER, backend_request, parse, validate_for_model
+from proxy.serving.responses import IGNORED_HEADER, backend_request, ignored_header, parse, validate_for_model
 from proxy.serving.stream_usage import mark_ended, settle
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ def _event(name: str, data: Mapping[str, Any]) -> bytes:
 
 
 @routes.post("/v1/responses")
+@with_fallbacks
 async def responses(request: web.Request) -> web.StreamResponse:
     timer = response_metrics.Timer()
     body = await read_json(request)
@@ -56,15 +58,15 @@ async def responses(request: web.Request) -> web.StreamResponse:
     payload = backend_request(req, runtime.model, runtime.traits, request.app[SETTINGS].decoding)
     affinity = affinity_key(runtime, request.path, request.headers, body, payload)
     request_id = request.headers.get("X-Request-Id") or f"req_{os.urandom(16).hex()}"
-    headers = {"X-Request-Id": request_id, **({IGNORED_HEADER: ", ".join(req.ignored)} if req.ignored else {})}
+    headers = {"X-Request-Id": request_id, **({IGNORED_HEADER: ignored_header(req.ignored)} if req.ignored else {})}
     response_id = f"resp_{os.urandom(16).hex()}"
     cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
     queued = runtime.admission.enqueue(fairness_key(request, body))  # a full queue is a plain 429
     timer.mark("enqueued")
     relay = relay_chat(request, runtime, queued, payload, request_id, timer, affinity, cold)
     if req.stream:
-        return await _as_events(request, relay, timer, queued, runtime, response_id, req.model, headers, payload)
-    return await _as_json(request, relay, timer, runtime, response_id, req.model, headers)
+        return await _as_events(request, relay, timer, queued, runtime, response_id, runtime.name, headers, payload)
+    return await _as_json(request, relay, timer, runtime, response_id, runtime.name, headers)
 
 
 async def _as_json(request: web.Request, relay: AsyncGenerator[Piece, None], timer: response_metrics.Timer,

@@ -44,11 +44,12 @@ class Ticket:
     tenant's limits and budget (`held`: from its admission until it ends). One object per request,
     so that its end reads one request key, not one per figure."""
 
-    __slots__ = ("caller", "held", "tokens", "cost")
+    __slots__ = ("caller", "held", "admitted", "tokens", "cost")
 
     def __init__(self, caller: Caller) -> None:
         self.caller = caller
         self.held = False
+        self.admitted = False   # counted toward its limits once: a fallback's run is no new request
         self.tokens = 0
         self.cost = 0.0
 
@@ -165,7 +166,8 @@ class Tenancy:
         caller = self.keys.identify(key)
         if caller is None:
             raise Unauthorized("the API key is not valid for this pool", code="invalid_api_key")
-        request[TICKET] = Ticket(caller)
+        if TICKET not in request:   # a fallback's run (proxy/serving/fallbacks.py) keeps the request's
+            request[TICKET] = Ticket(caller)
         return caller
 
     def allow(self, caller: Caller, runtime: ModelRuntime) -> None:
@@ -197,11 +199,15 @@ class Tenancy:
             tokens = prompt + output
             price = runtime.model.get("price_per_mtok")
             reserved_cost = cost(price, prompt, 0, output) if price else 0.0
-        refused = self.spend.admit(tenant, now, tokens, reserved_cost)
+        ticket = request[TICKET]
+        again = ticket.admitted   # a fallback's run (proxy/serving/fallbacks.py): the same request
+        if ticket.held:
+            ticket.held = False
+            self.spend.release(tenant.name, ticket.tokens, ticket.cost)   # re-reserved at its model's price
+        refused = self.spend.admit(tenant, now, tokens, reserved_cost, counted=not again)
         if refused is not None:
             raise refused
-        ticket = request[TICKET]
-        ticket.held, ticket.tokens, ticket.cost = True, tokens, reserved_cost
+        ticket.held, ticket.admitted, ticket.tokens, ticket.cost = True, True, tokens, reserved_cost
 
     def _read_predecessors_rows(self, now: float) -> None:
         assert self._predecessor is not None

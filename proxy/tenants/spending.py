@@ -103,10 +103,12 @@ class Spend:
     def period(self, name: str, now: float) -> Spending:
         return self.now(name, now)[2]
 
-    def admit(self, tenant: TenantSettings, now: float, tokens: int, cost: float) -> TooManyRequests | None:
+    def admit(self, tenant: TenantSettings, now: float, tokens: int, cost: float,
+              counted: bool = True) -> TooManyRequests | None:
         """A request of `tenant` that would reserve `tokens` and `cost`: admitted (`started`), or the
         429 it gets (limits.refusal; nothing is counted then). Per request: the sums are compared as
-        they are, and only a refusal builds what refusal() reads."""
+        they are, and only a refusal builds what refusal() reads. `counted` False: a request admitted
+        before, again for another model (a fallback), which is not one more in the minute."""
         w = self._windows[tenant.name]   # _window(), inlined: this runs for every request
         if now >= w.end:
             self._roll(tenant.name, w, now)
@@ -115,14 +117,16 @@ class Spend:
         rpm, tpm, budget_tokens, budget_cost = (tenant.requests_per_minute, tenant.tokens_per_minute,
                                                 tenant.budget_tokens, tenant.budget_cost)
         held = w.reserved_tokens
-        if (rpm is not None and w.minute_requests >= rpm) or (tpm is not None and w.minute_tokens + held >= tpm) \
+        if (counted and rpm is not None and w.minute_requests >= rpm) \
+                or (tpm is not None and w.minute_tokens + held >= tpm) \
                 or (budget_tokens is not None and w.tokens + held >= budget_tokens) \
                 or (budget_cost is not None and w.cost + w.reserved_cost >= budget_cost):
             minute, oldest, period = self.now(tenant.name, now)
             refused = refusal(tenant, minute, period, now, oldest)
             if refused is not None:
                 return refused
-        w.add(now, 1, 0)
+        if counted:
+            w.add(now, 1, 0)
         w.reserved_tokens += tokens
         w.reserved_cost += cost
         return None
@@ -134,6 +138,12 @@ class Spend:
         window.add(now, 1, 0)
         window.reserved_tokens += tokens
         window.reserved_cost += cost
+
+    def release(self, name: str, tokens: int, cost: float) -> None:
+        """What a request reserved, given back before it ends (a fallback re-reserves at its price)."""
+        window = self._windows[name]
+        window.reserved_tokens = max(0, window.reserved_tokens - tokens)
+        window.reserved_cost = max(0.0, window.reserved_cost - cost)
 
     def ended(self, name: str, now: float, tokens: int, cost: float, reserved_tokens: int = 0,
               reserved_cost: float = 0.0) -> None:

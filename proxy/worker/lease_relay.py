@@ -120,7 +120,7 @@ async def _stream(request: web.Request, started: float, resp: Answer, terms: dic
                   label: str, content_type: str, tell: Tell) -> web.StreamResponse:
     end = WorkerEnd(label, request.path, str(terms.get("model", "")), str(terms["request_id"]), started)
     headers = {"Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": str(terms["request_id"]),
-               "X-Replica": str(terms.get("replica", ""))}
+               "X-Replica": str(terms.get("replica", "")), "X-LLM-Pool-Model": str(terms.get("model", ""))}
     try:
         return await relay_stream(request, resp, timeouts, end, bool(terms.get("strip")), headers)
     finally:

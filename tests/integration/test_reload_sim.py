@@ -309,3 +309,31 @@ def test_a_successor_not_ready_in_time_is_stopped_and_a_stop_during_a_reload_sto
     assert f"reload called off by a stop signal: stopping successor pid {second}" in log
     assert log.index("reload called off") < log.index("model sim unloaded (shutdown)")
     assert not pid_alive(second) and not pid_alive(replica)
+
+
+def test_a_reload_retargets_an_alias_and_fails_no_request(proxies) -> None:
+    """docs/routing.md, Aliases and fallbacks: clients that ask for `chat-default` keep asking for it
+    while the admin points it at another model; a reload moves it, and no request fails."""
+    proxy = ProxyProcess({"old": sim_model(), "new": sim_model()}, engine={"aliases": {"chat-default": "old"}})
+    proxies.append(proxy)
+    proxy.start()
+    for name in ("old", "new"):
+        proxy.wait_state(name, "loaded")
+    status, headers, _ = http("POST", proxy.url + "/v1/chat/completions", raw=chat("chat-default"))
+    assert (status, headers["X-LLM-Pool-Model"]) == (200, "old")
+    config = yaml.safe_load(proxy.config_path.read_text())
+    config["engine"]["aliases"]["chat-default"] = "new"
+    proxy.config_path.write_text(yaml.safe_dump(config))
+    with Clients(proxy.port, (chat("chat-default"),)) as clients:
+        wait_for(lambda: clients.count() >= 100, what="100 requests before the reload")
+        assert proxy.reload() == 0
+        reloaded_at = clients.count()
+        clients.stop_when = lambda: clients.count() >= reloaded_at + AFTER_RELOAD
+        for thread in clients.threads:
+            thread.join(120)
+    failed = [o for _s, _e, o in clients.done if o != 200]
+    assert failed == [], f"{len(failed)} of {len(clients.done)} failed: {sorted(set(map(str, failed)))}"
+    status, headers, body = http("POST", proxy.url + "/v1/chat/completions", raw=chat("chat-default"))
+    assert (status, headers["X-LLM-Pool-Model"], body["model"]) == (200, "new", "new")
+    _, _, listed = http("GET", proxy.url + "/v1/models")
+    assert {m["id"]: m.get("alias_of") for m in listed["data"]}["chat-default"] == "new"

@@ -11,7 +11,8 @@ from typing import Any, Mapping, Sequence
 from proxy.config.model import ModelConfig
 
 # Settings of how many replicas run and when, not of what each one runs.
-_NOT_PROGRAM = frozenset({"replicas", "replica_max", "enabled", "load_on_demand", "idle_unload_s", "pinned"})
+_NOT_PROGRAM = frozenset({"replicas", "replica_max", "enabled", "load_on_demand", "idle_unload_s", "pinned",
+                          "fallbacks"})   # and which models answer in its place
 
 
 def what_changed(old: ModelConfig, new: ModelConfig) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from launchers import llama_server, sim
-from proxy.config.model import ModelConfig
+from proxy.config.model import Fallback, ModelConfig
 from proxy.lifecycle.kept import KeptModels, entry, honoured
 from proxy.lifecycle.state.indices import free_indices
 from proxy.lifecycle.state.outdated import what_changed
@@ -18,7 +18,7 @@ from proxy.lifecycle.state.outdated import what_changed
 def model(**options: object) -> ModelConfig:
     return ModelConfig(name="duo", backend="sim", enabled=True, replicas=2, replica_max=3, target_inflight=2,
                        modalities=("text",), gpus=(0,), options={"replicas": 2, "sim": {"ttft_ms": 1}, **options},
-                       hosts=("local",))
+                       hosts=("local",), fallbacks=(Fallback("other"), Fallback("big", frozenset({"overloaded"}))))
 
 
 def test_an_entry_is_what_the_admin_set_and_survives_a_write_and_a_read(tmp_path: Path) -> None:

@@ -163,6 +163,9 @@ async def test_admin_bodies_are_read_the_same_way() -> None:
         async def read(self) -> bytes:
             return json.dumps({"replicas": 1}).encode("utf-16")
 
+        def get(self, key: object) -> None:
+            return None   # no fallback's body (proxy/serving/fallbacks.py)
+
     with pytest.raises(BadRequest) as caught:
         await read_json(Request())  # type: ignore[arg-type]
     assert caught.value.code == "invalid_json"
