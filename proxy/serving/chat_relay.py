@@ -17,7 +17,7 @@ from proxy.errors import BackendError, PoolError
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.edge import response_metrics
 from proxy.serving.forward import Slot, label, read_answer, upstream
-from proxy.serving.keys import CACHE_SCOPE, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, SETTINGS
+from proxy.serving.keys import CACHE_SCOPE, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, SETTINGS, USAGE
 from proxy.edge.relay import Timeouts, sse_data
 
 log = logging.getLogger(__name__)
@@ -139,3 +139,10 @@ async def relay_chat(request: web.Request, runtime: ModelRuntime, queued: Any, p
                 raise
             outcomes.report_outcome(replica, None)
             timer.mark("received")
+
+
+def count_usage(request: web.Request, runtime: ModelRuntime, last: Piece | None) -> None:
+    """The answer's usage (its last piece's) into the model's counters and the request's USAGE."""
+    metrics = request.app[METRICS]
+    request[USAGE] = metrics.count_usage(runtime.name, metrics.key_label(request.get(FAIRNESS_KEY)),
+                                         last.usage if last is not None else None, request.get(REPLICA))

@@ -24,12 +24,12 @@ from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.edge import anthropic, response_metrics
 from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_body, requested_model, servable
-from proxy.serving.chat_relay import CHAT_PATH, Piece, relay_chat
+from proxy.serving.chat_relay import CHAT_PATH, Piece, count_usage, relay_chat
 from proxy.edge.anthropic import MESSAGES_PATH
 from proxy.serving.fallbacks import with_fallbacks
 from proxy.serving.forward import forward
 from proxy.serving.image_urls import check_image_urls
-from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, STREAM_ERROR, USAGE
+from proxy.serving.keys import POOL, REPLICA, REPLICA_HEADER, STREAM_ERROR
 from proxy.serving.stream_usage import mark_ended, settle
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     async with contextlib.aclosing(relay):
         pieces = [piece async for piece in relay]
     last = pieces[-1]
-    _count(request, runtime, last)
+    count_usage(request, runtime, last)
     calls = [call for p in pieces for call in p.tool_calls or ()]
     answer = anthropic.to_message(_completion("".join(p.text for p in pieces), last, calls), name, message_id)
     return web.json_response(answer, headers={**headers, REPLICA_HEADER: str(request[REPLICA].index)})
@@ -73,12 +73,6 @@ def _completion(text: str, last: Piece, calls: list[Any]) -> dict[str, Any]:
     """The chat completion the pieces make, as anthropic.to_message reads one."""
     return {"choices": [{"message": {"content": text, "tool_calls": calls}, "finish_reason": last.finish_reason}],
             "usage": last.usage or {}}
-
-
-def _count(request: web.Request, runtime: ModelRuntime, last: Piece | None) -> None:
-    metrics = request.app[METRICS]
-    request[USAGE] = metrics.count_usage(runtime.name, metrics.key_label(request.get(FAIRNESS_KEY)),
-                                         last.usage if last is not None else None, request.get(REPLICA))
 
 
 async def _as_events(request: web.Request, relay: AsyncGenerator[Piece, None], queued: Any, runtime: ModelRuntime,

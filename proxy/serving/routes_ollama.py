@@ -27,12 +27,12 @@ from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.affinity_key import affinity_key
 from proxy.serving.body import fairness_key, read_body, servable
-from proxy.serving.chat_relay import CHAT_PATH, Piece, relay_chat
+from proxy.serving.chat_relay import CHAT_PATH, Piece, count_usage, relay_chat
 from proxy.serving.fallbacks import with_fallbacks
 from proxy.serving.forward import Slot, read_answer, upstream
 from proxy.serving.image_urls import check_image_urls
-from proxy.serving.keys import (CACHE_SCOPE, FAIRNESS_KEY, HTTP, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS,
-                                STARTED, STREAM_ERROR, USAGE)
+from proxy.serving.keys import (CACHE_SCOPE, HTTP, POOL, REPLICA, REPLICA_HEADER, SETTINGS,
+                                STARTED, STREAM_ERROR)
 from proxy.serving.responses import IGNORED_HEADER, ignored_header
 from proxy.serving.routes_public import visible
 from proxy.serving.stream_usage import mark_ended, settle
@@ -210,7 +210,7 @@ async def _generate(request: web.Request, runtime: ModelRuntime, body: dict[str,
         pieces = [piece async for piece in relay]
     first = timer.first_token or time.perf_counter()
     last = pieces[-1]
-    _count(request, runtime, last)
+    count_usage(request, runtime, last)
     text = "".join(p.text for p in pieces)
     head = {"model": name, "created_at": ollama.created_at()}
     if is_chat:
@@ -232,12 +232,6 @@ def _spans(request: web.Request, timer: response_metrics.Timer, cold: bool, firs
     sent = timer.sent or first
     return (int((now - request.get(STARTED, timer.handler)) * 1e9), int(load * 1e9), int(max(0.0, first - sent) * 1e9),
             int(max(0.0, now - first) * 1e9))
-
-
-def _count(request: web.Request, runtime: ModelRuntime, last: Piece | None) -> None:
-    metrics = request.app[METRICS]
-    request[USAGE] = metrics.count_usage(runtime.name, metrics.key_label(request.get(FAIRNESS_KEY)),
-                                         last.usage if last is not None else None, request.get(REPLICA))
 
 
 async def _as_lines(request: web.Request, relay: AsyncGenerator[Piece, None], runtime: ModelRuntime,
@@ -341,7 +335,7 @@ async def _embeddings(request: web.Request, body: dict[str, Any], texts: list[st
     if vectors is None:
         raise BackendError(f"model {runtime.name!r} answered with unreadable embeddings")
     last = Piece("", usage)
-    _count(request, runtime, last)
+    count_usage(request, runtime, last)
     return ({"model": runtime.name, "vectors": vectors, "prompt_tokens": (usage or {}).get("prompt_tokens", 0)},
             int((time.perf_counter() - started) * 1e9))
 
