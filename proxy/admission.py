@@ -20,7 +20,7 @@ import time
 from typing import Callable, Hashable, Iterable
 
 from proxy.errors import PoolError, TooManyRequests, Unavailable
-from proxy.fairness import ANONYMOUS, FairnessPolicy, FairScheduler, QueueFull
+from proxy.fairness import ANONYMOUS, DEFAULT_CLASS, FairnessPolicy, FairScheduler, QueueFull
 
 
 # engine.fairness.max_queue_wait_s when unset; null in the settings waits forever.
@@ -114,15 +114,16 @@ class Admission:
         return max((now - t[2] for t, fut in self._granted.items()
                     if not fut.done() and isinstance(t, tuple) and len(t) == 3), default=0.0)
 
-    def enqueue(self, key: str = ANONYMOUS) -> tuple[Hashable, "asyncio.Future[None] | None"]:
-        """Join the queue now: raises at once (429) if it may not wait. Then `wait` for the slot.
-        A request granted its slot as it joins (the common case) gets no future: there is nothing
-        to wait for."""
+    def enqueue(self, key: str = ANONYMOUS,
+                priority: str = DEFAULT_CLASS) -> tuple[Hashable, "asyncio.Future[None] | None"]:
+        """Join the queue of priority class `priority` now: raises at once (429) if it may not wait.
+        Then `wait` for the slot. A request granted its slot as it joins (the common case) gets no
+        future: there is nothing to wait for."""
         if self._closed is not None:
             raise self._closed
         ticket = (key, next(self._ids), time.monotonic())
         try:
-            started = self.scheduler.submit(ticket, key)
+            started = self.scheduler.submit(ticket, key, self.scheduler.policy.rank(priority))
         except QueueFull as full:
             raise TooManyRequests(str(full), code=full.code, retry_after=full.retry_after) from None
         self.last_used = time.time()
@@ -169,9 +170,9 @@ class Admission:
         self._start(self.scheduler.cancel(ticket))
         self._maybe_idle()
 
-    async def acquire(self, key: str = ANONYMOUS) -> Hashable:
+    async def acquire(self, key: str = ANONYMOUS, priority: str = DEFAULT_CLASS) -> Hashable:
         """Wait for a slot; returns the ticket to hand back to `release`."""
-        return await self.wait(self.enqueue(key))
+        return await self.wait(self.enqueue(key, priority))
 
     def release(self, ticket: Hashable, completed: bool = True) -> None:
         """The request ended: `completed` when it ran to its end, False when its client left."""
@@ -193,12 +194,15 @@ class Admission:
             if fut is not None and not fut.done():
                 fut.set_exception(error)
 
-    def describe_keys(self) -> dict[str, dict[str, float]]:
+    def describe_keys(self) -> dict[str, dict[str, float | str]]:
         """The most active fairness keys (a bounded list, whatever clients send)."""
         return self.scheduler.keys()
 
     def key_counts(self) -> dict[str, int]:
         return self.scheduler.key_counts()
+
+    def describe_classes(self) -> dict[str, dict[str, float | None]]:
+        return self.scheduler.classes()
 
     def _start(self, tickets: Iterable[Hashable]) -> None:
         for ticket in tickets:

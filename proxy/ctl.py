@@ -276,6 +276,26 @@ def cmd_processes(client: AdminClient, args: argparse.Namespace, out: TextIO) ->
     _show(client.call("GET", "/v1/admin/processes"), lambda data: processes_table(data["data"]), args, out)
 
 
+def cmd_batches(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
+    _show(client.call("GET", "/v1/admin/batches"), batches_text, args, out)
+
+
+def batches_text(view: dict[str, Any]) -> str:
+    """Each batch's progress and rate, then each model's batch class queue (docs/batches.md)."""
+    rows = [(b["id"], b.get("owner") or "-", b.get("model") or "?", b["status"],
+             f"{b['completed'] + b['failed']}/{b['total']}", str(b["failed"]), str(b["inflight"]),
+             "-" if b.get("lines_per_s") is None else f"{b['lines_per_s']:g}/s") for b in view["data"]]
+    text = table(("BATCH", "TENANT", "MODEL", "STATUS", "DONE", "FAILED", "IN FLIGHT", "RATE"), rows) \
+        if rows else "no batches"
+    for model, queue in sorted(view.get("queues", {}).items()):
+        text += (f"\n{model}: batch class {queue.get('running', 0)} running, {queue.get('waiting', 0)} waiting"
+                 f" (oldest {queue.get('oldest_wait_s', 0)} s)")
+    storage = view.get("storage")
+    if storage:
+        text += f"\nfiles: {storage['used_bytes']:,} of {storage['max_bytes']:,} bytes"
+    return text
+
+
 def processes_table(rows: Sequence[dict[str, Any]]) -> str:
     def shown(value: Any) -> str:
         return "?" if value is None else str(value)
@@ -383,7 +403,7 @@ def cmd_keys(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None
 COMMANDS: dict[str, Callable[..., None]] = {"models": cmd_models, "load": cmd_load, "unload": cmd_unload,
                                             "scale": cmd_scale, "logs": cmd_logs, "gpu": cmd_gpu,
                                             "hosts": cmd_hosts, "events": cmd_events, "usage": cmd_usage,
-                                            "keys": cmd_keys, "processes": cmd_processes}
+                                            "keys": cmd_keys, "processes": cmd_processes, "batches": cmd_batches}
 
 
 # -- wiring -----------------------------------------------------------------------------------------
@@ -419,6 +439,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     hosts = cmds.add_parser("hosts", help="every host: reachability, devices, free memory, replicas")
     processes = cmds.add_parser("processes", help="the proxy's processes: the controller and its workers, with "
                                                   "their PIDs, client connections and requests in flight")
+    batches = cmds.add_parser("batches", help="the Batch API's batches: progress, rate, and each model's batch "
+                                              "class queue")
     events = cmds.add_parser("events", help="what happened: loads, unloads and why, evictions, crashes, "
                                             "ejections, hosts, admin actions and who")
     events.add_argument("--model", help="only this model's events")
@@ -436,7 +458,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     keys.add_argument("action", nargs="?", choices=("list", "mint", "revoke"), default="list")
     keys.add_argument("tenant", nargs="?")
     keys.add_argument("id", nargs="?")
-    for command in (models, load, unload, scale, logs, gpu, hosts, processes, events, usage, keys):
+    for command in (models, load, unload, scale, logs, gpu, hosts, processes, batches, events, usage, keys):
         _add_common(command, defaults=False)
     ctl.set_defaults(func=run)
     return ctl

@@ -168,6 +168,16 @@ class ProxyProcess:
         self._remember_workers()
         return self
 
+    def with_tenants(self, tenants: dict[str, Any], env: dict[str, str], admin_token: str) -> "ProxyProcess":
+        """Before `start`: `tenants`, their keys' variables in `env`, and an admin token (which the
+        admin API then asks for: `admin_headers`)."""
+        self.config["service"]["admin_token_env"] = "ADMIN_TOKEN_VAR"
+        self.config["tenants"] = tenants
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        self.env = {**self.env, **env, "ADMIN_TOKEN_VAR": admin_token}
+        self.admin_headers = {"Authorization": f"Bearer {admin_token}"}
+        return self
+
     def processes(self) -> list[dict[str, Any]]:
         """GET /v1/admin/processes: the serving process and its workers."""
         status, _, body = http("GET", self.admin_url + "/v1/admin/processes", headers=self.admin_headers)

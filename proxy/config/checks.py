@@ -142,8 +142,25 @@ def semantic_problems(settings: Settings) -> list[str]:
         if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
             problems.append(f"{where}.prompt_format: {prompt_format!r} is not a prompt format llm-pool knows"
                             f"{did_you_mean(prompt_format, PROMPT_FORMATS)} (one of {', '.join(PROMPT_FORMATS)})")
-    problems += _alias_and_fallback_problems(settings)
+    problems += _alias_and_fallback_problems(settings) + _class_problems(settings)
     return [settings.where(p) for p in problems]
+
+
+def _class_problems(settings: Settings) -> list[str]:
+    """engine.fairness.classes: each named once, `default` among them; a tenant's priority is one."""
+    classes = settings.fairness.get("classes")
+    # Unset: proxy/fairness.py's DEFAULT_CLASSES (the settings wing imports none of its siblings).
+    names = [str(c["name"]) for c in classes] if classes else ["interactive", "default", "batch"]
+    problems = [f"engine.fairness.classes.{i}.name: {name!r} is named twice" for i, name in enumerate(names)
+                if name in names[:i]]
+    if "default" not in names:
+        problems.append("engine.fairness.classes: needs a class named default (a request's class without a "
+                        "tenant's priority)")
+    for name, tenant in settings.tenants.items():
+        if tenant.priority is not None and tenant.priority not in names:
+            problems.append(f"tenants.{name}.priority: {tenant.priority!r} is not a priority class"
+                            f"{did_you_mean(tenant.priority, names)} (engine.fairness.classes: {', '.join(names)})")
+    return problems
 
 
 def _alias_and_fallback_problems(settings: Settings) -> list[str]:

@@ -19,7 +19,7 @@ from proxy.config.model import (DEFAULT_FALLBACK_ON, DEFAULT_MODEL, DEFAULT_ROUT
 from proxy.config.origins import Key, Origin, Origins, duplicate_keys, key_origins, merge_origins
 from proxy.config.settings import (DEFAULT_LIFECYCLE, DEFAULT_MEMORY, DEFAULT_NODE_USERNAME, DEFAULT_RELIABILITY,
                                    DEFAULT_SERVICE, DEFAULT_SUPERVISOR, HostSettings, LifecycleSettings,
-                                   ServiceSettings, Settings, SupervisorSettings, TenantSettings)
+                                   BatchSettings, ServiceSettings, Settings, SupervisorSettings, TenantSettings)
 
 
 class ConfigError(Exception):
@@ -174,7 +174,8 @@ def _tenant(name: str, raw: Mapping[str, Any]) -> TenantSettings:
     limits, budget = raw.get("limits") or {}, raw.get("budget") or {}
     return TenantSettings(name=name, fairness_key=str(raw["fairness_key"]).strip(),
                           key_env=tuple(raw.get("key_env") or ()), key_sha256=tuple(raw.get("key_sha256") or ()),
-                          weight=raw.get("weight"), models=tuple(raw.get("models") or ("*",)),
+                          weight=raw.get("weight"), priority=raw.get("priority"),
+                          models=tuple(raw.get("models") or ("*",)),
                           allow_remote=bool(raw.get("allow_remote", False)),
                           requests_per_minute=limits.get("requests_per_minute"),
                           tokens_per_minute=limits.get("tokens_per_minute"),
@@ -248,6 +249,7 @@ def load_settings(config: str | os.PathLike[str] | None = None, strict: bool = F
         origins=origins,
         tenants=tenants,
         aliases=dict(engine.get("aliases") or {}),
+        batches=BatchSettings(**(engine.get("batches") or {})),
     )
     problems = semantic_problems(settings)
     if problems:

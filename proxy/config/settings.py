@@ -136,6 +136,19 @@ class LifecycleSettings:
 
 
 @dataclass(frozen=True)
+class BatchSettings:
+    """engine.batches: the OpenAI Batch API run inside the pool (docs/batches.md)."""
+
+    enabled: bool = True
+    max_file_bytes: int = 200 * 1024 * 1024       # one uploaded file (OpenAI's limit)
+    max_lines: int = 50_000                        # lines of one batch file (OpenAI's limit)
+    max_storage_bytes: int = 2 * 1024 ** 3         # every file kept (inputs, outputs, errors) together
+    # Slots of a model its batches leave free for the classes above, so that an interactive request
+    # finds one at once instead of waiting for a batch line to end.
+    reserve_slots: int = 1
+
+
+@dataclass(frozen=True)
 class TenantSettings:
     """tenants.NAME: one client service of the data plane (docs/tenants.md). Its keys are named by
     the variables holding them or by their digests: never a key itself."""
@@ -145,6 +158,7 @@ class TenantSettings:
     key_env: tuple[str, ...] = ()
     key_sha256: tuple[str, ...] = ()
     weight: float | None = None
+    priority: str | None = None   # its priority class (engine.fairness.classes); None: default
     models: tuple[str, ...] = ("*",)
     allow_remote: bool = False
     requests_per_minute: int | None = None
@@ -167,6 +181,7 @@ class Settings:
     origins: Origins = field(default_factory=Origins, compare=False)
     tenants: Mapping[str, TenantSettings] = field(default_factory=dict)   # none: every caller is trusted
     aliases: Mapping[str, str] = field(default_factory=dict)   # a public id: the model it stands for
+    batches: BatchSettings = field(default_factory=BatchSettings)
 
     def where(self, message: str) -> str:
         """A config message with the file and line that set its key, e.g. `(conf/local.yaml:12)`."""

@@ -23,6 +23,7 @@ from proxy.serving import routes_messages
 from proxy.serving import routes_responses
 from proxy.serving import routes_ollama
 from proxy.serving import routes_tenants
+from proxy.serving import routes_batches
 from proxy.serving import ui
 from proxy.config.settings import Settings
 from proxy.errors import NotFound
@@ -30,6 +31,9 @@ from proxy.event_journal import EVENTS_FILE, EventJournal
 from proxy.events import RELOAD
 from proxy.serve_address import ServeAddress, remove_address, write_address
 from proxy.serving.edge_guard import edge_guard_middleware
+from proxy.batches.store import BatchStore
+from proxy.fairness import FairnessPolicy
+from proxy.serving.batch_runner import BATCHES, BatchRunner
 from proxy.serving.errors_http import ERROR_CODE, error_middleware
 from proxy.serving.fallbacks import model_header
 from proxy.serving.forward import upstream_session
@@ -157,6 +161,8 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
     app.add_routes(routes_ollama.routes)
     app.add_routes(routes_messages.routes)
     app.add_routes(routes_tenants.routes)
+    if settings.batches.enabled:
+        app.add_routes(routes_batches.routes)
     app.add_routes(ui.routes)
     app.add_routes(openapi.routes)
 
@@ -197,7 +203,22 @@ def create_app(settings: Settings, *, keep_models: bool = False, successor: bool
     app.cleanup_ctx.append(pool_ctx)
     if settings.tenants:
         app.cleanup_ctx.append(tenancy_ctx)
+    if settings.batches.enabled:
+        app.cleanup_ctx.append(batches_ctx)
     return app
+
+
+async def batches_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The Batch API's files and batches (docs/batches.md); `serve` starts running them once it listens."""
+    settings = app[SETTINGS]
+    store = await asyncio.to_thread(BatchStore, settings.service.state_dir / "batches",
+                                    settings.batches.max_storage_bytes)
+    app[BATCHES] = BatchRunner(app, store, settings.batches, app[POOL], FairnessPolicy.from_settings(settings.fairness))
+    yield
+    try:
+        await app[BATCHES].close()
+    finally:
+        store.close()
 
 
 async def tenancy_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -305,7 +326,12 @@ async def serve(app: web.Application, socks: Sequence[socket.socket], on_listeni
                 shutdown.hand_over()
             if reloader is not None:
                 reloader.serving = True   # a successor reloads in turn once it is the proxy
+            batches = app.get(BATCHES)
+            if batches is not None and not shutdown.handed_over:
+                batches.start(_own_url(socks[0]))
             await shutdown.requested.wait()
+            if batches is not None:
+                batches.stop_claiming()   # its lines in flight end in the drain, as every request
             if reloader is not None:
                 await reloader.cancel()   # a stop signal during a reload: the successor goes first
             if shutdown.handed_over:
@@ -342,6 +368,16 @@ def _record_address(app: web.Application, socks: Sequence[socket.socket], lock: 
         write_address(app[SETTINGS].service.state_dir, ServeAddress(os.getpid(), public, admin[0] if admin else None))
     except OSError as exc:
         log.warning("cannot record this proxy's address for `llm-pool ctl`: %s", exc)
+
+
+def _own_url(sock: socket.socket) -> str:
+    """Where this proxy's own requests reach its public listener (a batch's lines)."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _no_reload() -> None:

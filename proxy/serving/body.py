@@ -10,8 +10,8 @@ from typing import Any, Callable
 from aiohttp import web
 
 from proxy.capabilities import ROUTES
-from proxy.errors import BadRequest, Conflict, TooLarge, Unavailable
-from proxy.fairness import normalize_key
+from proxy.errors import BadRequest, Conflict, Forbidden, TooLarge, Unavailable
+from proxy.fairness import DEFAULT_CLASS, FairnessPolicy, normalize_key
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
@@ -81,6 +81,29 @@ def fairness_key(request: web.Request, body: dict[str, Any]) -> str:
     key = normalize_key(key if key is not None else request.headers.get("X-Fairness-Key"))
     request[FAIRNESS_KEY] = key
     return key
+
+
+# A request may lower its priority class with this header (a service's background work under its
+# interactive key), never raise it: its tenant's `priority`, else `default`, is its ceiling.
+PRIORITY_HEADER = "X-Priority-Class"
+
+
+def priority_class(request: web.Request, policy: FairnessPolicy) -> str:
+    """The priority class the request waits in (engine.fairness.classes, issue 44)."""
+    ticket = request.get(TICKET)
+    ceiling: str = (ticket.caller.tenant.priority if ticket is not None else None) or DEFAULT_CLASS
+    asked = request.headers.get(PRIORITY_HEADER)
+    if asked is None:
+        return ceiling
+    asked = asked.strip()
+    names = [c.name for c in policy.classes]
+    if asked not in names:
+        raise BadRequest(f"{PRIORITY_HEADER} {asked[:64]!r} is no priority class of this pool: one of "
+                         f"{', '.join(names)}", code="invalid_priority_class", param=PRIORITY_HEADER)
+    if policy.rank(asked) < policy.rank(ceiling):
+        raise Forbidden(f"{PRIORITY_HEADER} may lower a request's priority class, never raise it: {asked!r} is "
+                        f"above this request's {ceiling!r}", code="priority_not_allowed", param=PRIORITY_HEADER)
+    return asked
 
 
 def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any],

@@ -8,7 +8,7 @@ its own host name. So every POST that is not the admin API's (which admin_guard 
 - an `Origin`, when sent, of this listener's own (the status page's own requests have it);
 - a `Host` this machine answers to: a literal address, `localhost`, service.host/admin_host,
   service.server_names;
-- `Content-Type: application/json`.
+- `Content-Type: application/json` (or a form, for a Batch API file: `POST /v1/files`).
 API clients (no Origin, a JSON body, the address or name they were given) are not affected. With
 tenants a request needs a key, which a page of another site cannot send without the CORS preflight
 this proxy never grants: none of this applies then. GETs (health, readiness, metrics, the model
@@ -24,6 +24,7 @@ from proxy.errors import Forbidden
 from proxy.serving.admin_guard import check_json, check_origin, host_allowed
 
 ADMIN_PREFIX = "/v1/admin/"
+FILES_PATH = "/v1/files"
 # Host headers seen allowed: most requests carry one of a few, checked once. Only allowed ones are
 # kept, so what a client sends cannot grow it past the names this machine answers to.
 KNOWN_HOSTS_MAX = 64
@@ -47,6 +48,9 @@ def edge_guard_middleware(service: ServiceSettings) -> Middleware:
                                     code="host_not_allowed")
                 if len(allowed) < KNOWN_HOSTS_MAX:
                     allowed.add(host)
-            check_json(request, "requests to a pool without tenants")
+            # A file for the Batch API comes as a form (OpenAI's upload); the Origin and Host checks above
+            # are what keep a page of another site from sending one.
+            if not (request.path == FILES_PATH and request.content_type == "multipart/form-data"):
+                check_json(request, "requests to a pool without tenants")
         return await handler(request)
     return middleware

@@ -22,6 +22,7 @@ from proxy.upstream.connection import MalformedAnswer
 from proxy.upstream.reach import ProgramReach
 from proxy.lease_wire import RELAYED_HEADER
 from proxy.serving.affinity_key import SLOT_PATHS
+from proxy.serving.body import priority_class
 from proxy.serving.leases import LESSEE, LeasedAnswer, LeaseHttp, WorkerGone
 from proxy.serving.keys import (CACHE_SCOPE, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, REPLICA_HEADER,
                                 SETTINGS, STARTED, STREAM_ERROR, USAGE)
@@ -266,7 +267,7 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
         if asked is not None:
             (body, raw), strip = asked, True
     cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
-    queued = runtime.admission.enqueue(key)
+    queued = runtime.admission.enqueue(key, priority_class(request, runtime.policy))
     enqueued = time.perf_counter()
     async with Slot(runtime, queued):
         waited = request[QUEUE_WAIT] = time.perf_counter() - enqueued

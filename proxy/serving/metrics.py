@@ -129,6 +129,7 @@ class PoolCollector(Collector):
         yield from (ready, capacity, active, waiting, model_state, load_s, unload_s, state, in_rotation, inflight,
                     sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache, affine, spills,
                     waits, held, cached, hits, loads, unloads)
+        yield from self._classes()
         yield from self._sleep()
         yield from self._memory()
         yield from self._kv_store()
@@ -185,6 +186,22 @@ class PoolCollector(Collector):
             if isinstance(seconds, (int, float)):
                 contact.add_metric([name], seconds)
         yield from (up, contact)
+
+    def _classes(self) -> Iterator[Metric]:
+        # Per priority class (engine.fairness.classes): a bounded label set, as configured.
+        mc = ["model", "class"]
+        running = GaugeMetricFamily("llm_pool_class_requests_active", "Requests running per model and priority "
+                                    "class", labels=mc)
+        waiting = GaugeMetricFamily("llm_pool_class_requests_waiting", "Requests queued per model and priority "
+                                    "class", labels=mc)
+        oldest = GaugeMetricFamily("llm_pool_class_oldest_wait_seconds", "How long the oldest queued request of "
+                                   "the class has waited (0: none waits); max_wait_s bounds it", labels=mc)
+        for name, runtime in self.pool.models.items():
+            for cls, figures in runtime.admission.describe_classes().items():
+                running.add_metric([name, cls], figures["running"] or 0)
+                waiting.add_metric([name, cls], figures["waiting"] or 0)
+                oldest.add_metric([name, cls], figures["oldest_wait_s"] or 0)
+        yield from (running, waiting, oldest)
 
     def _tasks(self) -> Iterator[Metric]:
         # A task that never ends (a relay left behind by a client that went away) is a leak that

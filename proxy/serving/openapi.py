@@ -18,11 +18,13 @@ from proxy.events import KINDS as EVENT_KINDS
 from proxy.serving import openapi_schemas as schemas
 from proxy.serving import ui
 from proxy.serving.keys import SETTINGS
+from proxy.serving.batch_lines import ENDPOINTS
 from proxy.serving.routes_admin import MAX_LOG_BYTES
 
 routes = web.RouteTableDef()
 
 OPENAPI_VERSION = "3.1.0"
+BATCH_PATHS = ("/v1/files", "/v1/batches", "/v1/admin/batches")
 SSE = "text/event-stream"
 NDJSON = "application/x-ndjson"
 RESPONSE_EVENTS = ("response.created", "response.output_text.delta", "response.metrics", "response.completed")
@@ -69,6 +71,7 @@ class Operation:
     extra: dict[str, Any] = field(default_factory=dict)   # more responses (status: response object)
     links: tuple[str, ...] = ()     # what may follow a 200 for the same model (admin: load, scale, unload)
     error_schema: str = "Error"     # the shape of its errors: OpenAI's envelope, Anthropic's or Ollama's
+    body_media: str = "application/json"
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +97,7 @@ def operations() -> tuple[Operation, ...]:
                    "description": "a configured tenant"}
     by_name = ({"name": "name", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
                 "description": "a configured model id"},)
-    return (*pass_through, *_ollama_operations(),
+    return (*pass_through, *_ollama_operations(), *_batch_operations(),
             Operation("post", "/v1/responses", "the llm-pool request: input or messages, decoding, thinking, "
                       "translation; JSON or SSE (response.created, response.output_text.delta, response.metrics, "
                       "response.completed, error)",
@@ -243,6 +246,46 @@ def _ollama_operations() -> tuple[Operation, ...]:
         *managed)
 
 
+def _batch_operations() -> tuple[Operation, ...]:
+    """The OpenAI Batch API (docs/batches.md); with tenants, a tenant's own files and batches only."""
+    file_id = ({"name": "file_id", "in": "path", "required": True,
+                "schema": {"type": "string", "pattern": "^file-[0-9a-f]{24}$"}, "description": "a file's id"},)
+    batch_id = ({"name": "batch_id", "in": "path", "required": True,
+                 "schema": {"type": "string", "pattern": "^batch_[0-9a-f]{24}$"}, "description": "a batch's id"},)
+    file_object, batch_object = _json(schemas.file_object()), _json(schemas.batch_object())
+    return (
+        Operation("post", "/v1/files", "upload a batch's JSONL file (multipart: purpose batch, file), checked line "
+                  "by line as the live routes check a request", file_object, body=schemas.file_upload(),
+                  errors=(400, 401, 403, 413, 415), body_media="multipart/form-data"),
+        Operation("get", "/v1/files", "the files kept (with tenants, the key's tenant's)",
+                  _json(schemas.listing(schemas.file_object())), errors=(401,),
+                  parameters=({"name": "purpose", "in": "query", "required": False, "schema": {"type": "string"}},)),
+        Operation("get", "/v1/files/{file_id}", "a file's record", file_object, errors=(401, 404),
+                  parameters=file_id),
+        Operation("get", "/v1/files/{file_id}/content", "a file's bytes (a batch's input, output or errors)",
+                  {"application/octet-stream": {"schema": {"type": "string"}}}, errors=(401, 404),
+                  parameters=file_id),
+        Operation("delete", "/v1/files/{file_id}", "delete a file", _json({"type": "object", "required": ["deleted"]}),
+                  errors=(401, 404), parameters=file_id),
+        Operation("post", "/v1/batches", "run a file's lines inside the pool at the batch priority class, as "
+                  "the free slots allow; its answers and errors become files", batch_object,
+                  body=schemas.batch_request(ENDPOINTS), errors=(400, 401, 403, 404, 413, 415)),
+        Operation("get", "/v1/batches", "the batches, newest first (with tenants, the key's tenant's)",
+                  _json(schemas.listing(schemas.batch_object())), errors=(400, 401),
+                  parameters=(_query("limit", 1, 100, "at most this many (default 20)"),
+                              {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
+                               "description": "the last id of the previous page"})),
+        Operation("get", "/v1/batches/{batch_id}", "a batch: its status, counts and files", batch_object,
+                  errors=(401, 404), parameters=batch_id),
+        Operation("post", "/v1/batches/{batch_id}/cancel", "cancel: its lines in flight end, no other is sent, "
+                  "then its files are written", batch_object, errors=(401, 403, 404, 409, 415),
+                  parameters=batch_id),
+        Operation("get", "/v1/admin/batches", "every tenant's batches with their progress and rate, and each "
+                  "model's batch class queue", _json(schemas.any_object("the batches")),
+                  errors=ADMIN_READ_ERRORS, admin=True),
+    )
+
+
 def _retry_after() -> dict[str, Any]:
     return {"Retry-After": {"required": True, "description": "seconds to wait before trying again",
                             "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
@@ -284,7 +327,8 @@ def _operation(op: Operation, models: list[str]) -> dict[str, Any]:
         if "model" in body.get("properties", {}) and models:
             body = {**body, "properties": {**body["properties"],
                                            "model": {**body["properties"]["model"], "examples": models}}}
-        out["requestBody"] = {"required": op.method == "post" and "required" in body, "content": _json(body)}
+        out["requestBody"] = {"required": op.method == "post" and "required" in body,
+                              "content": {op.body_media: {"schema": body}}}
     if op.admin:
         out["security"] = [{"adminToken": []}]
         out["tags"] = ["admin"]
@@ -300,7 +344,10 @@ def build(settings: Settings | None = None) -> dict[str, Any]:
     """The OpenAPI document; with `settings`, the configured model ids as examples."""
     models = sorted(settings.models) if settings is not None else []
     paths: dict[str, dict[str, Any]] = {}
+    batches_off = settings is not None and not settings.batches.enabled
     for op in operations():
+        if batches_off and op.path.startswith(BATCH_PATHS):
+            continue
         paths.setdefault(op.path, {})[op.method] = _operation(op, models)
     return {
         "openapi": OPENAPI_VERSION,

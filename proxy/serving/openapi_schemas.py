@@ -299,3 +299,56 @@ def process() -> dict[str, Any]:
                            "requests": {**count, "description": "requests in flight"},
                            "leases": {**count, "description": "sends to replicas its controller leased to it"},
                            "restarts": count}}
+
+
+# -- the Batch API (docs/batches.md) ---------------------------------------------------------------
+
+BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                  "cancelled")
+
+
+def file_upload() -> dict[str, Any]:
+    """POST /v1/files' form: OpenAI's."""
+    return {"type": "object", "required": ["purpose", "file"],
+            "properties": {"purpose": {"enum": ["batch"], "description": "this pool keeps files for batches only"},
+                           "file": {"type": "string", "format": "binary",
+                                    "description": "JSONL: a {custom_id, method, url, body} request a line"}}}
+
+
+def file_object() -> dict[str, Any]:
+    return {"type": "object", "required": ["id", "object", "bytes", "created_at", "filename", "purpose"],
+            "properties": {"id": {"type": "string", "pattern": "^file-"}, "object": {"const": "file"},
+                           "bytes": {"type": "integer", "minimum": 0}, "created_at": {"type": "integer"},
+                           "filename": {"type": "string"}, "purpose": {"enum": ["batch", "batch_output"]}}}
+
+
+def batch_request(endpoints: tuple[str, ...]) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False,
+            "required": ["input_file_id", "endpoint", "completion_window"],
+            "properties": {"input_file_id": {"type": "string", "description": "a file uploaded with purpose batch"},
+                           "endpoint": {"enum": list(endpoints)},
+                           "completion_window": {"enum": ["24h"]},
+                           "metadata": {"type": ["object", "null"], "maxProperties": 16,
+                                        "propertyNames": {"maxLength": 64},
+                                        "additionalProperties": {"type": "string", "maxLength": 512}},
+                           "output_expires_after": {"type": "object", "description": "accepted, not applied: "
+                                                    "a batch's files are kept until deleted"}}}
+
+
+def batch_object() -> dict[str, Any]:
+    counts = {"type": "object", "required": ["total", "completed", "failed"],
+              "properties": {k: {"type": "integer", "minimum": 0} for k in ("total", "completed", "failed")}}
+    file_id = {"type": ["string", "null"]}
+    return {"type": "object", "required": ["id", "object", "endpoint", "input_file_id", "completion_window", "status",
+                                           "created_at", "request_counts"],
+            "properties": {"id": {"type": "string", "pattern": "^batch_"}, "object": {"const": "batch"},
+                           "endpoint": {"type": "string"}, "input_file_id": {"type": "string"},
+                           "completion_window": {"type": "string"}, "status": {"enum": list(BATCH_STATUSES)},
+                           "output_file_id": file_id, "error_file_id": file_id, "created_at": {"type": "integer"},
+                           "request_counts": counts}}
+
+
+def listing(item: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": ["object", "data"],
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": item},
+                           "has_more": {"type": "boolean"}}}

@@ -23,7 +23,7 @@ from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.edge import anthropic, response_metrics
 from proxy.serving.affinity_key import affinity_key
-from proxy.serving.body import fairness_key, read_body, requested_model, servable
+from proxy.serving.body import fairness_key, priority_class, read_body, requested_model, servable
 from proxy.serving.chat_relay import CHAT_PATH, Piece, count_usage, relay_chat
 from proxy.edge.anthropic import MESSAGES_PATH
 from proxy.serving.fallbacks import with_fallbacks
@@ -52,7 +52,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     request_id = request.headers.get("X-Request-Id") or f"req_{os.urandom(16).hex()}"
     timer = response_metrics.Timer()
     cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
-    queued = runtime.admission.enqueue(key)   # a full queue is a plain 429
+    queued = runtime.admission.enqueue(key, priority_class(request, runtime.policy))   # a full queue: a plain 429
     timer.mark("enqueued")
     relay = relay_chat(request, runtime, queued, chat, request_id, timer, affinity, cold)
     message_id = f"msg_{os.urandom(12).hex()}"

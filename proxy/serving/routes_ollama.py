@@ -26,7 +26,7 @@ from proxy.gpu.vram_estimate import configured_context
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.affinity_key import affinity_key
-from proxy.serving.body import fairness_key, read_body, servable
+from proxy.serving.body import fairness_key, priority_class, read_body, servable
 from proxy.serving.chat_relay import CHAT_PATH, Piece, count_usage, relay_chat
 from proxy.serving.fallbacks import with_fallbacks
 from proxy.serving.forward import Slot, read_answer, upstream
@@ -192,7 +192,7 @@ async def _generate(request: web.Request, runtime: ModelRuntime, body: dict[str,
     key = fairness_key(request, body)
     timer = response_metrics.Timer()
     cold = runtime.state != ModelState.LOADED
-    queued = runtime.admission.enqueue(key)   # a full queue is a plain 429
+    queued = runtime.admission.enqueue(key, priority_class(request, runtime.policy))   # a full queue: a plain 429
     timer.mark("enqueued")
     name = runtime.name
     if load_only:
@@ -322,7 +322,7 @@ async def _embeddings(request: web.Request, body: dict[str, Any], texts: list[st
     if body.get("dimensions") is not None:
         payload["dimensions"] = body["dimensions"]
     started = time.perf_counter()
-    queued = runtime.admission.enqueue(fairness_key(request, body))
+    queued = runtime.admission.enqueue(fairness_key(request, body), priority_class(request, runtime.policy))
     outcomes, settings = request.app[POOL].outcomes, request.app[SETTINGS]
     request_id = request.headers.get("X-Request-Id") or f"req_{os.urandom(16).hex()}"
     timeouts = Timeouts.of(settings.service, runtime.model)

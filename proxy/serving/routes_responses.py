@@ -22,7 +22,7 @@ from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.edge import response_metrics
 from proxy.serving.affinity_key import affinity_key
-from proxy.serving.body import fairness_key, read_json, servable
+from proxy.serving.body import fairness_key, priority_class, read_json, servable
 from proxy.serving.chat_relay import Piece, relay_chat
 from proxy.serving.fallbacks import with_fallbacks
 from proxy.serving.image_urls import check_image_urls
@@ -61,7 +61,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     headers = {"X-Request-Id": request_id, **({IGNORED_HEADER: ignored_header(req.ignored)} if req.ignored else {})}
     response_id = f"resp_{os.urandom(16).hex()}"
     cold = runtime.state != ModelState.LOADED   # it waits for its model to load (on demand)
-    queued = runtime.admission.enqueue(fairness_key(request, body))  # a full queue is a plain 429
+    # a full queue is a plain 429
+    queued = runtime.admission.enqueue(fairness_key(request, body), priority_class(request, runtime.policy))
     timer.mark("enqueued")
     relay = relay_chat(request, runtime, queued, payload, request_id, timer, affinity, cold)
     if req.stream:

@@ -65,6 +65,8 @@ class Keys:
         # The digest of each (tenant, key_env variable)'s key as read at the start: the admin view
         # names such a key by its id, as it names minted and configured ones.
         self.from_env: dict[tuple[str, str], str] = {}
+        # The ids of keys that are no client's (the Batch API's own, `internal`): their rows say what they are.
+        self._named: dict[str, str] = {}
 
     @classmethod
     def configured(cls, tenants: Mapping[str, TenantSettings], environ: Mapping[str, str]) -> "Keys":
@@ -101,6 +103,15 @@ class Keys:
             if tenant in self.tenants:
                 self.add(tenant, sha)
 
+    def internal(self, tenant: str, name: str) -> str:
+        """A new key of `tenant` for the proxy's own requests on its behalf (a batch's lines): it
+        lives in this process's memory only, and its ledger rows' key id is `name`."""
+        key = new_key()
+        sha = digest(key)
+        self._named[sha] = name
+        self.add(tenant, sha)
+        return key
+
     def env_key_id(self, tenant: str, var: str) -> str | None:
         """The id of the key the tenant's variable `var` held at the start, while it is that tenant's
         key; None when it held none, or its key is not the tenant's (another tenant's, the admin token)."""
@@ -114,5 +125,5 @@ class Keys:
             owner = self._owner.get(sha)
             if owner is None:
                 return None   # not kept: unknown keys must not grow the map
-            caller = self._callers[key] = Caller(self.tenants[owner], key_id(sha))
+            caller = self._callers[key] = Caller(self.tenants[owner], self._named.get(sha) or key_id(sha))
         return caller

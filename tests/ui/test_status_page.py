@@ -7,11 +7,14 @@ own browser tab, types the token, and leaves the pool as it found it.
 """
 from __future__ import annotations
 
+import io
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
+import openai
 import pytest
 
 from helpers import ProxyProcess, http, status_page
@@ -168,9 +171,10 @@ def test_a_load_from_the_form_with_an_override_then_its_log_followed_then_an_unl
     expect(demo_memory.nth(5)).to_have_text("")
 
 
-def _chat(url: str, key: str) -> int:
+def _chat(url: str, key: str, priority: str | None = None) -> int:
     body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "fairness_key": key}
-    return http("POST", url + "/v1/chat/completions", body)[0]
+    return http("POST", url + "/v1/chat/completions", body,
+                headers={"X-Priority-Class": priority} if priority is not None else None)[0]
 
 
 def test_a_flood_shows_waiting_counts_per_key_and_the_request_rate(page: Any, pool: ProxyProcess,
@@ -183,15 +187,18 @@ def test_a_flood_shows_waiting_counts_per_key_and_the_request_rate(page: Any, po
     with ThreadPoolExecutor(16) as pool_of_clients:
         flood = [pool_of_clients.submit(_chat, pool.url, "batch") for _ in range(10)]
         flood += [pool_of_clients.submit(_chat, pool.url, "alice") for _ in range(3)]
+        flood += [pool_of_clients.submit(_chat, pool.url, "nightly", "batch") for _ in range(2)]
         # Fairness keys' rows: key, active, waiting, weight, running time.
         expect(sim.locator('table.keys tbody tr[data-key="batch"] td').nth(2)).to_have_text(some)
         expect(sim.locator('table.keys tbody tr[data-key="alice"] td').nth(0)).to_have_text("alice")
         expect(overview_cell(page, "sim", 4)).to_have_text(some)          # waiting
+        # Priority classes: the batch class's requests wait behind the default class's.
+        expect(sim.locator('[data-field="classes"]')).to_contain_text(re.compile(r"batch 0 active, [12] waiting"))
         expect(overview_cell(page, "sim", 6)).not_to_have_text(re.compile(r"^(–|0\.00)$"))   # requests/s
         page.screenshot(path=str(artifacts / "status-page-under-load.png"), full_page=True)
         print(f"screenshot: {artifacts / 'status-page-under-load.png'}")
-        assert [f.result() for f in flood] == [200] * 13
-    expect(overview_cell(page, "sim", 11)).to_have_text(str(before + 13))   # requests, the proxy's counter
+        assert [f.result() for f in flood] == [200] * 15
+    expect(overview_cell(page, "sim", 11)).to_have_text(str(before + 15))   # requests, the proxy's counter
     expect(overview_cell(page, "sim", 8)).to_have_text(re.compile(r"\d+ (ms|s)$"))   # latency p50
     expect(sim.locator('table.keys tbody tr[data-key="batch"] td').nth(2)).to_have_text("0")
 
@@ -214,3 +221,21 @@ def test_scale_from_the_page_up_and_back_down(page: Any, pool: ProxyProcess) -> 
     replicas.press("Enter")   # the keyboard works as the button does
     expect(result).to_contain_text("sim is loaded: 1 of 1 replicas ready", timeout=LOAD_S)
     expect(sim.locator("table.replicas tbody tr")).to_have_count(1)
+
+
+def test_a_running_batch_shows_its_progress_and_the_batch_class_queue(page: Any, pool: ProxyProcess) -> None:
+    """The sim's one slot, 40 tokens a second: six lines of 20 tokens run for about 3 s, the last
+    ones waiting in the batch class meanwhile."""
+    lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"model": "sim", "max_tokens": 20, "messages": [{"role": "user",
+                                                                                         "content": "hi"}]}}) + "\n"
+                    for i in range(6))
+    sdk = openai.OpenAI(base_url=pool.url + "/v1", api_key="none", max_retries=0)
+    upload = sdk.files.create(file=("lines.jsonl", io.BytesIO(lines.encode())), purpose="batch")
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    sign_in(page, TOKEN)
+    line = page.locator("#batches")
+    expect(line).to_contain_text(re.compile(rf"{batch.id} \(no tenant, sim\) [0-5]/6 done"))
+    expect(line).to_contain_text(re.compile(r"sim: batch class 1 running"))
+    expect(line).to_contain_text(re.compile(r"batches: none running · [1-9]\d* ended"), timeout=LOAD_S)
+    assert sdk.batches.retrieve(batch.id).status == "completed"

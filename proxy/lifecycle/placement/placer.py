@@ -237,6 +237,13 @@ class Placer:
         self.reserve(runtime.name, config)
         return room.evict
 
+    def room_free(self, runtime: ModelRuntime) -> bool:
+        """Whether the model would load now without evicting any other: the one load a batch's line
+        may bring about (a batch never takes a model's room from its users: docs/batches.md)."""
+        room = room_for(runtime.name, self.views((runtime.name, runtime.model)), self.limits(), self.clock.time(),
+                        may_evict=False)
+        return room.too_large is None and room.blocked is None and not room.evict
+
     def reserve(self, name: str, config: ModelConfig) -> None:
         """Hold room for an admitted load of `config`, charged what it is admitted by now."""
         self._drop_charge(name)

@@ -271,6 +271,7 @@ class ModelRuntime:
             "waiting": self.admission.waiting,
             "keys": self.admission.describe_keys(),
             "key_counts": self.admission.key_counts(),
+            "classes": self.admission.describe_classes(),
             "capabilities": self.capabilities().as_dict(),
             "gpus": list(cfg.gpus),
             "overrides": changed(self.config.options, cfg.options),

@@ -46,7 +46,7 @@
     (m.last_error ? `; ${m.last_error}` : "");
 
   const SUMMARY = [["backend", "Backend"], ["replicas", "Replicas"], ["capacity", "Capacity"],
-    ["routing", "Routing"], ["overrides", "Overrides"], ["memory", "Memory"], ["lifecycle", "Lifecycle"],
+    ["classes", "Priority classes"], ["routing", "Routing"], ["overrides", "Overrides"], ["memory", "Memory"], ["lifecycle", "Lifecycle"],
     ["loads", "Loads / unloads"], ["kv", "Slots kept across swaps"], ["error", "Last error"]];
   const REPLICA_COLUMNS = ["#", "Host", "State", "PID", "Port", "In flight", "Backend running / waiting", "KV cache",
     "Restarts", "Ejections", "Failures in a row", "Prefix cache hits", "Affinity keys / picks / spills",
@@ -107,6 +107,14 @@
       (lost ? ` (not saved: ${lost})` : "") + `; restored ${r.hit || 0} hit, ${r.miss || 0} missed, ${r.stale || 0} stale`;
   }
 
+  // Each priority class, highest first (docs/routing.md#priority-classes): what runs and waits, and
+  // for one with an aging bound how long its oldest request has waited against it.
+  function fmtClasses(classes) {
+    return Object.entries(classes || {}).map(([name, c]) => `${name} ${c.running} active, ${c.waiting} waiting` +
+      (c.waiting && c.max_wait_s !== null ? ` (oldest ${Number(c.oldest_wait_s).toFixed(0)} s of ${c.max_wait_s} s)` :
+        "")).join(" · ") || "–";
+  }
+
   function updateCard(card, m) {
     card.model = m;
     stateBadge(card.badge, m.state);
@@ -114,6 +122,7 @@
     setText(f.backend, m.backend);
     setText(f.replicas, `${ready(m)} ready of ${m.replica_count} (at most ${m.replica_max})`);
     setText(f.capacity, `${m.capacity} slots (${m.target_inflight} per replica); ${m.active} active, ${m.waiting} waiting`);
+    setText(f.classes, fmtClasses(m.classes));
     setText(f.routing, m.routing || "–");
     setText(f.overrides, fmtOverrides(m.overrides) || "none");
     const fp = m.footprint || {};

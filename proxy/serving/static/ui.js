@@ -45,16 +45,19 @@
     const withGpu = state.polls % GPU_EVERY === 0;
     state.polls += 1;
     try {
-      const [models, traffic, memory, hosts, processes, gpu] = await Promise.all([
+      const [models, traffic, memory, hosts, processes, gpu, batches] = await Promise.all([
         api("GET", "v1/admin/models"), api("GET", "v1/admin/traffic"), api("GET", "v1/admin/memory"),
         api("GET", "v1/admin/hosts"), api("GET", "v1/admin/processes"),
-        withGpu ? api("GET", "v1/admin/gpu-memory") : Promise.resolve(null)]);
+        withGpu ? api("GET", "v1/admin/gpu-memory") : Promise.resolve(null),
+        // engine.batches.enabled false: no such route (404), and no line for it.
+        api("GET", "v1/admin/batches").catch((err) => { if (err.status === 404) return null; throw err; })]);
       showProblem(null);
       noteReading(traffic);
       state.models = models.data;
       renderOverview(models.data);
       renderHosts(hosts.data);
       renderProcesses(processes.data);
+      renderBatches(batches);
       renderMemory(models.data, memory, gpu);
       renderDetails();
       noteModels(models.data);
@@ -80,6 +83,25 @@
         .join("; ");
     }
     setText(document.getElementById("processes"), text);
+  }
+
+  // One line: the batches still running, each with its progress and rate, and each model's batch
+  // class queue (/v1/admin/batches, docs/batches.md).
+  function renderBatches(view) {
+    const line = document.getElementById("batches");
+    const running = view ? view.data.filter((b) => ["in_progress", "cancelling", "finalizing"].includes(b.status)) : [];
+    line.hidden = !view;
+    if (!view) return;
+    const ended = view.data.length - running.length;
+    let text = running.length ? `batches: ` + running.map((b) => `${b.id} (${b.owner || "no tenant"}, ${b.model}) ` +
+      `${b.status === "in_progress" ? "" : b.status + " "}${b.completed + b.failed}/${b.total} done` +
+      (b.failed ? `, ${b.failed} failed` : "") + (b.lines_per_s === null ? "" : `, ${b.lines_per_s} lines/s`)).join("; ")
+      : "batches: none running";
+    text += ended ? ` · ${ended} ended` : "";
+    for (const [model, q] of Object.entries(view.queues || {})) {
+      text += ` · ${model}: batch class ${q.running || 0} running, ${q.waiting || 0} waiting`;
+    }
+    setText(line, text);
   }
 
   function schedule() {
