@@ -30,12 +30,13 @@ another key takes its slot in that moment, so each of its requests waits for a s
 With anticipation, the slot of a key that finished below its soft max, while others wait, is held
 for that key for `anticipation_ms`; if it does not come back in time the slot goes to the others.
 
-Cost: an event costs O(G + log K) (amortized) for K active keys, G being the number of distinct (running
-count, weight) pairs among them. A key's usage grows with time at the rate running/weight, so no
-single order by usage holds for long; but keys with the same running count and weight keep their
-order between events (usage = offset + rate * now, same rate), so each such group is a heap by
-offset, and the next key is the best of the G group tops. Running counts add up to at most the
-capacity, so G stays small (at most about sqrt(2 * capacity) per weight) however many keys wait.
+Cost: an event costs O(G + log K) (amortized) for K active keys, G being the number of distinct (class,
+running count, weight) triples among them. A key's usage grows with time at the rate running/weight,
+so no single order by usage holds for long; but keys with the same running count and weight keep
+their order between events (usage = offset + rate * now, same rate), so each such group is a heap by
+offset, and the next key is the best of the G group tops (the class ranks first). Running counts add
+up to at most the capacity, so G stays small (at most about sqrt(2 * capacity) per weight and class)
+however many keys wait.
 """
 from __future__ import annotations
 
@@ -176,7 +177,7 @@ class FairScheduler:
         self._running = 0
         self._active = 0                                # keys with work queued or running
         self._idle: OrderedDict[tuple[int, str], None] = OrderedDict()   # idle keys, longest idle first
-        # Per (running count, weight) group: keys with work waiting, by (offset, head arrival),
+        # Per (class, running count, weight) group: keys with work waiting, by (offset, head arrival),
         # and every active key, by offset (for the level-up of a key that becomes active).
         self._waiting_groups: dict[tuple[int, int, float], list[_Entry]] = {}
         self._active_groups: dict[tuple[int, int, float], list[_Entry]] = {}
@@ -260,9 +261,12 @@ class FairScheduler:
                                 f"fairness key {key or '(none)'!r} already has {len(state.queue)} requests waiting",
                                 self.retry_after(len(state.queue) * max(1, self._active)))
             if self.waiting >= self.policy.max_pending_per_executor:
+                # What goes before it: the waiting requests of its class and the classes above.
+                ahead = sum(len(self._since[r]) for r in range(rank + 1))
                 raise QueueFull("executor_queue_full",
-                                f"{self.waiting} requests are already waiting for this model",
-                                self.retry_after(self.waiting))
+                                f"{self.waiting} requests are already waiting for this model ({ahead} of them in "
+                                f"class {self.policy.classes[rank].name!r} or above)",
+                                self.retry_after(max(1, ahead)))
         if not state.active:
             self._level_up(state, now)
             state.idle_since = None

@@ -36,7 +36,8 @@ CREATE TABLE IF NOT EXISTS files (
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at INTEGER NOT NULL, status TEXT NOT NULL,
     model TEXT NOT NULL, doc TEXT NOT NULL, completed INTEGER NOT NULL DEFAULT 0,
-    failed INTEGER NOT NULL DEFAULT 0);
+    failed INTEGER NOT NULL DEFAULT 0, input_tokens INTEGER NOT NULL DEFAULT 0,
+    cached_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS lines (
     batch TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
     state TEXT NOT NULL DEFAULT 'pending', owner_pid INTEGER, ok INTEGER, result TEXT,
@@ -175,8 +176,7 @@ class BatchStore:
             db.close()
 
     def batch(self, batch_id: str, owner: str | None) -> dict[str, Any] | None:
-        found = self.db.execute("SELECT owner, doc, completed, failed FROM batches WHERE id = ?",
-                                (batch_id,)).fetchone()
+        found = self.db.execute(f"SELECT owner, {DOC} FROM batches WHERE id = ?", (batch_id,)).fetchone()
         if found is None or (owner is not None and found[0] != owner):
             return None
         return _doc(*found[1:])
@@ -190,7 +190,7 @@ class BatchStore:
         if after is not None:
             start = self.db.execute("SELECT created_at, id FROM batches WHERE id = ?", (after,)).fetchone()
         rows = self.db.execute(
-            "SELECT doc, completed, failed FROM batches WHERE (? IS NULL OR owner = ?) AND "
+            f"SELECT {DOC} FROM batches WHERE (? IS NULL OR owner = ?) AND "
             "(? IS NULL OR created_at < ? OR (created_at = ? AND id > ?)) ORDER BY created_at DESC, id LIMIT ?",
             (owner, owner, start and start[0], start and start[0], start and start[0], start and start[1],
              limit + 1)).fetchall()
@@ -199,9 +199,9 @@ class BatchStore:
     def active(self) -> list[tuple[dict[str, Any], str, str]]:
         """Every batch with lines to run or an end to write, oldest first: (doc, owner, model)."""
         marks = ",".join("?" * len(ACTIVE))
-        rows = self.db.execute(f"SELECT doc, completed, failed, owner, model FROM batches WHERE status IN ({marks}) "
+        rows = self.db.execute(f"SELECT owner, model, {DOC} FROM batches WHERE status IN ({marks}) "
                                "ORDER BY created_at, id", ACTIVE).fetchall()
-        return [(_doc(d, c, f), o, m) for d, c, f, o, m in rows]
+        return [(_doc(*r[2:]), r[0], r[1]) for r in rows]
 
     def save(self, doc: dict[str, Any]) -> None:
         """Its status and timestamps (its counts are the table's: `finish`)."""
@@ -214,19 +214,23 @@ class BatchStore:
         """Up to `count` pending lines, in order, now `running` under `pid`: (idx, custom_id, body)."""
         if count <= 0:
             return []
-        return self.db.execute(
+        # RETURNING's rows come in no order SQLite promises: sorted, they go out in the input's.
+        return sorted(self.db.execute(
             "UPDATE lines SET state = 'running', owner_pid = ? WHERE batch = ? AND idx IN "
             "(SELECT idx FROM lines WHERE batch = ? AND state = 'pending' ORDER BY idx LIMIT ?) "
-            "RETURNING idx, custom_id, body", (pid, batch_id, batch_id, count)).fetchall()
+            "RETURNING idx, custom_id, body", (pid, batch_id, batch_id, count)).fetchall())
 
-    def finish(self, batch_id: str, idx: int, ok: bool, result: dict[str, Any]) -> None:
-        """A line's answer (`result`: its line of the output or error file), and the batch's count
-        with it, in one transaction."""
+    def finish(self, batch_id: str, idx: int, ok: bool, result: dict[str, Any],
+               tokens: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """A line's answer (`result`: its line of the output or error file), and the batch's counts
+        with it (a line, its prompt, cached and output tokens), in one transaction."""
         with self._transaction():
             self.db.execute("UPDATE lines SET state = 'done', ok = ?, result = ?, owner_pid = NULL "
                             "WHERE batch = ? AND idx = ?", (int(ok), json.dumps(result), batch_id, idx))
-            self.db.execute(f"UPDATE batches SET {'completed' if ok else 'failed'} = "
-                            f"{'completed' if ok else 'failed'} + 1 WHERE id = ?", (batch_id,))
+            column = "completed" if ok else "failed"
+            self.db.execute(f"UPDATE batches SET {column} = {column} + 1, input_tokens = input_tokens + ?, "
+                            "cached_tokens = cached_tokens + ?, output_tokens = output_tokens + ? WHERE id = ?",
+                            (*tokens, batch_id))
 
     def unclaim(self, batch_id: str, idx: int) -> None:
         """A line that did not run (the pool would not take it now): pending again."""
@@ -293,10 +297,17 @@ class BatchStore:
         return _Transaction(self.db)
 
 
-def _doc(text: str, completed: int, failed: int) -> dict[str, Any]:
-    """A batch's object, with its counts as the table holds them."""
+# A batch's object and the counts kept beside it (`_doc` takes them in this order).
+DOC = "doc, completed, failed, input_tokens, cached_tokens, output_tokens"
+
+
+def _doc(text: str, completed: int, failed: int, prompt: int, cached: int, output: int) -> dict[str, Any]:
+    """A batch's object, with its counts as the table holds them (OpenAI's `usage` of a batch)."""
     doc: dict[str, Any] = json.loads(text)
     doc["request_counts"] = {**doc["request_counts"], "completed": completed, "failed": failed}
+    doc["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                    "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": prompt + output}
     return doc
 
 

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from proxy.batches.store import BatchStore, new_id
 from proxy.config.settings import BatchSettings
+from proxy.edge.response_metrics import usage_numbers
 from proxy.errors import NotFound
 from proxy.fairness import FairnessPolicy
 from proxy.lifecycle.pool import Pool
@@ -192,7 +193,11 @@ class BatchRunner:
                 if held.inflight == 0 and self.store.counts(batch_id)["running"] == 0:
                     await self._finalize(held)
                 continue
-            if held.exhausted and held.inflight == 0:
+            if held.exhausted:
+                # No line was left to claim: once its own have ended, it ends, unless lines came back
+                # (a line the pool would not take, or those of a process that is gone).
+                if held.inflight:
+                    continue
                 counts = self.store.counts(batch_id)
                 if counts["pending"] == 0:
                     if counts["running"] == 0:
@@ -288,8 +293,9 @@ class BatchRunner:
             error = None if ok else {"code": str(code or "request_failed"),
                                      "message": str(answer.get("error", {}).get("message", f"HTTP {status}"))
                                      if isinstance(answer.get("error"), dict) else f"HTTP {status}"}
+            prompt, cached, output = usage_numbers(answer.get("usage")) if ok else (None, None, None)
             self.store.finish(doc["id"], idx, ok, {"id": request_id, "custom_id": custom_id, "response": response,
-                                                   "error": error})
+                                                   "error": error}, (prompt or 0, cached or 0, output or 0))
             held.ends.append(time.monotonic())
             del held.ends[:-RATE_WINDOW]
         except asyncio.CancelledError:

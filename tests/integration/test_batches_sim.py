@@ -98,6 +98,7 @@ def test_the_openai_sdk_runs_a_batch_end_to_end(proxy: ProxyProcess) -> None:
     done = ended(sdk, batch.id)
     assert done.status == "completed" and done.metadata == {"job": "nightly"}
     assert (done.request_counts.completed, done.request_counts.failed) == (30, 1)
+    assert done.usage is not None and done.usage.output_tokens == 30 * 4 and done.usage.input_tokens > 0
     out = [json.loads(line) for line in sdk.files.content(done.output_file_id).text.splitlines()]
     assert [o["custom_id"] for o in out] == [f"req-{i}" for i in range(30)]   # the input's order, each once
     first = out[0]

@@ -51,9 +51,12 @@ def test_lines_are_claimed_once_in_order_and_counted_once(tmp_path: Path) -> Non
     assert [(i, c) for i, c, _ in first] == [(0, "c0"), (1, "c1")]
     assert [i for i, _, _ in s.claim(doc["id"], 10, 200)] == [2, 3, 4]
     assert s.claim(doc["id"], 10, 100) == []
-    s.finish(doc["id"], 0, True, {"custom_id": "c0"})
+    s.finish(doc["id"], 0, True, {"custom_id": "c0"}, (10, 4, 3))
     s.finish(doc["id"], 1, False, {"custom_id": "c1"})
     assert s.batch(doc["id"], "a")["request_counts"] == {"total": 5, "completed": 1, "failed": 1}
+    assert s.batch(doc["id"], "a")["usage"] == {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 4},
+                                                "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0},
+                                                "total_tokens": 13}
     assert s.batch(doc["id"], "b") is None
     assert s.counts(doc["id"]) == {"pending": 0, "running": 3, "done": 2}
 

@@ -174,3 +174,22 @@ def test_no_request_of_an_aging_class_waits_past_its_bound_while_a_slot_frees(st
                 assert request == min(aged, key=since.__getitem__), (request, aged)
             since.pop(request)
             running.append(request)
+
+
+def test_retry_after_of_a_full_queue_counts_what_waits_in_the_class_and_above() -> None:
+    sched, clock = scheduler(1, max_pending_per_executor=6)
+    sched.submit("run", "x")
+    for i in range(5):
+        sched.submit(("b", i), f"k{i}", BATCH)
+    clock.advance(10)
+    sched.done("run")   # the first batch request runs, 4 wait
+    assert sched.is_running(("b", 0))
+    sched.submit("i0", "ui", INTERACTIVE)
+    sched.submit("i1", "ui2", INTERACTIVE)
+    with pytest.raises(QueueFull) as interactive:
+        sched.submit("i2", "ui3", INTERACTIVE)
+    with pytest.raises(QueueFull) as batch:
+        sched.submit(("b", 9), "k9", BATCH)
+    assert "2 of them in class 'interactive' or above" in str(interactive.value)
+    assert "6 of them in class 'batch' or above" in str(batch.value)
+    assert interactive.value.retry_after < batch.value.retry_after
