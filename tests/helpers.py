@@ -178,6 +178,17 @@ class ProxyProcess:
         self.admin_headers = {"Authorization": f"Bearer {admin_token}"}
         return self
 
+    def start_loaded(self, *models: str) -> "ProxyProcess":
+        """`start`, then wait until each of `models` is loaded; stopped again if either fails."""
+        try:
+            self.start()
+            for name in models:
+                self.wait_state(name, "loaded")
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
     def processes(self) -> list[dict[str, Any]]:
         """GET /v1/admin/processes: the serving process and its workers."""
         status, _, body = http("GET", self.admin_url + "/v1/admin/processes", headers=self.admin_headers)

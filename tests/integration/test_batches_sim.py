@@ -63,13 +63,7 @@ def start(models: dict[str, Any], state_dir: Path | None = None, tenants: bool =
     proxy = ProxyProcess(models, service=service, state_dir=state_dir)
     if tenants:
         proxy.with_tenants(TENANTS, {"A_KEY": A_KEY, "B_KEY": B_KEY}, ADMIN_TOKEN)
-    try:
-        proxy.start()
-        proxy.wait_state("sim", "loaded")
-    except BaseException:
-        proxy.cleanup()
-        raise
-    return proxy
+    return proxy.start_loaded("sim")
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])

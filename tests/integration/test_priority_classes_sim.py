@@ -32,14 +32,7 @@ def start(workers: int, batch_max_wait_s: float) -> ProxyProcess:
                            engine={"fairness": {"max_queue_wait_s": 120, "classes": [
                                {"name": "interactive"}, {"name": "default"},
                                {"name": "batch", "max_wait_s": batch_max_wait_s}]}})
-    started.with_tenants(TENANTS, {"UI_KEY": UI_KEY, "JOBS_KEY": JOBS_KEY}, ADMIN_TOKEN)
-    try:
-        started.start()
-        started.wait_state("sim", "loaded")
-    except BaseException:
-        started.cleanup()
-        raise
-    return started
+    return started.with_tenants(TENANTS, {"UI_KEY": UI_KEY, "JOBS_KEY": JOBS_KEY}, ADMIN_TOKEN).start_loaded("sim")
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["workers1", "workers2"])
