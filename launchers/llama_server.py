@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Mapping
 
 from launchers.common import gguf_problem, library_env, managed_flag_problem, model_file_problems
-from launchers.gguf_header import declared_pooling
+from launchers.gguf_header import declared_pooling, lora_problem
 from launchers.llama_help import HelpUnavailable, Option, choices, help_text, options
 from launchers.options import Options, setting, strings
-from launchers.spec import EngineMetrics, ProgramSpec, program_name
+from launchers.spec import Adapters, EngineMetrics, ProgramSpec, program_name
 from proxy.capabilities import Traits
 from proxy.config.model import ModelConfig
 from proxy.setup.paths import cache_root, cached_llama_server
@@ -142,6 +142,15 @@ def check(model: ModelConfig) -> list[str]:
 
     for key in ("model_path", "llama_server_mmproj_path", "llama_server_draft_model_path"):
         problems += model_file_problems(where, key, opts.value(key), judge)
+    for adapter in model.adapters:
+        field = f"{where}.lora_adapters.{adapter.name}.path"
+        if "," in adapter.path:
+            # llama-server splits each --lora value at commas: the path would name other files.
+            problems.append(f"{field}: {adapter.path} has a comma, which llama-server's --lora reads as a separator")
+        elif opts.model_path and Path(opts.model_path).is_file():
+            problem = lora_problem(Path(opts.model_path), Path(adapter.path))
+            if problem is not None:
+                problems.append(f"{field}: {problem}")
     media = opts.media_path
     if media and not Path(media).is_dir():
         problems.append(f"{where}.llama_server_media_path: {media} is not a folder")
@@ -285,6 +294,10 @@ def _argv(model: ModelConfig, opts: LlamaServerOptions, host: str, port: int) ->
     args += [flag for key, flag in SWITCHES if opts.value(key)]
     if opts.enable_thinking is not None:
         args += ["--reasoning", "on" if opts.enable_thinking else "off"]
+    for adapter in model.adapters:
+        # Each its own flag (llama-server appends them; their order is their ids): a request
+        # chooses one by id and scale (spec.Adapters).
+        args += ["--lora", adapter.path]
     args += opts.extra_args
     return tuple(args)
 
@@ -308,6 +321,7 @@ def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, envir
         stopwaitsecs=stopwaitsecs,
         metrics=METRICS,
         closes_after_streams=True,
+        adapters=Adapters(scales=tuple((a.name, a.scale) for a in model.adapters)) if model.adapters else None,
     )
 
 

@@ -42,6 +42,39 @@ class EngineSleep:
 
 
 @dataclass(frozen=True)
+class Adapters:
+    """How a request to the replica chooses one of its LoRA adapters (docs/adapters.md).
+
+    llama-server loads every adapter at its start and takes a per-request `lora` list of scales:
+    `scales` holds each adapter's name and scale in the order of its ids, and every request names
+    every adapter, the chosen one at its scale and the others at 0 (a request without the list
+    would use the server's global scales). vLLM serves each adapter as a model of its own, under
+    the adapter's public id (so its answers' `model` is the id the client asked for): `by_name`
+    maps each name to it; `load_path`/`unload_path` change what it holds at run time
+    (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+
+    scales: tuple[tuple[str, float], ...] = ()
+    by_name: tuple[tuple[str, str], ...] = ()     # (name, the model id the server serves it as)
+    load_path: str | None = None
+    unload_path: str | None = None
+
+    def fields(self, adapter: str | None) -> dict[str, object]:
+        """The request fields that choose `adapter` (None: the base model alone)."""
+        if self.scales:
+            return {"lora": [{"id": i, "scale": scale if name == adapter else 0.0}
+                             for i, (name, scale) in enumerate(self.scales)]}
+        return {"model": self.served_as(adapter)} if adapter is not None else {}
+
+    def served_as(self, adapter: str) -> str:
+        """The model id the server knows `adapter` by (vLLM's lora_name)."""
+        return dict(self.by_name).get(adapter, adapter)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.scales or self.by_name)
+
+
+@dataclass(frozen=True)
 class ProgramSpec:
     """Everything supervisord and the proxy need to run and reach one replica."""
 
@@ -65,6 +98,7 @@ class ProgramSpec:
     # Set when the server was started able to sleep (vllm_sleep_on_evict): an eviction may put it
     # to sleep instead of stopping it (proxy/lifecycle/sleeping.py). Never rendered.
     sleep: EngineSleep | None = None
+    adapters: Adapters | None = None   # it serves LoRA adapters: how a request chooses one
 
     @property
     def base_url(self) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from launchers.common import library_env, managed_flag_problem, model_file_problems
 from launchers.gguf_header import is_gguf
 from launchers.options import Options, setting, strings
-from launchers.spec import EngineMetrics, EngineSleep, ProgramSpec, program_name
+from launchers.spec import Adapters, EngineMetrics, EngineSleep, ProgramSpec, program_name
 from proxy.capabilities import Traits
 from proxy.config.model import ModelConfig
 
@@ -30,11 +30,16 @@ FLAGS = (
     ("vllm_kv_cache_dtype", "--kv-cache-dtype"),
     ("vllm_max_model_len", "--max-model-len"),
     ("vllm_tensor_parallel_size", "--tensor-parallel-size"),
+    ("vllm_max_loras", "--max-loras"),
+    ("vllm_max_lora_rank", "--max-lora-rank"),
 )
 JSON_FLAGS = (
     ("vllm_limit_mm_per_prompt", "--limit-mm-per-prompt"),
     ("vllm_mm_processor_kwargs", "--mm-processor-kwargs"),
 )
+# vLLM loads and unloads LoRA adapters over HTTP only with this set (its docs: "LoRA Adapters").
+RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+LOAD_ADAPTER, UNLOAD_ADAPTER = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 # Config field -> key of vLLM's speculative config, all serialized into one --speculative-config.
 SPECULATIVE_KEYS = (
     ("vllm_speculative_method", "method"),
@@ -110,6 +115,8 @@ class VllmServeOptions(Options):
     speculative_moe_backend: str | None = None
     speculative_attention_backend: str | None = None
     num_speculative_tokens: int | None = None
+    max_loras: int | None = None                   # adapters in one batch (with lora_adapters)
+    max_lora_rank: int | None = None
     serve_binary: str | None = None
     serve_host: str = "127.0.0.1"
     serve_port: int | None = None
@@ -223,6 +230,8 @@ def check(model: ModelConfig) -> list[str]:
     # resolves itself.
     if isinstance(vllm_model, str) and vllm_model.startswith(("/", "./", "../", "~")):
         problems += model_file_problems(where, "vllm_model", os.path.expanduser(vllm_model), model_folder_problem)
+    problems += [f"{where}.lora_adapters.{a.name}.path: {problem}" for a in model.adapters
+                 if (problem := peft_problem(Path(a.path), opts.max_lora_rank)) is not None]
     found = shutil.which(exe)
     cpu_build = cpu_build_of(Path(found)) if opts.sleep_on_evict and found else None
     if cpu_build is not None:
@@ -234,6 +243,26 @@ def check(model: ModelConfig) -> list[str]:
                         "sleep mode (it needs CUDA); set vllm_sleep_on_evict: false for this machine "
                         "(conf/local.yaml), and evictions stop the model as they do without it")
     return problems
+
+
+# vLLM's --max-lora-rank when unset (its engine args).
+DEFAULT_MAX_LORA_RANK = 16
+
+
+def peft_problem(folder: Path, max_rank: int | None) -> str | None:
+    """Why vLLM would refuse the PEFT adapter in `folder`, from its adapter_config.json, or None."""
+    config = folder / "adapter_config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except OSError:
+        return f"{folder} is not a PEFT adapter folder (no readable adapter_config.json)"
+    except ValueError:
+        return f"{config} is not JSON"
+    rank = data.get("r") if isinstance(data, dict) else None
+    limit = max_rank or DEFAULT_MAX_LORA_RANK
+    if isinstance(rank, int) and rank > limit:
+        return f"the adapter's rank {rank} ({config}) is above vllm_max_lora_rank {limit}; raise vllm_max_lora_rank"
+    return None
 
 
 def cpu_build_of(exe: Path) -> str | None:
@@ -326,6 +355,9 @@ def _argv(model: ModelConfig, opts: VllmServeOptions, host: str, port: int) -> t
     speculative = _speculative_config(opts)
     if speculative is not None:
         args += ["--speculative-config", _json(speculative)]
+    if model.adapters:
+        # Each adapter a model of the server under its public id; more load at run time (RUNTIME_LORA).
+        args += ["--enable-lora", "--lora-modules", *(f"{a.id}={a.path}" for a in model.adapters)]
     # Extra args come last; one that gives a flag of the above again is a config error (option_problems):
     # argparse keeps the last value, so the field would be silently lost.
     args += opts.serve_extra_args
@@ -345,6 +377,8 @@ def _environment(model: ModelConfig, opts: VllmServeOptions,
         env[FLASHINFER_SAMPLER] = "0"
     if opts.sleep_on_evict:
         env[DEV_MODE] = "1"   # the only way the pinned vLLM serves /sleep and /wake_up
+    if model.adapters:
+        env[RUNTIME_LORA] = "True"   # /v1/load_lora_adapter and /v1/unload_lora_adapter (docs/adapters.md)
     if opts.serve_api_key:
         # The environment, not --api-key: a command line is visible to every user in `ps`.
         env["VLLM_API_KEY"] = opts.serve_api_key
@@ -371,4 +405,6 @@ def launch(model: ModelConfig, replica: int, port: int, stopwaitsecs: int, envir
         headers=(("Authorization", f"Bearer {api_key}"),) if api_key else (),
         request_timeout_s=opts.serve_timeout_s,
         sleep=SLEEP if opts.sleep_on_evict else None,
+        adapters=Adapters(by_name=tuple((a.name, a.id) for a in model.adapters), load_path=LOAD_ADAPTER,
+                          unload_path=UNLOAD_ADAPTER) if model.adapters else None,
     )

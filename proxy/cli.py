@@ -271,6 +271,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
+    from proxy.setup.demo_lora import write_tiny_lora
     from proxy.setup.demo_model import write_tiny_gguf
     from proxy.setup.llama_build import build_llama_server
 
@@ -288,6 +289,13 @@ def cmd_setup(args: argparse.Namespace) -> int:
     else:
         write_tiny_gguf(target)
         print(f"demo model: wrote {target}")
+    # The demo's tiny LoRA, where the settings serve it (conf/pool.yaml: demo:tiny, docs/adapters.md).
+    tiny = demo.adapter("tiny") if demo is not None else None
+    if tiny is not None and Path(tiny.path).exists():
+        print(f"demo LoRA adapter: present at {tiny.path}")
+    elif tiny is not None:
+        write_tiny_lora(Path(tiny.path))
+        print(f"demo LoRA adapter: wrote {tiny.path}")
     if args.all_engines:
         from proxy.setup.engine_setup import prepare
         prepare()

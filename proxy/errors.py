@@ -159,6 +159,7 @@ CODES: dict[str, str] = {
     "invalid_log_request": "a log query parameter out of range",
     "invalid_events_request": "an events query parameter out of range, or an unknown event kind",
     "invalid_unload_request": "an unload body that is not empty or {}",
+    "invalid_adapter_request": "an adapter load or unload with a body that is not empty or {}",
     "unsupported_media_type": "an admin POST without `Content-Type: application/json` (415)",
     "origin_not_allowed": "an admin request whose Origin is another site's (403)",
     "host_not_allowed": "an admin request to an unauthenticated admin API under a host name it does not know (403)",
@@ -186,6 +187,8 @@ CODES: dict[str, str] = {
     "model_not_loadable": "a setting stops the model from starting (a missing file, a refused value); "
                           "`llm-pool check-config` names it, and no wait helps (no Retry-After)",
     "no_process_log": "a remote replica has no process log",
+    "adapter_not_found": "the model has no LoRA adapter of that name (lora_adapters)",
+    "adapter_not_unloadable": "the model's engine holds its LoRA adapters until it stops (llama-server)",
     "backend_not_supported": "the backend has no launcher in this version",
     "request_too_large": "the body is over service.max_body_bytes",
     "queue_full": "the model's queue is full",

@@ -39,8 +39,9 @@ OVER_BUDGET = "over_budget"  # a device's loaded models hold more than its budge
 STOPPED = "stopped"          # a replica was stopped in supervisord (an admin's supervisorctl stop), not by the pool
 STARTED = "started"          # a replica stopped there was started there again (an admin's supervisorctl start)
 WORKER = "worker"            # a worker process exited unasked (reason: exited) and another was started
+KV_STORE = "kv_store"        # a model's restored slots showed no reuse: it saves none (reason: restore_unverified)
 KINDS = (LOAD, LOAD_FAILED, UNLOAD, EVICT, SCALE, RESTART, CRASH, EJECT, HOST_DOWN, HOST_UP, ADMIN, RELOAD, SLEEP,
-         WAKE, LEDGER, THRASH, OVER_BUDGET, STOPPED, STARTED, WORKER)
+         WAKE, LEDGER, THRASH, OVER_BUDGET, STOPPED, STARTED, WORKER, KV_STORE)
 
 DEFAULT_CAPACITY = 1000
 

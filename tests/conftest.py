@@ -5,6 +5,7 @@ from typing import Iterator
 
 import pytest
 
+from proxy.setup.demo_lora import write_tiny_lora
 from proxy.setup.demo_model import write_tiny_gguf
 from proxy.setup.llama_build import build_llama_server
 from proxy.setup.tiny_mmproj import write_tiny_mmproj
@@ -14,6 +15,12 @@ from proxy.setup.tiny_reranker import write_tiny_reranker
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_gguf(tiny_gguf: Path) -> Path:
+    """A tiny LoRA adapter for the demo model, beside it: llama-server with `--lora` it answers otherwise."""
+    return write_tiny_lora(tiny_gguf.parent / "tiny-lora.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -679,13 +679,23 @@ class FakeLlamaServerHTTP:
 
     `requests` records (connection number, path, body, request headers) for every request read,
     answered or not; `connections` counts the connections accepted.
+
+    `cached`: what its answers say they read from the slot's cache (usage.prompt_tokens_details.
+    cached_tokens and timings.cache_n, and a stream's usage chunk when asked for); None: they say
+    nothing of it. It also answers llama-server's slot endpoints (the KV store's): GET /slots (its
+    three slots, each holding `slot_tokens`) and POST /slots/{id}?action=save or restore, each done
+    at once with `slot_tokens` tokens; it keeps no file and no cache, so a restore that reports
+    success and then shows `cached: 0` is the llama.cpp bug of a restore that reuses nothing.
     """
 
-    def __init__(self, dies: str = "fin", idle_close: bool = False, drop_fresh: int = 0) -> None:
+    def __init__(self, dies: str = "fin", idle_close: bool = False, drop_fresh: int = 0,
+                 cached: int | None = None, slot_tokens: int = 40) -> None:
         assert dies in ("fin", "reset")
         self.dies = dies
         self.idle_close = idle_close
         self.drop_fresh = drop_fresh
+        self.cached = cached
+        self.slot_tokens = slot_tokens
         self.requests: list[tuple[int, str, dict[str, Any], dict[str, str]]] = []
         self.connections = 0
         self.port = 0
@@ -736,7 +746,9 @@ class FakeLlamaServerHTTP:
                         writer.transport.abort()
                     return
                 close = headers.get("connection", "").lower() == "close"
-                if body.get("stream"):
+                if request_line.split()[1].startswith("/slots"):
+                    await self._slots(writer, request_line.split()[1], body, close)
+                elif body.get("stream"):
                     await self._stream(writer, body, close)
                 else:
                     await self._json(writer, body, close)
@@ -754,19 +766,45 @@ class FakeLlamaServerHTTP:
                  "Connection: close" if close else "Keep-Alive: timeout=5, max=100"]
         return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
+    def _usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        if self.cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached}
+        return usage
+
     async def _json(self, writer: asyncio.StreamWriter, body: dict[str, Any], close: bool) -> None:
-        answer = json.dumps({"id": "chatcmpl-fake", "object": "chat.completion", "model": body.get("model"),
-                             "choices": [{"index": 0, "message": {"role": "assistant", "content": "fake answer"},
-                                          "finish_reason": "stop"}],
-                             "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}).encode()
-        writer.write(self._head("application/json; charset=utf-8", close, len(answer)) + answer)
+        answer = {"id": "chatcmpl-fake", "object": "chat.completion", "model": body.get("model"),
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "fake answer"},
+                               "finish_reason": "stop"}], "usage": self._usage()}
+        if self.cached is not None:
+            answer["timings"] = {"cache_n": self.cached, "prompt_n": 3 - self.cached}
+        await self._write_json(writer, answer, close)
+
+    async def _write_json(self, writer: asyncio.StreamWriter, answer: Any, close: bool) -> None:
+        data = json.dumps(answer).encode()
+        writer.write(self._head("application/json; charset=utf-8", close, len(data)) + data)
         await writer.drain()
+
+    async def _slots(self, writer: asyncio.StreamWriter, target: str, body: dict[str, Any], close: bool) -> None:
+        if target == "/slots":
+            await self._write_json(writer, [{"id": i, "n_prompt_tokens": self.slot_tokens, "is_processing": False,
+                                             "id_task": i} for i in range(3)], close)
+            return
+        slot, _, action = target.removeprefix("/slots/").partition("?action=")
+        counts = {"save": ("n_saved", "n_written", "save_ms"), "restore": ("n_restored", "n_read", "restore_ms")}
+        tokens, size, ms = counts[action]
+        await self._write_json(writer, {"id_slot": int(slot), "filename": body.get("filename"),
+                                        tokens: self.slot_tokens, size: 4096, "timings": {ms: 1.0}}, close)
 
     async def _stream(self, writer: asyncio.StreamWriter, body: dict[str, Any], close: bool) -> None:
         writer.write(self._head("text/event-stream", close))
         events = [{"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": body.get("model"),
                    "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
                   for word in ("fake", " stream")]
+        options = body.get("stream_options")
+        if self.cached is not None and isinstance(options, dict) and options.get("include_usage"):
+            events.append({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": body.get("model"),
+                           "choices": [], "usage": self._usage(), "timings": {"cache_n": self.cached}})
         for data in [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]:
             writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             await writer.drain()

@@ -102,5 +102,34 @@ def write_tiny_hf_llama(target: Path, seed: int = 0) -> Path:
     return target
 
 
+LORA_RANK = 8
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def write_tiny_peft_adapter(target: Path, model_folder: Path, seed: int = 1) -> Path:
+    """Write a PEFT LoRA adapter folder `target` for the model in `model_folder` (rank LORA_RANK on
+    q_proj and v_proj of every layer); returns it. Its deltas dwarf the random weights, so a greedy
+    answer through it differs from the base's."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i in range(LAYERS):
+        for name in LORA_TARGETS:
+            p = f"base_model.model.model.layers.{i}.self_attn.{name}."
+            # lora_alpha == r: a scaling of 1, so B @ A is the delta: entries of about 0.7, weights 0.02.
+            tensors[p + "lora_A.weight"] = (rng.standard_normal((LORA_RANK, HIDDEN)) * 0.5).astype(np.float32)
+            tensors[p + "lora_B.weight"] = (rng.standard_normal((HIDDEN, LORA_RANK)) * 0.5).astype(np.float32)
+    (target / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_folder),
+        "r": LORA_RANK, "lora_alpha": LORA_RANK, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": list(LORA_TARGETS), "fan_in_fan_out": False, "inference_mode": True,
+    }, indent=1))
+    save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
 if __name__ == "__main__":
     print(write_tiny_hf_llama(Path(sys.argv[1])))

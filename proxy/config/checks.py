@@ -81,6 +81,10 @@ def schema_findings(doc: Mapping[str, Any], origins: Origins | None = None,
             problems.append(f"{json_path(where)}: tenant name {err.instance!r} must be 1-64 characters of "
                             "letters, digits and ._- (it names the tenant in admin paths and metric labels)")
             continue
+        if "propertyNames" in err.absolute_schema_path and where[-1:] == ["lora_adapters"]:
+            problems.append(f"{json_path(where)}: adapter name {err.instance!r} must be 1-64 characters of "
+                            "letters, digits and ._@+- (its model id is `<model>:<name>`)")
+            continue
         if "propertyNames" in err.absolute_schema_path:
             problems.append(f"{json_path(where)}: model id {err.instance!r} must be 1-128 characters of "
                             "letters, digits and ._:@+- (model ids are names, never paths)")
@@ -142,8 +146,34 @@ def semantic_problems(settings: Settings) -> list[str]:
         if prompt_format is not None and prompt_format not in PROMPT_FORMATS:
             problems.append(f"{where}.prompt_format: {prompt_format!r} is not a prompt format llm-pool knows"
                             f"{did_you_mean(prompt_format, PROMPT_FORMATS)} (one of {', '.join(PROMPT_FORMATS)})")
-    problems += _alias_and_fallback_problems(settings) + _class_problems(settings)
+    problems += _alias_and_fallback_problems(settings) + _adapter_problems(settings) + _class_problems(settings)
     return [settings.where(p) for p in problems]
+
+
+# The engines that choose an adapter per request (docs/adapters.md); the others would need a load each.
+ADAPTER_BACKENDS = ("llama_server", "vllm_serve", "vllm")
+
+
+def _adapter_problems(settings: Settings) -> list[str]:
+    """A LoRA adapter's id is a public model id: no model's, alias's or other adapter's; its base's
+    engine serves adapters. Its file is the launcher's to check (launchers/llama_server.py, vllm_serve.py)."""
+    problems = []
+    seen: dict[str, str] = {}
+    for name, model in settings.models.items():
+        where = f"engine.models.{name}.lora_adapters"
+        if model.adapters and model.backend not in ADAPTER_BACKENDS:
+            problems.append(f"{where}: backend {model.backend!r} serves no LoRA adapters per request "
+                            f"(one of {', '.join(ADAPTER_BACKENDS)} does)")
+        for adapter in model.adapters:
+            if adapter.id in settings.models:
+                problems.append(f"{where}.{adapter.name}: its id {adapter.id!r} is a model's name; give it an id "
+                                "of its own")
+            elif adapter.id in settings.aliases:
+                problems.append(f"{where}.{adapter.name}: its id {adapter.id!r} is an alias (engine.aliases)")
+            elif adapter.id in seen:
+                problems.append(f"{where}.{adapter.name}: its id {adapter.id!r} is also {seen[adapter.id]}'s")
+            seen.setdefault(adapter.id, f"engine.models.{name}.lora_adapters.{adapter.name}")
+    return problems
 
 
 def _class_problems(settings: Settings) -> list[str]:
@@ -170,9 +200,9 @@ def _alias_and_fallback_problems(settings: Settings) -> list[str]:
     for alias, target in settings.aliases.items():
         if alias in models:
             problems.append(f"engine.aliases.{alias}: {alias!r} is a model's name; an alias needs a name of its own")
-        elif target not in models:
+        elif target not in models and target not in settings.adapters:
             problems.append(f"engine.aliases.{alias}: {target!r} is not a configured model"
-                            f"{did_you_mean(target, list(models))}")
+                            f"{did_you_mean(target, [*models, *settings.adapters])}")
     for name, model in models.items():
         for i, fallback in enumerate(model.fallbacks):
             target = settings.aliases.get(fallback.model, fallback.model)

@@ -15,7 +15,7 @@ from proxy.config import files
 from proxy.config.checks import schema_findings, semantic_problems
 from proxy.config.merge import deep_merge
 from proxy.config.model import (DEFAULT_FALLBACK_ON, DEFAULT_MODEL, DEFAULT_ROUTING, MODEL_LIFECYCLE_FIELDS,
-                                PATH_FIELDS, PATH_LIST_FIELDS, Fallback, ModelConfig)
+                                PATH_FIELDS, PATH_LIST_FIELDS, Adapter, Fallback, ModelConfig)
 from proxy.config.origins import Key, Origin, Origins, duplicate_keys, key_origins, merge_origins
 from proxy.config.settings import (DEFAULT_LIFECYCLE, DEFAULT_MEMORY, DEFAULT_NODE_USERNAME, DEFAULT_RELIABILITY,
                                    DEFAULT_SERVICE, DEFAULT_SUPERVISOR, HostSettings, LifecycleSettings,
@@ -159,6 +159,9 @@ def _model(name: str, raw: Mapping[str, Any], engine_backend: str | None, base_d
         fallbacks=tuple(Fallback(f) if isinstance(f, str) else Fallback(f["model"], frozenset(f.get("on") or ())
                                                                           or DEFAULT_FALLBACK_ON)
                         for f in data.get("fallbacks") or ()),
+        adapters=tuple(Adapter(name=n, id=str(a.get("id") or f"{name}:{n}"), path=_resolve(str(a["path"]), base_dir),
+                               scale=float(a.get("scale", 1.0)))
+                       for n, a in (data.get("lora_adapters") or {}).items()),
     )
 
 

@@ -36,6 +36,17 @@ class Fallback:
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter of a base model (docs/adapters.md): a model id of its own, served by the base's
+    replicas with the engine's own way of choosing it, so that switching costs no load."""
+
+    name: str          # its key under the base's lora_adapters
+    id: str            # the public model id: `<base>:<name>` unless it sets its own
+    path: str          # the adapter file (llama-server) or folder (vLLM), resolved
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One model as configured, with backend-specific fields kept in `options` for its launcher."""
 
@@ -53,6 +64,10 @@ class ModelConfig:
     pinned: bool = False                # never unloaded by the pool (idle or to make room)
     hosts: tuple[str, ...] = ()         # where its replicas may run; (): any host
     fallbacks: tuple[Fallback, ...] = ()   # in order (docs/routing.md: Aliases and fallbacks)
+    adapters: tuple[Adapter, ...] = ()     # its LoRA adapters, in the order its replicas load them
+
+    def adapter(self, name: str) -> Adapter | None:
+        return next((a for a in self.adapters if a.name == name), None)
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.options.get(key)

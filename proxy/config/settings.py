@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
 
-from proxy.config.model import ModelConfig
+from proxy.config.model import Adapter, ModelConfig
 from proxy.config.origins import Origins
 
 DEFAULT_SERVICE = {"host": "127.0.0.1", "port": 8011, "log_level": "info", "max_body_bytes": 32 * 1024 * 1024,
@@ -182,6 +183,11 @@ class Settings:
     tenants: Mapping[str, TenantSettings] = field(default_factory=dict)   # none: every caller is trusted
     aliases: Mapping[str, str] = field(default_factory=dict)   # a public id: the model it stands for
     batches: BatchSettings = field(default_factory=BatchSettings)
+
+    @cached_property
+    def adapters(self) -> Mapping[str, tuple[ModelConfig, Adapter]]:
+        """Each LoRA adapter's public id: its base model and itself (docs/adapters.md)."""
+        return {a.id: (m, a) for m in self.models.values() for a in m.adapters}
 
     def where(self, message: str) -> str:
         """A config message with the file and line that set its key, e.g. `(conf/local.yaml:12)`."""

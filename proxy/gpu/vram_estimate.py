@@ -115,6 +115,13 @@ class Estimator:
         for key, value in sorted(model.options.items()):
             if EXTRA_WEIGHT_FIELD.search(key) and isinstance(value, str) and _local(value):
                 est.weights_bytes += _weigh(Path(value), key, est)
+        for adapter in model.adapters:
+            # Every replica holds each of its adapters (llama-server from its start, vLLM in its cache).
+            path = Path(adapter.path)
+            if path.exists():
+                est.weights_bytes += _weigh(path, f"lora_adapters.{adapter.name}", est)
+            else:
+                est.not_counted.append(f"weights: lora_adapters.{adapter.name} {path} does not exist")
         return est
 
     def _architecture(self, path: Path) -> Architecture | str:

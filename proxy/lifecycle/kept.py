@@ -26,7 +26,7 @@ from launchers import launcher_for
 from proxy.atomic_file import PRIVATE_MODE, read_back, write_atomic
 from proxy.config.checks import override_problems, replicas_problem
 from proxy.config.merge import changed
-from proxy.config.model import Fallback, ModelConfig
+from proxy.config.model import Adapter, Fallback, ModelConfig
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 
@@ -58,11 +58,14 @@ def entry(config: ModelConfig, active: ModelConfig) -> KeptModel:
 
 
 def _settings(raw: Any) -> ModelConfig | None:
+    if isinstance(raw, dict) and "adapters" not in raw:
+        raw = {**raw, "adapters": []}   # written before models had LoRA adapters (issue 45): none
     if not isinstance(raw, dict) or set(raw) != {f.name for f in fields(ModelConfig)}:
         return None
     try:
         values: dict[str, Any] = {k: tuple(v) if k in _TUPLES else v for k, v in raw.items()}
         values["fallbacks"] = tuple(Fallback(f["model"], frozenset(f["on"])) for f in raw["fallbacks"])
+        values["adapters"] = tuple(Adapter(**a) for a in raw["adapters"])
         return ModelConfig(**values)
     except (TypeError, KeyError):
         return None

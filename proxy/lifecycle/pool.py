@@ -84,7 +84,7 @@ class Pool:
         # save into the store's folders, the monitor restores before a replica serves.
         # With tenants, every llama-server slot is a tenant's (proxy/lifecycle/state/slots.py).
         self.kv = KvKeeper.under(settings.service.state_dir, settings.lifecycle.kv_store_mib, http,
-                                 scoped=bool(settings.tenants))
+                                 scoped=bool(settings.tenants), events=self.events)
         self.programs = Programs(settings, supervisor, self.environ, self.models, wake, pid_record, self.hosts,
                                  self.placer.hosts_for, events=self.events, launch_hook=self.kv.launch)
         self.monitor = Monitor(settings, supervisor, http, self.models, self.programs, self.events, managed, wake=wake,

@@ -39,8 +39,8 @@ from proxy.serving.fallbacks import model_header
 from proxy.serving.forward import upstream_session
 from proxy.serving.carried import parse, seed
 from proxy.serving.handover import COUNTERS, EVENT, Inherited, Succession
-from proxy.serving.keys import (ADOPTING, FAIRNESS_KEY, HTTP, METRICS, MODEL, ON_ADMIN_LISTENER, POOL, SETTINGS,
-                                STARTED, STREAM_ENDED, STREAM_ERROR, VOCABULARIES, VRAM)
+from proxy.serving.keys import (ADAPTER, ADOPTING, FAIRNESS_KEY, HTTP, METRICS, MODEL, ON_ADMIN_LISTENER, POOL,
+                                SETTINGS, STARTED, STREAM_ENDED, STREAM_ERROR, VOCABULARIES, VRAM)
 from proxy.serving.metrics import ProxyMetrics
 from proxy.serving.leases import LeaseDesk, lease_middleware
 from proxy.serving.tenancy import TENANCY, Tenancy
@@ -85,6 +85,9 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
             metrics.child(metrics.requests, model, request.path, status, _error_code(request, response),
                           metrics.key_label(request.get(FAIRNESS_KEY))).inc()
             metrics.child(metrics.latency, model, request.path).observe(took)
+            adapter = request.get(ADAPTER)
+            if adapter is not None:
+                metrics.child(metrics.adapter_requests, model, adapter.name, status).inc()
             tenancy = request.app.get(TENANCY)
             if tenancy is not None:
                 try:

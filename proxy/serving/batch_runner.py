@@ -231,7 +231,9 @@ class BatchRunner:
 
     def app_model(self, name: str) -> str:
         settings = self.pool.settings
-        return settings.aliases.get(name, name)
+        public = settings.aliases.get(name, name)
+        adapted = settings.adapters.get(public)   # a LoRA adapter's lines run on its base model
+        return adapted[0].name if adapted is not None else public
 
     def _room(self, runtime: ModelRuntime, ours: int) -> int:
         """How many more lines the model takes now (docs/batches.md: as the free slots allow)."""

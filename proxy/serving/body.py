@@ -15,7 +15,8 @@ from proxy.fairness import DEFAULT_CLASS, FairnessPolicy, normalize_key
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.serving.keys import ADOPTING, CACHE_SCOPE, FAIRNESS_KEY, FALLBACK_BODY, MODEL, SETTINGS
+from proxy.config.model import Adapter
+from proxy.serving.keys import ADAPTER, ADOPTING, CACHE_SCOPE, FAIRNESS_KEY, FALLBACK_BODY, MODEL, SETTINGS
 from proxy.serving.shutdown import SHUTDOWN, handed_over_error
 from proxy.edge.strict_json import decode
 from proxy.serving.token_ids import check_token_ids
@@ -106,6 +107,18 @@ def priority_class(request: web.Request, policy: FairnessPolicy) -> str:
     return asked
 
 
+def model_of(request: web.Request, pool: Pool, name: str) -> tuple[ModelRuntime, Adapter | None, str]:
+    """The model a request's `model` names (404 model_not_found for none), the LoRA adapter it
+    names of that model, and the public id the tenant's globs judge: an alias's target, an
+    adapter's own id (docs/adapters.md)."""
+    settings = request.app[SETTINGS]
+    public = settings.aliases.get(name, name)
+    adapted = settings.adapters.get(public)
+    if adapted is not None:
+        return pool.get(adapted[0].name), adapted[1], public
+    return pool.get(public), None, public
+
+
 def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any],
              endpoint: str | None = None) -> ModelRuntime:
     """The model's runtime if this request may be sent to it, or queue for it, now; otherwise the
@@ -114,10 +127,14 @@ def servable(request: web.Request, pool: Pool, name: str, body: dict[str, Any],
     refused for a model not served on it before anything loads or counts."""
     tenancy = request.app.get(TENANCY)
     caller = tenancy.caller(request) if tenancy is not None else None   # 401 before anything else
-    runtime = pool.get(request.app[SETTINGS].aliases.get(name, name))   # an alias is its model's
+    runtime, adapter, public = model_of(request, pool, name)
+    if adapter is not None:
+        request[ADAPTER] = adapter
+    else:
+        request.pop(ADAPTER, None)   # a fallback's run: the first model's adapter is not this one's
     name = request[MODEL] = runtime.name
     if tenancy is not None and caller is not None:
-        tenancy.allow(caller, runtime)   # 403: never this model, whatever the request says
+        tenancy.allow(caller, runtime, public)   # 403: never this model, whatever the request says
         request[CACHE_SCOPE] = caller.tenant.name   # no cache of another tenant's is reused
     if runtime.kind is not None:
         runtime.kind.gate(runtime.model, request.headers, body)  # e.g. allow_remote

@@ -17,7 +17,9 @@ from proxy.errors import BackendError, PoolError
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.edge import response_metrics
 from proxy.serving.forward import Slot, label, read_answer, upstream
-from proxy.serving.keys import CACHE_SCOPE, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, SETTINGS, USAGE
+from proxy.serving.keys import (ADAPTER, CACHE_SCOPE, ENGINE_SLOT, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT,
+                                REPLICA, SETTINGS, USAGE)
+from proxy.serving.slot_reuse import note_reuse
 from proxy.edge.relay import Timeouts, sse_data
 
 log = logging.getLogger(__name__)
@@ -108,9 +110,12 @@ async def relay_chat(request: web.Request, runtime: ModelRuntime, queued: Any, p
             if cold:
                 request.app[METRICS].load_wait.labels(runtime.name).observe(timer.admitted - timer.enqueued)
         timeouts = Timeouts.of(settings.service, runtime.model)
-        async with upstream(outcomes, request.app[HTTP], runtime, path, payload, request_id,
-                            timeouts, affinity, scope=request.get(CACHE_SCOPE)) as (replica, resp):
+        sent = upstream(outcomes, request.app[HTTP], runtime, path, payload, request_id,
+                        timeouts, affinity, scope=request.get(CACHE_SCOPE), adapter=request.get(ADAPTER))
+        async with sent as (replica, resp):
             request[REPLICA] = replica
+            if sent.slot is not None:
+                request[ENGINE_SLOT] = sent.slot
             # A provider's timings are not engine times we measured.
             own_timings = replica.reach.engine_timings
             if not payload.get("stream"):
@@ -144,5 +149,7 @@ async def relay_chat(request: web.Request, runtime: ModelRuntime, queued: Any, p
 def count_usage(request: web.Request, runtime: ModelRuntime, last: Piece | None) -> None:
     """The answer's usage (its last piece's) into the model's counters and the request's USAGE."""
     metrics = request.app[METRICS]
-    request[USAGE] = metrics.count_usage(runtime.name, metrics.key_label(request.get(FAIRNESS_KEY)),
-                                         last.usage if last is not None else None, request.get(REPLICA))
+    usage = last.usage if last is not None else None
+    request[USAGE] = metrics.count_usage(runtime.name, metrics.key_label(request.get(FAIRNESS_KEY)), usage,
+                                         request.get(REPLICA))
+    note_reuse(request, request.get(REPLICA), usage)

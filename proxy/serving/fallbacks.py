@@ -17,7 +17,7 @@ from aiohttp.typedefs import Handler
 
 from proxy.errors import Forbidden, PoolError
 from proxy.serving.body import read_body
-from proxy.serving.keys import ANSWERED, FALLBACK_BODY, METRICS, MODEL, POOL, SETTINGS
+from proxy.serving.keys import ADAPTER, ANSWERED, FALLBACK_BODY, METRICS, MODEL, POOL, SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,10 @@ async def _fall_back(request: web.Request, handler: Handler, err: PoolError) -> 
 
 
 async def model_header(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare: the model that served the request (an alias's target, a fallback)."""
+    """on_response_prepare: the model that served the request (an alias's target, a fallback, a
+    LoRA adapter's id)."""
     request[ANSWERED] = True
-    name = request.get(MODEL)
+    adapter = request.get(ADAPTER)
+    name = adapter.id if adapter is not None else request.get(MODEL)
     if name is not None and MODEL_HEADER not in response.headers:
         response.headers[MODEL_HEADER] = name

@@ -11,7 +11,9 @@ from typing import Any, Awaitable, Hashable, cast
 import aiohttp
 from aiohttp import web
 
+from proxy.config.model import Adapter
 from proxy.errors import BackendError, BackendTimeout, PoolError, Unavailable
+from proxy.lifecycle import adapters
 from proxy.lifecycle.state.affinity import Wait
 from proxy.lifecycle.state.outcomes import Outcomes, process_gone
 from proxy.lifecycle.state.replicas import ModelState, Replica
@@ -24,12 +26,13 @@ from proxy.lease_wire import RELAYED_HEADER
 from proxy.serving.affinity_key import SLOT_PATHS
 from proxy.serving.body import priority_class
 from proxy.serving.leases import LESSEE, LeasedAnswer, LeaseHttp, WorkerGone
-from proxy.serving.keys import (CACHE_SCOPE, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT, REPLICA, REPLICA_HEADER,
-                                SETTINGS, STARTED, STREAM_ERROR, USAGE)
+from proxy.serving.keys import (ADAPTER, CACHE_SCOPE, ENGINE_SLOT, FAIRNESS_KEY, HTTP, METRICS, POOL, QUEUE_WAIT,
+                                REPLICA, REPLICA_HEADER, SETTINGS, STARTED, STREAM_ERROR, USAGE)
 from proxy.edge.response_metrics import usage_in
 from proxy.edge.relay import ENGINE_JUDGES_INPUT, Deadline, Timeouts, backend_error, input_refused, read_capped
 from proxy.edge.stream_count import Tally
 from proxy.edge.stream_relay import missing_message_start, relay_stream
+from proxy.serving.slot_reuse import note_reuse
 from proxy.serving.stream_usage import USAGE_ROUTES, ask_usage, mark_ended, settle_tally
 
 log = logging.getLogger(__name__)
@@ -101,14 +104,20 @@ class upstream:
     """
 
     __slots__ = ("outcomes", "http", "runtime", "path", "payload", "request_id", "timeouts", "affinity", "raw",
-                 "scope", "lease", "replica", "resp", "send", "slot")
+                 "scope", "lease", "adapter", "replica", "resp", "send", "slot")
 
     def __init__(self, outcomes: Outcomes, http: UpstreamHttp, runtime: ModelRuntime, path: str,
                  payload: dict[str, Any], request_id: str, timeouts: Timeouts, affinity: str | None = None,
-                 raw: bytes | None = None, scope: str | None = None, lease: LeaseHttp | None = None) -> None:
+                 raw: bytes | None = None, scope: str | None = None, lease: LeaseHttp | None = None,
+                 adapter: Adapter | None = None) -> None:
         self.outcomes, self.http, self.runtime, self.path = outcomes, http, runtime, path
         self.payload, self.request_id, self.timeouts = payload, request_id, timeouts
         self.affinity, self.raw, self.scope = affinity, raw, scope
+        # The model's LoRA adapter that runs it (docs/adapters.md); a prefix cached under one adapter
+        # is no prefix under another, so its routes and slots are the adapter's own.
+        self.adapter = adapter
+        if adapter is not None and affinity is not None:
+            self.affinity = affinity = f"{affinity}@{adapter.name}"
         # A worker's request (proxy/serving/leases.py): a server of ours gets the send from that
         # worker; a provider's reach, which is no plain POST, is sent from here.
         self.lease = lease
@@ -160,13 +169,21 @@ class upstream:
                 if foreign:
                     payload["cache_prompt"] = False   # another tenant's cache: not to be reused
             http = self.http
+            adapter = self.adapter
+            if adapter is not None and not replica.holds(adapter.name):
+                try:
+                    await adapters.load(http, replica, adapter)   # an admin unloaded it there (vLLM)
+                except BaseException:
+                    await self._done(replica, send, slot)
+                    raise
             if self.lease is not None and isinstance(replica.reach, ProgramReach):
                 self.lease.at(replica.index, replica.model, label(replica))
                 http = cast(UpstreamHttp, self.lease)
             try:
                 try:
                     with Deadline(max(0.0, deadline - loop.time())):
-                        resp = await _post(send, http, replica, self.path, payload, self.request_id, raw)
+                        resp = await _post(send, http, replica, self.path, payload, self.request_id, raw,
+                                           adapter.name if adapter is not None else None)
                 except aiohttp.ClientConnectorError as exc:
                     outcomes.report_connection_failure(replica, f"{type(exc).__name__}: {exc}")
                     if send.second is None:
@@ -243,11 +260,11 @@ def with_slot(raw: bytes | None, payload: dict[str, Any], slot: int, foreign: bo
 
 
 def _post(send: Send, http: UpstreamHttp, replica: Replica, path: str, payload: dict[str, Any],
-          request_id: str, raw: bytes | None) -> Awaitable[Answer]:
+          request_id: str, raw: bytes | None, adapter: str | None = None) -> Awaitable[Answer]:
     """Send to the replica; once more on a new connection where a reused one was closed under it."""
     reach = replica.reach
     assert reach is not None
-    return post_retrying(send, http, lambda h: reach.post(h, path, payload, request_id, UPSTREAM_TIMEOUT, raw),
+    return post_retrying(send, http, lambda h: reach.post(h, path, payload, request_id, UPSTREAM_TIMEOUT, raw, adapter),
                          label(replica))
 
 
@@ -280,9 +297,12 @@ async def forward(request: web.Request, runtime: ModelRuntime, key: str, body: d
         lessee = request.get(LESSEE) if body.get("stream") is True else None
         lease = lessee.http(request_id, strip, service.max_response_bytes, timeouts.first_byte_s, timeouts.idle_s) \
             if lessee is not None else None
-        async with upstream(outcomes, request.app[HTTP], runtime, request.path, body, request_id,
-                            timeouts, affinity, raw, request.get(CACHE_SCOPE), lease) as (replica, resp):
+        sent = upstream(outcomes, request.app[HTTP], runtime, request.path, body, request_id,
+                        timeouts, affinity, raw, request.get(CACHE_SCOPE), lease, request.get(ADAPTER))
+        async with sent as (replica, resp):
             request[REPLICA] = replica
+            if sent.slot is not None:
+                request[ENGINE_SLOT] = sent.slot
             if isinstance(resp, LeasedAnswer) and resp.streaming:
                 return await _leased(request, outcomes, replica, resp, body, request_id)
             return await _relay(request, outcomes, replica, resp, request_id, timeouts, body, strip)
@@ -325,8 +345,10 @@ async def _relay(request: web.Request, outcomes: Outcomes, replica: Replica, ups
         limit = request.app[SETTINGS].service.max_response_bytes
         answer = await read_answer(outcomes, replica, upstream, timeouts, limit)
         metrics = request.app[METRICS]
-        request[USAGE] = metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)),
-                                             usage_in(answer), replica)
+        usage = usage_in(answer)
+        request[USAGE] = metrics.count_usage(replica.model, metrics.key_label(request.get(FAIRNESS_KEY)), usage,
+                                             replica)
+        note_reuse(request, replica, usage)
         return web.Response(status=upstream.status, body=answer, headers={
             "Content-Type": content_type, "X-Request-Id": request_id, REPLICA_HEADER: str(replica.index)})
     headers = {"Content-Type": content_type, "Cache-Control": "no-cache", "X-Request-Id": request_id,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from proxy.config.model import Adapter
 from proxy.config.settings import Settings
 from proxy.serving.metrics import ProxyMetrics
 from proxy.lifecycle.pool import Pool
@@ -23,6 +24,8 @@ ADOPTING: web.AppKey[frozenset[str]] = web.AppKey("adopting")
 # The model a request was admitted for, set once it is known to be a served model (so metric
 # labels only ever hold configured model ids, never whatever a client typed).
 MODEL = web.RequestKey("model", str)
+# The model's LoRA adapter the request asked for by its id (docs/adapters.md), set with MODEL.
+ADAPTER = web.RequestKey("adapter", Adapter)
 # A fallback's body (proxy/serving/fallbacks.py): the request's, naming the model that answers in
 # its model's place, and no raw bytes (they name the first).
 FALLBACK_BODY = web.RequestKey("fallback_body", tuple)
@@ -39,6 +42,8 @@ STREAM_ENDED = web.RequestKey("stream_ended", web.StreamResponse)
 # The replica that took the request, once one did: its index is every answer's X-Replica header.
 REPLICA = web.RequestKey("replica", Replica)
 REPLICA_HEADER = "X-Replica"
+# The llama-server slot the request ran in on REPLICA, where the proxy chose one (Replica.slots).
+ENGINE_SLOT = web.RequestKey("engine_slot", int)
 # For the usage ledger: the tokens the answer's usage gave (prompt, cached, output), and how long
 # the request waited for its slot.
 USAGE = web.RequestKey("usage", tuple)

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.lifecycle.kvcache.keeper import RESULTS
+from proxy.lifecycle.kvcache.keeper import CHECKS, RESULTS
 from proxy.lifecycle.pool import Pool
 from proxy.lifecycle.state.replicas import Replica, ReplicaState
 from proxy.serving.carried import CarriedCounters, snapshot
@@ -89,6 +89,8 @@ class PoolCollector(Collector):
         hits = CounterMetricFamily("llm_pool_replica_prefix_cache_answers",
                                    "Answers whose usage says how many prompt tokens came from the prefix cache: "
                                    "hit (some) or miss (none)", labels=[*mr, "result"])
+        holds = GaugeMetricFamily("llm_pool_replica_adapter", "1 for each LoRA adapter the replica serves now",
+                                  labels=[*mr, "adapter"])
         for name, runtime in self.pool.models.items():
             keys = runtime.keys.counts()
             for reason, count in runtime.loads.items():
@@ -122,13 +124,15 @@ class PoolCollector(Collector):
                 cached.add_metric(labels, replica.cached_tokens)
                 hits.add_metric([*labels, "hit"], replica.cache_hits)
                 hits.add_metric([*labels, "miss"], replica.cache_misses)
+                for adapter in replica.adapters():
+                    holds.add_metric([*labels, adapter], 1)
                 for family, field in ((running, "running"), (queued, "waiting"), (kv_cache, "kv_cache")):
                     value = replica.reported.get(field)
                     if value is not None:
                         family.add_metric(labels, value)
         yield from (ready, capacity, active, waiting, model_state, load_s, unload_s, state, in_rotation, inflight,
                     sent, restarts, ejections, probe_failures, warmup, running, queued, kv_cache, affine, spills,
-                    waits, held, cached, hits, loads, unloads)
+                    waits, held, cached, hits, loads, unloads, holds)
         yield from self._classes()
         yield from self._sleep()
         yield from self._memory()
@@ -148,6 +152,10 @@ class PoolCollector(Collector):
                                        "miss (the engine refused it, or it no longer fit), stale (other settings, "
                                        "model file or engine)", labels=["model", "result"])
         stored = GaugeMetricFamily("llm_pool_kv_store_bytes", "Bytes of saved slots on disk", labels=["model"])
+        checks = CounterMetricFamily("llm_pool_kv_restore_checks", "Restored slots whose conversation's next answer "
+                                     "showed cached tokens (verified) or none (unverified)", labels=["model", "result"])
+        unverified = GaugeMetricFamily("llm_pool_kv_restore_unverified", "1 when the model's first checked restore "
+                                       "showed no reuse: its slots are no longer saved", labels=["model"])
         budget = GaugeMetricFamily("llm_pool_kv_store_budget_bytes", "The slot store's disk budget "
                                    "(engine.lifecycle.kv_store_mib)")
         budget.add_metric([], kv.store.budget)
@@ -161,7 +169,10 @@ class PoolCollector(Collector):
             for result in RESULTS:
                 restored.add_metric([name, result], counts.restored.get(result, 0))
             stored.add_metric([name], kv.store.bytes_of(name))
-        yield from (saved, not_saved, restored, stored, budget)
+            for check in CHECKS:
+                checks.add_metric([name, check], counts.checks.get(check, 0))
+            unverified.add_metric([name], 1 if counts.restore_unverified else 0)
+        yield from (saved, not_saved, restored, stored, budget, checks, unverified)
 
     # -- sleep instead of stop (vllm_sleep_on_evict, proxy/lifecycle/sleeping.py) --------------------
     def _sleep(self) -> Iterator[Metric]:
@@ -267,6 +278,9 @@ class ProxyMetrics:
                                      ["model", "key"], registry=r)
         self.output_tokens = Counter("llm_pool_output_tokens", "Output tokens, as the backend's usage reports",
                                      ["model", "key"], registry=r)
+        self.adapter_requests = Counter("llm_pool_adapter_requests", "Requests for a model's LoRA adapter "
+                                        "(docs/adapters.md), by final status", ["model", "adapter", "status"],
+                                        registry=r)
         self.fallbacks = Counter("llm_pool_fallbacks", "Requests a model's fallback answered, by the model, "
                                  "the fallback and why", ["model", "to", "reason"], registry=r)
         self.named_keys: frozenset[str] = frozenset()

@@ -134,6 +134,14 @@ def operations() -> tuple[Operation, ...]:
             Operation("post", "/v1/admin/models/{name}/unload", "drain, then stop", state,
                       body=schemas.unload_request(), errors=ADMIN_ERRORS, admin=True, parameters=by_name,
                       links=("load",)),
+            *(Operation("post", f"/v1/admin/models/{{name}}/adapters/{{adapter}}/{action}",
+                        f"{action} one of a loaded model's LoRA adapters on its replicas (vLLM at run time; "
+                        "llama-server holds its adapters from its start: a load finds them, an unload is 409 "
+                        "adapter_not_unloadable)", state, body=schemas.unload_request(), errors=ADMIN_ERRORS,
+                        admin=True, parameters=(*by_name, {"name": "adapter", "in": "path", "required": True,
+                                                           "schema": {"type": "string", "minLength": 1},
+                                                           "description": "the adapter's name under lora_adapters"}))
+              for action in ("load", "unload")),
             Operation("post", "/v1/admin/models/{name}/scale", "change a loaded model's replica count", state,
                       body=schemas.scale_request(), errors=ADMIN_ERRORS, admin=True, parameters=by_name,
                       links=("scale", "unload", "load")),

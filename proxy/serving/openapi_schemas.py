@@ -218,6 +218,8 @@ def models_list() -> dict[str, Any]:
                                               "load_on_demand": {"type": "boolean"},
                                               "alias_of": {"type": "string", "description": "an alias "
                                                            "(engine.aliases): the model that serves it"},
+                                              "parent": {"type": "string", "description": "a LoRA adapter "
+                                                         "(lora_adapters): its base model, whose replicas serve it"},
                                               "capabilities": {"type": "object", "description": "as in GET "
                                                                "/v1/admin/models: modalities, endpoints, ..."}}}}}}
 

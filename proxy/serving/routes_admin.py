@@ -12,14 +12,16 @@ from launchers import launcher_for
 from proxy.serving.admin_view import admin_row
 from proxy.config.checks import model_properties, override_problems, replicas_problem
 from proxy.config.settings import LOCAL_HOST
-from proxy.errors import BadRequest, Conflict, PoolError, Unavailable
+from proxy.errors import BadRequest, Conflict, NotFound, PoolError, Unavailable
 from proxy.events import ADMIN, KINDS as EVENT_KINDS
 from proxy.serving.admin_guard import admit
 from proxy.serving.body import read_json
+from proxy.lifecycle import adapters
 from proxy.lifecycle.pool import Pool
+from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.gpu.report import ModelSnapshot, gpu_report
-from proxy.serving.keys import METRICS, POOL, SETTINGS, VRAM
+from proxy.serving.keys import HTTP, METRICS, POOL, SETTINGS, VRAM
 from proxy.serving.traffic import traffic
 from proxy.serving.shutdown import SHUTDOWN
 from proxy.serving.workers import PROCESSES
@@ -75,7 +77,8 @@ def actor_of(request: web.Request) -> str:
     return f"{request.get(PEER) or request.remote or 'unknown peer'} ({token})"
 
 
-async def _act(request: web.Request, action: str, act: Callable[[str, str], Awaitable[ModelRuntime]]) -> web.Response:
+async def _act(request: web.Request, action: str, act: Callable[[str, str], Awaitable[ModelRuntime]],
+               reason: str | None = None) -> web.Response:
     """Carry out an admin action on the model the path names and record it in the events feed with
     who asked: what it did, or its refusal with the code the caller got. Called after `admit`: a
     request that is not an admin's (no token, another site) leaves no event, so none can flood the
@@ -90,18 +93,18 @@ async def _act(request: web.Request, action: str, act: Callable[[str, str], Awai
         runtime = await act(name, actor)
     except PoolError as exc:
         pool.events.record(ADMIN, f"{action} {shown} by {actor} refused: {exc.status} {exc.code}: {exc.message}",
-                           model=name if known else None, reason=action, cause=exc.code,
+                           model=name if known else None, reason=reason or action, cause=exc.code,
                            actor=actor, level=logging.WARNING)
         raise
     except Exception as exc:
         pool.events.record(ADMIN, f"{action} {shown} by {actor} failed: {type(exc).__name__}: {exc}",
                            model=name if known else None,
-                           reason=action, cause="internal_error", actor=actor, level=logging.ERROR)
+                           reason=reason or action, cause="internal_error", actor=actor, level=logging.ERROR)
         raise
     ready = len(runtime.ready())
     replicas = f", {ready} of {len(runtime.replicas)} replicas ready" if runtime.replicas else ""
     pool.events.record(ADMIN, f"{action} {name} by {actor}: {runtime.state.value}{replicas}", model=name,
-                       reason=action, actor=actor)
+                       reason=reason or action, actor=actor)
     return web.json_response(pool.describe(runtime))
 
 
@@ -128,6 +131,43 @@ async def admin_unload(request: web.Request) -> web.Response:
             raise BadRequest("an unload takes no fields: send no body or {}", code="invalid_unload_request")
         return await pool.detached(pool.unload(name, actor=actor))
     return await _act(request, "unload", unload)
+
+
+@routes.post("/v1/admin/models/{name}/adapters/{adapter}/load")
+@routes.post("/v1/admin/models/{name}/adapters/{adapter}/unload")
+async def admin_adapter(request: web.Request) -> web.Response:
+    """Load or unload one of a model's LoRA adapters on every replica that serves (docs/adapters.md).
+    vLLM changes what it holds at run time; llama-server holds its adapters from its start to its end
+    (a load finds them there, an unload is refused: unloading the model frees them)."""
+    admit(request)
+    pool = request.app[POOL]
+    action = request.path.rsplit("/", 1)[1]   # load or unload: the route's last part
+
+    async def change(name: str, actor: str) -> ModelRuntime:
+        runtime = pool.get(name)   # 404 model_not_found
+        wanted = request.match_info["adapter"]
+        adapter = runtime.config.adapter(wanted)
+        if adapter is None:
+            known = ", ".join(a.name for a in runtime.config.adapters) or "none"
+            raise NotFound(f"model {name!r} has no LoRA adapter {wanted[:64]!r} (its adapters: {known})",
+                           code="adapter_not_found", param="adapter")
+        if request.can_read_body and await read_json(request):
+            raise BadRequest(f"an adapter {action} takes no fields: send no body or {{}}",
+                             code="invalid_adapter_request")
+        serving = runtime.ready()
+        if runtime.state != ModelState.LOADED or not serving:
+            raise Conflict(f"model {name!r} is not loaded; its adapters come with its replicas "
+                           f"(POST /v1/admin/models/{name}/load)", code="model_not_loaded", param="model")
+        if not all(adapters.changeable(r) for r in serving):
+            if action == "load":
+                return runtime   # held since the replica's start
+            raise Conflict(f"the engine of model {name!r} holds its LoRA adapters from its start until it stops; "
+                           f"unload the model to free them", code="adapter_not_unloadable", param="adapter")
+        do = adapters.load if action == "load" else adapters.unload
+        await asyncio.gather(*(do(request.app[HTTP], r, adapter) for r in serving))
+        return runtime
+    return await _act(request, f"{action} adapter {request.match_info['adapter'][:64]!r} of", change,
+                      reason=f"adapter_{action}")
 
 
 @routes.post("/v1/admin/models/{name}/scale")

@@ -16,7 +16,7 @@ from proxy.errors import BadRequest, Conflict, NotFound, TooLarge
 from proxy.serving.admin_guard import admit
 from proxy.serving.batch_lines import ENDPOINTS, Line, parse
 from proxy.serving.batch_runner import BatchRunner, runner_of
-from proxy.serving.body import read_json
+from proxy.serving.body import model_of, read_json
 from proxy.serving.keys import POOL, SETTINGS
 from proxy.serving.tenancy import TENANCY
 
@@ -209,10 +209,10 @@ def _one_model(request: web.Request, lines: list[Line], endpoint: str) -> str:
                              param=f"line {number}")
     model = lines[0].model
     pool = request.app[POOL]
-    runtime = pool.get(request.app[SETTINGS].aliases.get(model, model))   # 404 model_not_found
+    runtime, _, public = model_of(request, pool, model)   # 404 model_not_found
     tenancy = request.app.get(TENANCY)
     if tenancy is not None:
-        tenancy.allow(tenancy.caller(request), runtime)   # 403 for a model it may not use
+        tenancy.allow(tenancy.caller(request), runtime, public)   # 403 for a model it may not use
     return model
 
 

@@ -26,12 +26,12 @@ from proxy.gpu.vram_estimate import configured_context
 from proxy.lifecycle.state.replicas import ModelState
 from proxy.lifecycle.state.runtime import ModelRuntime
 from proxy.serving.affinity_key import affinity_key
-from proxy.serving.body import fairness_key, priority_class, read_body, servable
+from proxy.serving.body import fairness_key, model_of, priority_class, read_body, servable
 from proxy.serving.chat_relay import CHAT_PATH, Piece, count_usage, relay_chat
 from proxy.serving.fallbacks import with_fallbacks
 from proxy.serving.forward import Slot, read_answer, upstream
 from proxy.serving.image_urls import check_image_urls
-from proxy.serving.keys import (CACHE_SCOPE, HTTP, POOL, REPLICA, REPLICA_HEADER, SETTINGS,
+from proxy.serving.keys import (ADAPTER, CACHE_SCOPE, HTTP, POOL, REPLICA, REPLICA_HEADER, SETTINGS,
                                 STARTED, STREAM_ERROR)
 from proxy.serving.responses import IGNORED_HEADER, ignored_header
 from proxy.serving.routes_public import visible
@@ -102,10 +102,10 @@ async def show(request: web.Request) -> web.Response:
 
 def _model(request: web.Request, name: str) -> ModelRuntime:
     """The model a request names (an alias's), if the caller may use it: 401, 403, 404 otherwise."""
-    runtime = request.app[POOL].get(request.app[SETTINGS].aliases.get(name, name))
+    runtime, _, public = model_of(request, request.app[POOL], name)
     tenancy = request.app.get(TENANCY)
     if tenancy is not None:
-        tenancy.allow(tenancy.caller(request), runtime)
+        tenancy.allow(tenancy.caller(request), runtime, public)
     return runtime
 
 
@@ -328,7 +328,7 @@ async def _embeddings(request: web.Request, body: dict[str, Any], texts: list[st
     timeouts = Timeouts.of(settings.service, runtime.model)
     async with Slot(runtime, queued):
         async with upstream(outcomes, request.app[HTTP], runtime, EMBEDDINGS_PATH, payload, request_id, timeouts,
-                            None, scope=request.get(CACHE_SCOPE)) as (replica, resp):
+                            None, scope=request.get(CACHE_SCOPE), adapter=request.get(ADAPTER)) as (replica, resp):
             request[REPLICA] = replica
             raw = await read_answer(outcomes, replica, resp, timeouts, settings.service.max_response_bytes)
     vectors, usage = _vectors(raw, len(texts))

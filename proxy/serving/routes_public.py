@@ -53,24 +53,35 @@ async def list_models(request: web.Request) -> web.Response:
     """Every model a request may use now: the loaded ones and those that load on demand (a chat UI
     that picks from this list offers a cold model, and the request it sends loads it). A model that is
     neither stays unlisted: a load by an admin brings it. With tenants, the key's tenant sees the
-    models its globs allow."""
-    data = [model_entry(name, runtime) if alias_of is None else {**model_entry(name, runtime), "alias_of": alias_of}
-            for name, runtime, alias_of in visible(request)]
+    models its globs allow. An alias says its model (`alias_of`), a LoRA adapter its base (`parent`,
+    as vLLM lists its own)."""
+    data = []
+    for name, runtime, alias_of in visible(request):
+        entry = model_entry(name, runtime)
+        if alias_of is not None:
+            entry["alias_of"] = alias_of
+        if name != runtime.name and alias_of is None:
+            entry["parent"] = runtime.name
+        data.append(entry)
     return web.json_response({"object": "list", "data": data})
 
 
 def visible(request: web.Request) -> list[tuple[str, ModelRuntime, str | None]]:
     """The public ids a request may use now (GET /v1/models, GET /api/tags), each with its model and,
-    for an alias, the model's name. An alias is listed where its model is."""
-    models = request.app[POOL].models
-    names = [name for name, runtime in models.items() if listed(runtime)]
+    for an alias, the id it stands for. An adapter is listed where its base model is, an alias where
+    its target is; the tenant's globs judge each id itself (`demo:*` shows the adapters, not demo)."""
+    models, settings = request.app[POOL].models, request.app[SETTINGS]
+    listed_now = {name for name, runtime in models.items() if listed(runtime)}
+    names = [name for name in models if name in listed_now]
+    names += [aid for aid, (base, _) in settings.adapters.items() if base.name in listed_now]
     tenancy = request.app.get(TENANCY)
     if tenancy is not None:
         names = tenancy.allowed_models(request, names)   # a tenant sees the models it may use
     shown = set(names)
-    return [*((name, models[name], None) for name in names),
-            *((alias, models[target], target) for alias, target in request.app[SETTINGS].aliases.items()
-              if target in shown)]
+    found = [(name, models[settings.adapters[name][0].name] if name in settings.adapters else models[name], None)
+             for name in names]
+    return [*found, *((alias, found_model, target) for alias, target in settings.aliases.items() if target in shown
+                      for name, found_model, _ in found if name == target)]
 
 
 def listed(runtime: ModelRuntime) -> bool:

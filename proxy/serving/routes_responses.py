@@ -27,6 +27,7 @@ from proxy.serving.chat_relay import Piece, relay_chat
 from proxy.serving.fallbacks import with_fallbacks
 from proxy.serving.image_urls import check_image_urls
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, POOL, REPLICA, REPLICA_HEADER, SETTINGS, STREAM_ERROR, USAGE
+from proxy.serving.slot_reuse import note_reuse
 from proxy.serving.responses import IGNORED_HEADER, backend_request, ignored_header, parse, validate_for_model
 from proxy.serving.stream_usage import mark_ended, settle
 
@@ -147,6 +148,8 @@ def _count(request: web.Request, model: str, metrics: Mapping[str, Any], first_t
     counters = request.app[METRICS]
     request[USAGE] = counters.count_response(model, counters.key_label(request.get(FAIRNESS_KEY)), metrics,
                                              first_text_s, request.get(REPLICA))
+    note_reuse(request, request.get(REPLICA), {"prompt_tokens": metrics.get("engine_prompt_tokens"),
+                                               "cached_tokens": metrics.get("engine_cached_prompt_tokens")})
 
 
 async def _end_with(out: web.StreamResponse, err: PoolError) -> web.StreamResponse:

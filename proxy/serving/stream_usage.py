@@ -21,6 +21,7 @@ from proxy.lifecycle.state.replicas import Replica
 from proxy.serving.keys import FAIRNESS_KEY, METRICS, STREAM_ENDED, USAGE, USAGE_ESTIMATED
 from proxy.edge.response_metrics import usage_numbers
 from proxy.edge.stream_count import Tally
+from proxy.serving.slot_reuse import note_reuse
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ def settle(request: web.Request, model: str, body: Mapping[str, Any], usage: Map
         replica = None if estimated else replica
     request[USAGE] = metrics.count_usage(model, metrics.key_label(request.get(FAIRNESS_KEY)), usage, replica)
     request[USAGE_ESTIMATED] = estimated
+    note_reuse(request, replica, usage)
 
 
 def _count(value: Any) -> bool:

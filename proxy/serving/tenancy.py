@@ -28,7 +28,7 @@ from proxy.config.settings import Settings
 from proxy.errors import Forbidden, NotFound, Unauthorized
 from proxy.events import LEDGER, Events
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.serving.keys import QUEUE_WAIT, REPLICA, USAGE, USAGE_ESTIMATED
+from proxy.serving.keys import ADAPTER, QUEUE_WAIT, REPLICA, USAGE, USAGE_ESTIMATED
 from proxy.tenants.keys import Caller, Keys, digest, key_id, may_use, new_key
 from proxy.tenants.ledger import Ledger, SqliteLedger, UsageRow
 from proxy.tenants.limits import cost, output_limit, prompt_estimate
@@ -170,15 +170,17 @@ class Tenancy:
             request[TICKET] = Ticket(caller)
         return caller
 
-    def allow(self, caller: Caller, runtime: ModelRuntime) -> None:
+    def allow(self, caller: Caller, runtime: ModelRuntime, public: str | None = None) -> None:
         """What the tenant may never do with this model: 403 for a model outside its globs or a
-        remote one it may not use."""
+        remote one it may not use. `public`: the id the request named where it is not the model's
+        own, a LoRA adapter's (`demo:*` allows the adapters of demo, not demo itself)."""
         tenant = caller.tenant
-        allowed = self._allowed.get((tenant.name, runtime.name))
+        name = public or runtime.name
+        allowed = self._allowed.get((tenant.name, name))
         if allowed is None:   # the globs are matched once per tenant and model
-            allowed = self._allowed[(tenant.name, runtime.name)] = may_use(tenant, runtime.name)
+            allowed = self._allowed[(tenant.name, name)] = may_use(tenant, name)
         if not allowed:
-            raise Forbidden(f"tenant {tenant.name!r} may not use model {runtime.name!r}", code="model_not_allowed",
+            raise Forbidden(f"tenant {tenant.name!r} may not use model {name!r}", code="model_not_allowed",
                             param="model")
         if runtime.traits.remote and not tenant.allow_remote:
             raise Forbidden(f"tenant {tenant.name!r} may not use remote models (tenants.{tenant.name}.allow_remote)",
@@ -238,8 +240,10 @@ class Tenancy:
         else:   # refused before it was admitted: it counts, as it always did, with what it used (nothing)
             self.spend.ended(name, now, prompt + output, spent)
         replica = request.get(REPLICA)
+        adapter = request.get(ADAPTER)   # a LoRA adapter's row names the adapter's id, what was asked for
         self.ledger.record(UsageRow(
-            now, name, caller.key_id, runtime.name, runtime.model.backend, replica.host if replica is not None else "",
+            now, name, caller.key_id, adapter.id if adapter is not None else runtime.name, runtime.model.backend,
+            replica.host if replica is not None else "",
             status, prompt, cached, output, spent, request.get(QUEUE_WAIT, 0.0) * 1000, duration_s * 1000,
             request.get(USAGE_ESTIMATED, False)))
         self.metrics.count(name, status, prompt, cached, output, spent)

@@ -17,8 +17,9 @@ from proxy.upstream.client import Answer, UpstreamHttp
 # Every kind's reach strips them, so this is the one list.
 PROXY_ONLY_FIELDS = ("fairness_key", "allow_remote")
 # And what a server of ours never gets besides: the affinity key is the proxy's routing (a remote
-# provider gets it where the model opts in, remote_prompt_cache_key_enabled).
-NOT_FOR_PROGRAMS = (*PROXY_ONLY_FIELDS, "prompt_cache_key")
+# provider gets it where the model opts in, remote_prompt_cache_key_enabled), nor a client's `lora`:
+# which adapter runs is the model id's (docs/adapters.md), never the client's to choose around it.
+NOT_FOR_PROGRAMS = (*PROXY_ONLY_FIELDS, "prompt_cache_key", "lora")
 
 
 class Reach(Protocol):
@@ -30,11 +31,13 @@ class Reach(Protocol):
     def url(self, path: str) -> str: ...
 
     def post(self, http: UpstreamHttp, path: str, payload: dict[str, Any], request_id: str,
-             timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> Awaitable[Answer]:
+             timeout: aiohttp.ClientTimeout, raw: bytes | None = None,
+             adapter: str | None = None) -> Awaitable[Answer]:
         """Send one OpenAI request (an `async def`, or a plain one that returns what to await). A
         refused or reset connection propagates (the replica died since it was picked); anything a
         kind handles itself becomes a PoolError. `raw`: the client's own bytes of `payload`, which a
-        kind may send as they are where it would not change a thing."""
+        kind may send as they are where it would not change a thing. `adapter`: the LoRA adapter
+        of the model that runs it (a kind that serves none is never given one)."""
         ...
 
     def describe(self) -> dict[str, object]: ...
@@ -52,23 +55,27 @@ class ProgramReach:
         # A backend's own bound on the wait for an answer's next bytes (vllm_serve_timeout_s).
         self.read_timeout_s = spec.request_timeout_s
         self.closes_after_streams = spec.closes_after_streams
+        self.adapters = spec.adapters
 
     def url(self, path: str) -> str:
         return self.base_url + path
 
     def post(self, http: UpstreamHttp, path: str, payload: dict[str, Any], request_id: str,
-             timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> Awaitable[Answer]:
+             timeout: aiohttp.ClientTimeout, raw: bytes | None = None,
+             adapter: str | None = None) -> Awaitable[Answer]:
         # A plain function that returns the client's request to await, not a coroutine that awaits it:
         # the request's task resumes through every coroutine layer around the send.
-        if raw is not None and payload.get("model") == self.served_model and \
+        adapters = self.adapters
+        if raw is not None and adapters is None and payload.get("model") == self.served_model and \
                 not any(k in payload for k in NOT_FOR_PROGRAMS):
             # Nothing to rewrite: the client's bytes go as they came, not decoded and encoded again.
             body = raw
         else:
             # As UTF-8, not \u escapes (6 bytes a character: up to 3 times the body, and its time); a
             # request's strings were checked at the edge (strict_json): no lone surrogate, all encode.
-            body = json.dumps({**without_proxy_fields(payload, NOT_FOR_PROGRAMS), "model": self.served_model},
-                              ensure_ascii=False).encode()
+            chosen = adapters.fields(adapter) if adapters is not None else {}
+            body = json.dumps({**without_proxy_fields(payload, NOT_FOR_PROGRAMS), "model": self.served_model,
+                               **chosen}, ensure_ascii=False).encode()
         if self.read_timeout_s is not None:
             timeout = aiohttp.ClientTimeout(total=timeout.total, sock_connect=timeout.sock_connect,
                                             sock_read=self.read_timeout_s)

@@ -47,8 +47,9 @@ def words(rng: random.Random, chars: int) -> str:
 async def turn(session: aiohttp.ClientSession, url: str, model: str, key: str,
                messages: list[dict[str, str]]) -> dict[str, Any]:
     """One streamed turn: time to first content, the prompt tokens processed, the answer's text."""
+    # llama-server's timings come on the usage chunk, which the proxy relays only to a client that asks.
     body = {"model": model, "messages": messages, "max_tokens": 4, "ignore_eos": True, "temperature": 0,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     async with session.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": key}) as resp:
         assert resp.status == 200, await resp.text()

@@ -92,6 +92,9 @@ def test_a_conversation_keeps_its_cache_across_an_eviction(swap_pool: Callable[.
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= full[s] - 1
     after = kv(proxy)
     assert after["restored"] == {"hit": 2, "miss": 0, "stale": 0}
+    # Each restore was checked by its conversation's next answer, which showed the reuse: the real
+    # llama-server's restores verify, and the model keeps saving (below).
+    assert after["restore_checks"] == {"verified": 2, "unverified": 0} and after["restore_unverified"] is False
     # A's files went with their restores; B's one conversation was saved as A's load evicted it.
     assert after["stored_slots"] == 0 and kv(proxy, "b")["stored_slots"] == 1
     assert len(slot_files(proxy)) == 1
@@ -99,6 +102,10 @@ def test_a_conversation_keeps_its_cache_across_an_eviction(swap_pool: Callable[.
     assert 'llm_pool_kv_saved_total{model="a"} 2.0' in text
     assert 'llm_pool_kv_restored_total{model="a",result="hit"} 2.0' in text
     assert 'llm_pool_kv_store_bytes{model="a"} 0.0' in text
+    assert 'llm_pool_kv_restore_checks_total{model="a",result="verified"} 2.0' in text
+    assert 'llm_pool_kv_restore_unverified{model="a"} 0.0' in text
+    evict_a(proxy)
+    assert kv(proxy)["saved"] > 2 and kv(proxy)["stored_slots"] > 0
 
 
 def test_a_changed_model_file_never_restores_its_old_cache(swap_pool: Callable[..., ProxyProcess],

@@ -21,22 +21,15 @@ import openai
 import pytest
 
 from helpers import ProxyProcess, http, pid_alive, wait_for
-from proxy.setup.vllm_env import cached_vllm, server_env, vllm_env_ready
 from seed_vllm_examples import CPU_OVERRIDES, SEED_EXAMPLES, cpu_variant
 from tiny_hf_model import write_tiny_hf_llama
+from vllm_test_env import NEEDS_VLLM, START_S, process_group, vllm_command, vllm_env
 
-CUDA_VLLM = os.environ.get("LLM_POOL_TEST_VLLM")
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(not CUDA_VLLM and not vllm_env_ready(),
-                       reason="no vLLM: the CPU build is not in the llm-pool cache "
-                              "(run `llm-pool setup --all-engines`, or set LLM_POOL_TEST_VLLM to a `vllm` command)"),
-]
+pytestmark = [pytest.mark.integration, NEEDS_VLLM]
 
 MODEL = "tiny-vllm"
 API_KEY = "sk-test-vllm-replica-key"
 CHAT = [{"role": "user", "content": "Hello there, tiny model."}]
-START_S = 900.0   # a vLLM start on a busy 2-core machine: imports, weights, profiling
 # Tokens: far more than a request makes between its first line and a pause. vLLM's engine core runs
 # in its own process, and on a busy machine it made 3,000 before its API server, sharing the cores,
 # had sent the first few (5 tries of 5 in a loaded suite run): the context is stretched for this.
@@ -44,16 +37,6 @@ LONG = 30000
 CONTEXT = 32768
 TOKENS_BEFORE_PAUSE = 3   # streamed tokens read before the pause: engine steps that set the gauges
 
-
-def vllm_command() -> str:
-    return CUDA_VLLM or str(cached_vllm())
-
-
-def vllm_env() -> dict[str, str]:
-    env = server_env()
-    if CUDA_VLLM:
-        env.pop("VLLM_TARGET_DEVICE")
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -100,20 +83,6 @@ def ready_replica(proxy: ProxyProcess, name: str = MODEL) -> dict[str, Any]:
     proxy.group_pids.update(process_group(replica["pid"]))  # type: ignore[attr-defined]
     return replica
 
-
-def process_group(pid: int) -> set[int]:
-    """Every live process in the group of `pid` (supervisord starts each program as a group
-    leader; vLLM's engine core runs as a child in it)."""
-    members = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pid:
-                members.add(int(entry.name))
-    return members
 
 
 def vllm_metric(replica: dict[str, Any], name: str) -> float:

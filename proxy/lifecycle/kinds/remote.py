@@ -48,9 +48,10 @@ class RemoteReach(Provider):
     engine_timings = False   # a provider's own timing fields are not GPU times we measured
 
     async def post(self, http: UpstreamHttp, path: str, payload: dict[str, Any], request_id: str,
-                   timeout: aiohttp.ClientTimeout, raw: bytes | None = None) -> Answer:
+                   timeout: aiohttp.ClientTimeout, raw: bytes | None = None, adapter: str | None = None) -> Answer:
         """Map, resolve files, send; retry connection errors, 429 and 5xx within remote_timeout_s.
-        (`raw` is not used: a provider's request always differs from the client's, in `model` at least.)
+        (`raw` is not used: a provider's request always differs from the client's, in `model` at least;
+        nor `adapter`: a provider's model serves none, check-config says.)
 
         The caller's timeout is for local programs; a provider gets remote_timeout_s for a whole
         answer, or for each chunk of a stream. Only a success is returned; a provider's error

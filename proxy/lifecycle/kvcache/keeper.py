@@ -12,6 +12,13 @@ With tenants (`scoped`) every llama-server replica that generates text gets a ta
 store or not, each slot a tenant's (proxy/lifecycle/state/slots.py), and runs without llama-server's
 RAM prompt cache (--cache-ram), which hands a slot the saved state of whichever slot's prompt
 matched best, another tenant's too (measured on the pinned build).
+
+A restore is checked, not assumed: llama-server can answer a restore with its token count and then
+reuse none of it (sliding-window and recurrent models, llama.cpp's known bugs). The first
+request of the conversation in a restored slot must show cached tokens in its answer. A model's
+first such check decides (`checked`): no reuse, and the model is `restore_unverified` (an event
+says why, its stored slots go, and it saves no more until the proxy restarts); reuse, and it is
+verified, and a later answer without reuse is a conversation that changed its history, only counted.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from pathlib import Path
 
 from launchers.spec import ProgramSpec
 from proxy.config.model import ModelConfig
+from proxy.events import KV_STORE, Events
 from proxy.lifecycle.kvcache import slots_api
 from proxy.lifecycle.kvcache.slots_api import SlotError, SlotInfo
 from proxy.lifecycle.kvcache.store import Saved, SlotStore, new_file_name
@@ -43,6 +51,7 @@ STORE_FOLDER = "kv"
 # Flags whose files shape what a slot holds, beside the engine binary itself.
 FILE_FLAGS = frozenset({"--model", "-m", "--mmproj", "--lora", "--model-draft", "-md"})
 RESULTS = ("hit", "miss", "stale")
+CHECKS = ("verified", "unverified")
 # llama-server's --cache-ram, as its environment variable: a binary without the option ignores it.
 NO_RAM_CACHE = ("LLAMA_ARG_CACHE_RAM", "0")
 
@@ -73,19 +82,25 @@ class Counts:
     # How long the last unload's saves and the last replica's restores took, all told: what a swap waited.
     last_save_s: float | None = None
     last_restore_s: float | None = None
+    # Restored slots whose conversation's next answer showed reuse, or none (`KvKeeper.checked`).
+    checks: Counter[str] = field(default_factory=Counter)   # by CHECKS
+    restore_unverified: bool = False   # its first check showed none: it saves no more
 
 
 class KvKeeper:
-    def __init__(self, store: SlotStore, http: UpstreamHttp, scoped: bool = False) -> None:
+    def __init__(self, store: SlotStore, http: UpstreamHttp, scoped: bool = False,
+                 events: Events | None = None) -> None:
         self.store = store
         self.http = http
         self.scoped = scoped   # tenants: slots are tenants' (above)
+        self.events = events
         self.counts: dict[str, Counts] = {}
         self._cut: list[tuple[str, str]] = []   # (folder, file) of saves cut short: see `stopped`
 
     @classmethod
-    def under(cls, state_dir: Path, budget_mib: float, http: UpstreamHttp, scoped: bool = False) -> "KvKeeper":
-        return cls(SlotStore(state_dir / STORE_FOLDER, int(budget_mib * 1024 * 1024)), http, scoped)
+    def under(cls, state_dir: Path, budget_mib: float, http: UpstreamHttp, scoped: bool = False,
+              events: Events | None = None) -> "KvKeeper":
+        return cls(SlotStore(state_dir / STORE_FOLDER, int(budget_mib * 1024 * 1024)), http, scoped, events)
 
     def applies(self, config: ModelConfig) -> bool:
         """Whether `config`'s replicas keep their slots: llama-server generating text, with a store
@@ -119,7 +134,7 @@ class KvKeeper:
         used first, until the budget is full or `seconds` are up. Nothing raised: what is not saved
         is prefilled again after the reload, as without the store."""
         config = runtime.active or runtime.config
-        if not self.applies(config):
+        if not self.applies(config) or self.of(runtime.name).restore_unverified:
             return
         if seconds <= 0:
             log.info("model %s: no slots saved: the load it makes room for has waited its swap bound", runtime.name)
@@ -246,7 +261,7 @@ class KvKeeper:
                     continue
                 result = "hit"
                 if entry.key is not None:
-                    table.assign(entry.key, entry.slot)
+                    table.restored(entry.key, entry.slot)
                     runtime.keys.note(entry.key, replica.index, moved=True)
             finally:
                 counts.restored[result] += 1
@@ -254,6 +269,29 @@ class KvKeeper:
         counts.last_restore_s = round(time.monotonic() - (deadline - seconds), 4)
         log.info("model %s replica %d: %d saved slots given back in %.3fs (%s so far)", runtime.name, replica.index,
                  len(entries), counts.last_restore_s, ", ".join(f"{r} {counts.restored[r]}" for r in RESULTS))
+
+    def checked(self, replica: Replica, slot: int, cached: int | None) -> None:
+        """A request that ran in `slot` of `replica` was answered, reading `cached` prompt tokens from
+        the cache there (None: the answer did not say). For the first request of a restored slot's
+        conversation, that is its restore's check (above)."""
+        table = replica.slots
+        if cached is None or table is None or not table.checked(slot):
+            return
+        model = replica.model
+        counts = self.of(model)
+        counts.checks["verified" if cached > 0 else "unverified"] += 1
+        if cached > 0 or counts.checks["verified"] or counts.restore_unverified:
+            return
+        counts.restore_unverified = True
+        self.store.drop_model(model)   # restores that bring nothing: no disk for them
+        message = (f"model {model}: replica {replica.index} slot {slot} was restored, yet its conversation's next "
+                   "request reused none of it (0 cached tokens); llama-server does not restore this model's slots "
+                   "(a sliding-window or recurrent model?): its slots are no longer saved before an unload")
+        if self.events is not None:
+            self.events.record(KV_STORE, message, model=model, replica=replica.index, reason="restore_unverified",
+                               level=logging.WARNING)
+        else:
+            log.warning("%s", message)
 
     def forget(self, model: str) -> None:
         """An admin unloaded `model`: what was saved of it is not wanted any more."""
@@ -265,4 +303,6 @@ class KvKeeper:
         return {"stored_slots": len(entries), "stored_bytes": sum(e.bytes for e in entries),
                 "saved": counts.saved, "cut_short": counts.cut_short, "over_budget": counts.over_budget,
                 "restored": {r: counts.restored.get(r, 0) for r in RESULTS},
+                "restore_checks": {c: counts.checks.get(c, 0) for c in CHECKS},
+                "restore_unverified": counts.restore_unverified,
                 "last_save_s": counts.last_save_s, "last_restore_s": counts.last_restore_s}

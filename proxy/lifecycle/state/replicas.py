@@ -164,6 +164,19 @@ class Replica:
     # Taken over running from an earlier proxy (a reload, a restart): which conversation is in which
     # of its slots died with that proxy, so llama-server's own matching places them (no `id_slot`).
     adopted: bool = False
+    # LoRA adapters an admin unloaded from it at run time (vLLM; proxy/lifecycle/adapters.py), each
+    # with the process it left: a new process holds every adapter of its command line again.
+    adapters_dropped: dict[str, int] = field(default_factory=dict)
+    adapter_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+    def holds(self, adapter: str) -> bool:
+        """Whether its engine serves `adapter` now (an adapter of its model's settings)."""
+        return self.adapters_dropped.get(adapter, -1) != self.pid
+
+    def adapters(self) -> list[str]:
+        """The adapters it serves now, in their order (the admin view, the status page)."""
+        chosen = self.spec.adapters if self.spec is not None else None
+        return [name for name in chosen.names if self.holds(name)] if chosen is not None else []
 
     def note_cache(self, prompt_tokens: object, cached_tokens: object) -> None:
         """One answer's usage: a hit when the engine reused part of the prompt from its cache. An
@@ -230,4 +243,4 @@ class Replica:
                 "affinity_waits": self.affinity_waits,
                 "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
                 "cache_hit_rate": self.cache_hit_rate(), "cached_prompt_tokens": self.cached_tokens,
-                **self.reach.describe()}
+                "adapters": self.adapters(), **self.reach.describe()}

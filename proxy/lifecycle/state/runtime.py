@@ -274,6 +274,7 @@ class ModelRuntime:
             "classes": self.admission.describe_classes(),
             "capabilities": self.capabilities().as_dict(),
             "gpus": list(cfg.gpus),
+            "adapters": [{"name": a.name, "id": a.id, "scale": a.scale} for a in cfg.adapters],
             "overrides": changed(self.config.options, cfg.options),
             "last_error": self.last_error,
             "load_retry": self.load_retry.describe() if self.load_retry is not None else None,

@@ -12,6 +12,10 @@ So a key names its scope (the tenant, after SCOPE_MARK; no tenants: one scope, "
 remembers the scope whose cache it holds, and a request given a slot of another scope, or of an
 unknown one (a fresh table with tenants, an adopted replica, a restore of no key), is told so: it
 must not reuse that cache (the caller sends llama-server `cache_prompt: false`).
+
+A slot a restore filled is checked by the first request that runs there: when that request is its
+conversation's, its answer must show cached tokens (`checked`, and the KV store's rule); any other
+request there first leaves nothing to check, since the restored cache is no longer what it reads.
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ class SlotTable:
         # Least recently used first: the order a new key takes a slot in.
         self._used: OrderedDict[int, None] = OrderedDict((s, None) for s in range(self.slots))
         self._at: dict[int, float] = {}               # slot -> when a request of ours last went there
+        self._restored: set[int] = set()              # restored, no request there since
+        self._checking: set[int] = set()              # its conversation's first request there runs now
 
     def take(self, key: str) -> tuple[int, bool]:
         """The slot for one request of `key`, marked busy until `release`, and whether it holds
@@ -52,6 +58,12 @@ class SlotTable:
             # it (a request the client left, still ending there), the least recent one waits.
             slot = free[0] if free else next(iter(self._used))
         foreign = self._scope[slot] != scope_of(key)
+        first = slot in self._restored and self._slot_of.get(key) == slot
+        self._restored.discard(slot)
+        if first:
+            self._checking.add(slot)
+        else:
+            self._checking.discard(slot)   # a second request there before the first's answer said
         self.assign(key, slot)
         if foreign:
             # Still the other scope's cache until this request has run there (`ran`): one that the
@@ -79,6 +91,19 @@ class SlotTable:
         self._key_of[slot], self._slot_of[key] = key, slot
         self._scope[slot] = scope_of(key)
         self._used.move_to_end(slot)
+
+    def restored(self, key: str, slot: int) -> None:
+        """A restore put `key`'s saved cache in `slot`: its next request there is the check."""
+        self.assign(key, slot)
+        self._restored.add(slot)
+
+    def checked(self, slot: int) -> bool:
+        """Whether an answer of a request that ran in `slot` is its restore's check: the first
+        request there since the restore, and its conversation's. True once."""
+        if slot not in self._checking:
+            return False
+        self._checking.discard(slot)
+        return True
 
     def ran(self, slot: int, key: str) -> None:
         """The engine answered 200 to a request of `key` in `slot` (llama-server answers once the

@@ -46,7 +46,8 @@
     (m.last_error ? `; ${m.last_error}` : "");
 
   const SUMMARY = [["backend", "Backend"], ["replicas", "Replicas"], ["capacity", "Capacity"],
-    ["classes", "Priority classes"], ["routing", "Routing"], ["overrides", "Overrides"], ["memory", "Memory"], ["lifecycle", "Lifecycle"],
+    ["classes", "Priority classes"], ["adapters", "LoRA adapters"], ["routing", "Routing"], ["overrides", "Overrides"],
+    ["memory", "Memory"], ["lifecycle", "Lifecycle"],
     ["loads", "Loads / unloads"], ["kv", "Slots kept across swaps"], ["error", "Last error"]];
   const REPLICA_COLUMNS = ["#", "Host", "State", "PID", "Port", "In flight", "Backend running / waiting", "KV cache",
     "Restarts", "Ejections", "Failures in a row", "Prefix cache hits", "Affinity keys / picks / spills",
@@ -104,7 +105,16 @@
     const lost = [kv.cut_short ? `${kv.cut_short} cut short` : "", kv.over_budget ? `${kv.over_budget} over budget` : ""]
       .filter(Boolean).join(", ");
     return `${kv.stored_slots} stored (${fmtMiB(kv.stored_bytes / 1048576)}); saved ${kv.saved}` +
-      (lost ? ` (not saved: ${lost})` : "") + `; restored ${r.hit || 0} hit, ${r.miss || 0} missed, ${r.stale || 0} stale`;
+      (lost ? ` (not saved: ${lost})` : "") + `; restored ${r.hit || 0} hit, ${r.miss || 0} missed, ${r.stale || 0} stale` +
+      (kv.restore_unverified ? "; restores showed no reuse: no longer saved" : "");
+  }
+
+  // Each LoRA adapter with its model id and the replicas that serve it now (docs/adapters.md).
+  function fmtAdapters(m) {
+    return (m.adapters || []).map((a) => {
+      const holding = m.replicas.filter((r) => (r.adapters || []).includes(a.name)).map((r) => r.index);
+      return `${a.id} (on ${holding.length ? "replica " + holding.join(", ") : "no replica"})`;
+    }).join("; ") || "none";
   }
 
   // Each priority class, highest first (docs/routing.md#priority-classes): what runs and waits, and
@@ -123,6 +133,7 @@
     setText(f.replicas, `${ready(m)} ready of ${m.replica_count} (at most ${m.replica_max})`);
     setText(f.capacity, `${m.capacity} slots (${m.target_inflight} per replica); ${m.active} active, ${m.waiting} waiting`);
     setText(f.classes, fmtClasses(m.classes));
+    setText(f.adapters, fmtAdapters(m));
     setText(f.routing, m.routing || "–");
     setText(f.overrides, fmtOverrides(m.overrides) || "none");
     const fp = m.footprint || {};

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from launchers import llama_server, sim
-from proxy.config.model import Fallback, ModelConfig
+from proxy.config.model import Adapter, Fallback, ModelConfig
 from proxy.lifecycle.kept import KeptModels, entry, honoured
 from proxy.lifecycle.state.indices import free_indices
 from proxy.lifecycle.state.outdated import what_changed
@@ -18,7 +18,8 @@ from proxy.lifecycle.state.outdated import what_changed
 def model(**options: object) -> ModelConfig:
     return ModelConfig(name="duo", backend="sim", enabled=True, replicas=2, replica_max=3, target_inflight=2,
                        modalities=("text",), gpus=(0,), options={"replicas": 2, "sim": {"ttft_ms": 1}, **options},
-                       hosts=("local",), fallbacks=(Fallback("other"), Fallback("big", frozenset({"overloaded"}))))
+                       hosts=("local",), fallbacks=(Fallback("other"), Fallback("big", frozenset({"overloaded"}))),
+                       adapters=(Adapter("sql", "duo:sql", "/l/sql.gguf", 0.5),))
 
 
 def test_an_entry_is_what_the_admin_set_and_survives_a_write_and_a_read(tmp_path: Path) -> None:
@@ -108,3 +109,14 @@ def test_saving_keeps_loaded_models_the_last_proxys_pending_ones_and_mid_roll_th
     kept.settled("later")
     kept.save([rolling])
     assert sorted(kept.read()) == ["duo"] and kept.read()["duo"].settings == rolling.active
+
+
+def test_an_entry_written_before_adapters_existed_is_read_with_none(tmp_path: Path) -> None:
+    """A reload across the upgrade that brought `lora_adapters` keeps what the admin set."""
+    kept = KeptModels(tmp_path / "kept.json")
+    kept.write({"duo": entry(model(), model().with_overrides({"replicas": 1}))})
+    doc = json.loads((tmp_path / "kept.json").read_text())
+    del doc["models"]["duo"]["settings"]["adapters"]
+    (tmp_path / "kept.json").write_text(json.dumps(doc))
+    (back,) = kept.read().values()
+    assert back.settings is not None and back.settings.adapters == () and back.settings.replicas == 1

@@ -14,7 +14,9 @@ from aiohttp import web
 
 from launchers.spec import ProgramSpec
 from proxy.config.loading import load_settings
+from proxy.events import Events
 from proxy.lifecycle.kvcache.keeper import KvKeeper, fingerprint
+from proxy.lifecycle.kvcache.store import Saved
 from proxy.lifecycle.placement.footprints import settings_key
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.state.runtime import runtimes_for
@@ -195,3 +197,57 @@ def test_replicas_elsewhere_and_models_without_a_cache_keep_nothing(tmp_path: Pa
     assert keeper.launch(settings.models["m"], spec, local=False) == spec
     assert "--slot-save-path" in keeper.launch(settings.models["m"], spec, local=True).argv
     assert KvKeeper.under(tmp_path, 0, None).launch(settings.models["m"], spec, True) == spec  # type: ignore[arg-type]
+
+
+async def restored_and_asked(world: Any) -> tuple[KvKeeper, Any, Replica, Replica_]:
+    """Saved, restored into a new replica, and the conversation's next request in its slot again."""
+    keeper, runtime, replica, fake = await saved_then_restarted(world)
+    fake.restores[1] = {"n_restored": 80, "n_read": 200}
+    await keeper.restore(runtime, replica, seconds=30)
+    assert replica.slots.take("s:one") == (1, False)
+    return keeper, runtime, replica, fake
+
+
+async def test_a_restore_whose_next_answer_reused_nothing_stops_the_models_saves(world: Any) -> None:
+    keeper, runtime, replica, fake = await restored_and_asked(world)
+    keeper.events = Events()
+    keeper.store.add(Saved(model="m", folder="f", fingerprint="x", replica=1, slot=0, key=None, file="slot-old.bin",
+                           bytes=10, tokens=5, saved_at=1.0))   # another replica's, not yet restored
+    keeper.checked(replica, 1, 0)
+    view = keeper.describe("m")
+    assert view["restore_unverified"] is True and view["restore_checks"] == {"verified": 0, "unverified": 1}
+    assert view["stored_slots"] == 0          # restores that bring nothing: what is kept of it goes
+    [event] = keeper.events.since()
+    assert (event.kind, event.model, event.replica, event.reason) == ("kv_store", "m", 0, "restore_unverified")
+    fake.saved.clear()
+    await keeper.save(runtime, seconds=30)
+    assert fake.saved == [] and keeper.store.entries() == []
+
+
+async def test_a_restore_whose_next_answer_reused_it_is_verified_and_saves_go_on(world: Any) -> None:
+    keeper, runtime, replica, fake = await restored_and_asked(world)
+    keeper.checked(replica, 1, 79)
+    keeper.checked(replica, 1, 0)             # a later answer there is no check: it reads its own turn
+    assert keeper.describe("m")["restore_checks"] == {"verified": 1, "unverified": 0}
+    await keeper.save(runtime, seconds=30)
+    assert keeper.describe("m")["restore_unverified"] is False and keeper.store.entries()
+
+
+async def test_once_a_restore_was_verified_a_conversation_without_reuse_is_only_counted(world: Any) -> None:
+    keeper, runtime, replica, fake = await restored_and_asked(world)
+    keeper.checked(replica, 1, 79)
+    await keeper.save(runtime, seconds=30)
+    replica.slots = None
+    await keeper.restore(runtime, replica, seconds=30)
+    replica.slots.take("s:one")
+    keeper.checked(replica, 1, 0)             # that conversation sent another history under its key
+    assert keeper.describe("m")["restore_checks"] == {"verified": 1, "unverified": 1}
+    assert keeper.describe("m")["restore_unverified"] is False
+
+
+async def test_an_answer_that_does_not_say_what_it_reused_decides_nothing(world: Any) -> None:
+    keeper, runtime, replica, fake = await restored_and_asked(world)
+    keeper.checked(replica, 1, None)
+    keeper.checked(replica, 0, 0)             # a slot no restore filled
+    assert keeper.describe("m")["restore_checks"] == {"verified": 0, "unverified": 0}
+    assert keeper.describe("m")["restore_unverified"] is False
