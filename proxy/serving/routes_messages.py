@@ -2,7 +2,8 @@
 
 A replica that speaks it (llama-server) gets the request as it is, and its answer passes back,
 streams event by event, like any pass-through. For one that does not (the shims, a remote chat
-provider) it is translated onto chat completions and back (proxy/edge/anthropic.py). Either way
+provider), and for a model with LoRA adapters, it is translated onto chat completions and back
+(proxy/edge/anthropic.py). Either way
 the request goes through all the pool does: fairness, queue bounds, affinity (the system prompt
 and messages hash as chat's do), load on demand, failover before the first byte, timeouts,
 metrics. Errors on this route, the pool's own included, are in Anthropic's shape
@@ -47,7 +48,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     await check_image_urls(chat, runtime.model)   # the same URLs as the body's image blocks
     affinity = affinity_key(runtime, CHAT_PATH, request.headers, body, chat)
     key = fairness_key(request, body)
-    if "messages" in runtime.traits.apis:
+    # A model with LoRA adapters goes through chat: llama-server's own Messages endpoint does not
+    # read a request's `lora` list (measured: it ran every request at the server's global scales).
+    if "messages" in runtime.traits.apis and not runtime.config.adapters:
         return await forward(request, runtime, key, body, affinity, raw)
     request_id = request.headers.get("X-Request-Id") or f"req_{os.urandom(16).hex()}"
     timer = response_metrics.Timer()

@@ -143,3 +143,23 @@ def test_with_two_workers_the_adapter_is_chosen_as_with_one(proxy: ProxyProcess,
         assert expected[("demo", False)] != expected[("demo:tiny", False)]
     finally:
         assert not two.cleanup()
+
+
+@pytest.mark.parametrize("path, body, text", [
+    ("/v1/completions", {"prompt": "hello there, how is the weather", "max_tokens": 12, "temperature": 0},
+     lambda a: a["choices"][0]["text"]),
+    ("/v1/responses", {"input": QUESTION[0]["content"], "decoding": {"max_tokens": 12, "temperature": 0}},
+     lambda a: a["output_text"]),
+    ("/v1/messages", {"messages": QUESTION, "max_tokens": 12, "temperature": 0},
+     lambda a: "".join(b.get("text", "") for b in a["content"])),
+    ("/api/chat", {"messages": QUESTION, "stream": False, "options": {"num_predict": 12, "temperature": 0}},
+     lambda a: a["message"]["content"]),
+])
+def test_every_route_runs_the_adapter_its_model_id_names(proxy: ProxyProcess, path: str, body: dict[str, Any],
+                                                          text: Any) -> None:
+    answers = {}
+    for model in ("demo", "demo:tiny", "plain"):
+        status, _, got = http("POST", proxy.url + path, headers=ALL, body={"model": model, **body})
+        assert status == 200, got
+        answers[model] = text(got)
+    assert answers["demo:tiny"] != answers["demo"] and answers["demo"] == answers["plain"], answers
