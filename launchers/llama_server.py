@@ -144,9 +144,10 @@ def check(model: ModelConfig) -> list[str]:
         problems += model_file_problems(where, key, opts.value(key), judge)
     for adapter in model.adapters:
         field = f"{where}.lora_adapters.{adapter.name}.path"
-        if "," in adapter.path:
-            # llama-server splits each --lora value at commas: the path would name other files.
-            problems.append(f"{field}: {adapter.path} has a comma, which llama-server's --lora reads as a separator")
+        if "," in adapter.path or ":" in adapter.path:
+            # llama-server splits a --lora-scaled value at commas and colons: the path would be cut.
+            problems.append(f"{field}: {adapter.path} has a comma or a colon, which llama-server's --lora-scaled "
+                            "reads as separators")
         elif opts.model_path and Path(opts.model_path).is_file():
             problem = lora_problem(Path(opts.model_path), Path(adapter.path))
             if problem is not None:
@@ -295,9 +296,10 @@ def _argv(model: ModelConfig, opts: LlamaServerOptions, host: str, port: int) ->
     if opts.enable_thinking is not None:
         args += ["--reasoning", "on" if opts.enable_thinking else "off"]
     for adapter in model.adapters:
-        # Each its own flag (llama-server appends them; their order is their ids): a request
-        # chooses one by id and scale (spec.Adapters).
-        args += ["--lora", adapter.path]
+        # Each its own flag (llama-server appends them; their order is their ids), at a global scale
+        # of 0: a request that names none is the base model's, an adapter's names it with its
+        # scale (spec.Adapters).
+        args += ["--lora-scaled", f"{adapter.path}:0"]
     args += opts.extra_args
     return tuple(args)
 

@@ -9,13 +9,18 @@ from aiohttp import web
 
 from proxy.edge.response_metrics import checked_usage
 from proxy.lifecycle.state.replicas import Replica
-from proxy.serving.keys import ENGINE_SLOT, POOL
+from proxy.serving.keys import ADAPTER, ENGINE_SLOT, POOL
 
 
 def note_reuse(request: web.Request, replica: Replica | None, usage: Mapping[str, Any] | None) -> None:
     """The answer's `usage` to the KV store's check of the slot the request ran in, if it ran in one."""
     slot = request.get(ENGINE_SLOT)
     if slot is None or replica is None or replica.slots is None:
+        return
+    if request.get(ADAPTER) is not None:
+        # A request with an explicit `lora` list never reuses a restored slot in llama-server (it
+        # resets the slot's cache when the list differs from the slot's, and a restore leaves the
+        # slot with none: measured): no evidence either way of the restore itself.
         return
     request.app[POOL].kv.checked(replica, slot, stated_cached(usage))
 

@@ -66,14 +66,14 @@ class ProgramReach:
         # A plain function that returns the client's request to await, not a coroutine that awaits it:
         # the request's task resumes through every coroutine layer around the send.
         adapters = self.adapters
-        if raw is not None and adapters is None and payload.get("model") == self.served_model and \
+        if raw is not None and adapter is None and payload.get("model") == self.served_model and \
                 not any(k in payload for k in NOT_FOR_PROGRAMS):
             # Nothing to rewrite: the client's bytes go as they came, not decoded and encoded again.
             body = raw
         else:
             # As UTF-8, not \u escapes (6 bytes a character: up to 3 times the body, and its time); a
             # request's strings were checked at the edge (strict_json): no lone surrogate, all encode.
-            chosen = adapters.fields(adapter) if adapters is not None else {}
+            chosen = adapters.fields(adapter) if adapters is not None and adapter is not None else {}
             body = json.dumps({**without_proxy_fields(payload, NOT_FOR_PROGRAMS), "model": self.served_model,
                                **chosen}, ensure_ascii=False).encode()
         if self.read_timeout_s is not None:

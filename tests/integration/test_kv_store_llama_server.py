@@ -31,12 +31,31 @@ def gguf(tiny_gguf: Path, tmp_path: Path) -> Path:
 def swap_pool(start_proxy: Callable[..., ProxyProcess], llama_model: Callable[..., dict[str, Any]],
               gguf: Path) -> Callable[..., ProxyProcess]:
     """Two models that load on demand, room for one: a request for one evicts the other."""
-    def make(kv_store_mib: float = 64, **lifecycle: Any) -> ProxyProcess:
+    def make(kv_store_mib: float = 64, fields: dict[str, Any] | None = None, **lifecycle: Any) -> ProxyProcess:
         model = llama_model(model_path=str(gguf), enabled=False, load_on_demand=True, llama_server_n_ctx=2048,
-                            llama_server_extra_args=["--ignore-eos"])
+                            llama_server_extra_args=["--ignore-eos"], **(fields or {}))
         return start_proxy({"a": model, "b": dict(model)}, engine={"lifecycle": {
             "max_loaded_models": 1, "min_residence_s": 0, "kv_store_mib": kv_store_mib, **lifecycle}})
     return make
+
+
+def test_with_lora_adapters_the_base_conversations_keep_their_cache(swap_pool: Callable[..., ProxyProcess],
+                                                                  tiny_lora_gguf: Path) -> None:
+    """A base request names no adapter (the server's scales are 0), so it reuses its restored slot; an
+    adapter's request, whose explicit list llama-server never reuses a restored slot under, is no check."""
+    proxy = swap_pool(fields={"lora_adapters": {"tiny": {"path": str(tiny_lora_gguf)}}, "target_inflight": 3})
+    sessions = {s: conversation(s) for s in ("one", "two", "tuned")}
+    first = {s: turn(proxy, "a:tiny" if s == "tuned" else "a", s, m) for s, m in sessions.items()}
+    full = {s: a["timings"]["prompt_n"] for s, a in first.items()}
+    evict_a(proxy)
+    assert kv(proxy)["saved"] == 3
+    for s in ("one", "two", "tuned"):
+        answer = turn(proxy, "a:tiny" if s == "tuned" else "a", s, next_turn(sessions[s], first[s]))
+        if s != "tuned":
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= full[s] - 1, (s, answer["usage"])
+    after = kv(proxy)
+    assert after["restored"]["hit"] == 3
+    assert after["restore_checks"] == {"verified": 2, "unverified": 0} and after["restore_unverified"] is False
 
 
 def turn(proxy: ProxyProcess, model: str, session: str, messages: list[dict[str, str]]) -> dict[str, Any]:

@@ -81,13 +81,14 @@ def test_llama_server_loads_every_adapter_and_a_request_names_them_all(tmp_path:
         **MODEL, "lora_adapters": {"sql": {"path": "/l/sql.gguf", "scale": 0.5}, "acme": {"path": "/l/acme.gguf"}}}}}))
     spec = llama_server.launch(settings.models["base"], 0, 18100, 5, {})
     argv = list(spec.argv)
-    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--lora"] == ["/l/sql.gguf", "/l/acme.gguf"]
+    # At a global scale of 0, in the order of the settings (their ids).
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--lora-scaled"] == ["/l/sql.gguf:0", "/l/acme.gguf:0"]
     assert spec.adapters is not None
-    # The chosen one at its scale, every other at 0: the server's global scales never decide.
+    # An adapter's request names them all, the chosen one at its scale; the base's names none (all 0).
     assert spec.adapters.fields("acme") == {"lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 1.0}]}
-    assert spec.adapters.fields(None) == {"lora": [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.0}]}
+    assert spec.adapters.fields(None) == {}
     plain = llama_server.launch(load_settings(write(tmp_path, {"models": {"p": MODEL}})).models["p"], 0, 18100, 5, {})
-    assert "--lora" not in plain.argv and plain.adapters is None
+    assert "--lora-scaled" not in plain.argv and plain.adapters is None
 
 
 def test_vllm_serves_each_adapter_by_name_and_may_change_them_at_run_time(tmp_path: Path) -> None:
@@ -119,9 +120,11 @@ class Sent:
      {"model": "m"}),
     (Adapters(scales=(("a", 0.7),)), "a", {"model": "m:a", "lora": [{"id": 0, "scale": 9}]}, None,
      {"model": "m", "lora": [{"id": 0, "scale": 0.7}]}),
-    # The base of a model with adapters: every adapter at 0, never the client's bytes as they came.
-    (Adapters(scales=(("a", 0.7),)), None, {"model": "m"}, b'{"model":"m"}', {"model": "m", "lora": [{"id": 0,
-                                                                                                      "scale": 0.0}]}),
+    # The base of a model with adapters: the client's bytes as they came (the server's scales are 0)...
+    (Adapters(scales=(("a", 0.7),)), None, {"model": "m", "n": 1}, b'{"model":"m","n":1}', {"model": "m", "n": 1}),
+    # ... but never with a `lora` of the client's.
+    (Adapters(scales=(("a", 0.7),)), None, {"model": "m", "lora": [{"id": 0, "scale": 1}]},
+     b'{"model":"m","lora":[{"id":0,"scale":1}]}', {"model": "m"}),
     (Adapters(by_name=(("a", "m:a"),)), "a", {"model": "m:a"}, None, {"model": "m:a"}),
     (None, None, {"model": "m"}, b'{"model":"m"}', {"model": "m"}),
 ])
@@ -156,7 +159,7 @@ def test_check_config_reads_each_llama_server_adapter_against_its_base(
     assert "engine.models.demo.lora_adapters.q.path:" in err and "qwen2" in err and "llama" in err, err
     comma = write_tiny_lora(tmp_path / "a,b.gguf")
     assert check(tmp_path, {"demo": {**model, "lora_adapters": {"c": {"path": str(comma)}}}}) == 2
-    assert "has a comma, which llama-server's --lora reads as a separator" in capsys.readouterr().err
+    assert "has a comma or a colon, which llama-server's --lora-scaled reads as separators" in capsys.readouterr().err
 
 
 def test_check_config_reads_a_vllm_adapters_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,6 +50,7 @@ BACKEND = "llama_server"
 STORE_FOLDER = "kv"
 # Flags whose files shape what a slot holds, beside the engine binary itself.
 FILE_FLAGS = frozenset({"--model", "-m", "--mmproj", "--lora", "--model-draft", "-md"})
+SCALED_FILE_FLAG = "--lora-scaled"   # FILE:SCALE (a model's lora_adapters)
 RESULTS = ("hit", "miss", "stale")
 CHECKS = ("verified", "unverified")
 # llama-server's --cache-ram, as its environment variable: a binary without the option ignores it.
@@ -61,6 +62,7 @@ def fingerprint(key: str, spec: ProgramSpec) -> str:
     settings key, and the size and time of the engine binary and of every model file it loads."""
     argv = spec.argv
     files = [shutil.which(argv[0]) or argv[0]] + [argv[i + 1] for i in range(len(argv) - 1) if argv[i] in FILE_FLAGS]
+    files += [argv[i + 1].rsplit(":", 1)[0] for i in range(len(argv) - 1) if argv[i] == SCALED_FILE_FLAG]
     parts = [key]
     for name in files:
         try:
