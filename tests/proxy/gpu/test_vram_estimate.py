@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from proxy.config.model import ModelConfig
+from proxy.config.model import Adapter, ModelConfig
+from proxy.setup.demo_lora import write_tiny_lora
 from proxy.setup.demo_model import N_EMBD, N_HEAD, N_LAYER, write_tiny_gguf
 from proxy.gpu.vram_estimate import MIB, Estimator
 
@@ -43,6 +45,22 @@ def test_draft_model_and_split_gguf_are_weighed(tmp_path: Path) -> None:
     assert any("2 more part(s)" in c for c in est.counted)
     # Not a readable GGUF: the KV cache is reported as not counted, never silently zero.
     assert any(n.startswith("KV cache: cannot read GGUF metadata") for n in est.not_counted)
+
+
+def test_lora_adapters_are_weighed_with_their_base(tmp_path: Path) -> None:
+    """Every replica holds each adapter (llama-server from its start, vLLM in its cache)."""
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    lora = write_tiny_lora(tmp_path / "tiny-lora.gguf")
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    (peft / "adapter_model.safetensors").write_bytes(b"z" * 700)
+    base = Estimator().estimate(model(model_path=str(gguf)))
+    est = Estimator().estimate(replace(model(model_path=str(gguf)), adapters=(
+        Adapter("tiny", "m:tiny", str(lora)), Adapter("peft", "m:peft", str(peft)),
+        Adapter("gone", "m:gone", str(tmp_path / "none.gguf")))))
+    assert est.weights_bytes == base.weights_bytes + lora.stat().st_size + 700
+    assert any(c.startswith("weights: lora_adapters.tiny tiny-lora.gguf") for c in est.counted), est.counted
+    assert any(n.startswith("weights: lora_adapters.gone") and "does not exist" in n for n in est.not_counted)
 
 
 def hf_folder(path: Path, **config: Any) -> Path:
