@@ -77,11 +77,11 @@ def visible(request: web.Request) -> list[tuple[str, ModelRuntime, str | None]]:
     tenancy = request.app.get(TENANCY)
     if tenancy is not None:
         names = tenancy.allowed_models(request, names)   # a tenant sees the models it may use
-    shown = set(names)
-    found = [(name, models[settings.adapters[name][0].name] if name in settings.adapters else models[name], None)
-             for name in names]
-    return [*found, *((alias, found_model, target) for alias, target in settings.aliases.items() if target in shown
-                      for name, found_model, _ in found if name == target)]
+    runtime_of = {name: models[settings.adapters[name][0].name] if name in settings.adapters else models[name]
+                  for name in names}
+    return [*((name, runtime, None) for name, runtime in runtime_of.items()),
+            *((alias, runtime_of[target], target) for alias, target in settings.aliases.items()
+              if target in runtime_of)]
 
 
 def listed(runtime: ModelRuntime) -> bool:
