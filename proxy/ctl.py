@@ -173,8 +173,9 @@ def model_summary(m: dict[str, Any]) -> str:
     for r in m.get("replicas") or []:
         outdated = f" (out of date: {r['outdated']})" if r.get("outdated") else ""
         host = f" host={r['host']}" if r.get("host") not in (None, "local") else ""
+        adapters = f" adapters={','.join(r['adapters'])}" if r.get("adapters") else ""
         lines.append(f"  replica {r['index']}: {r['state']}{host} pid={r.get('pid') or '-'} "
-                     f"port={r.get('port')}{outdated}")
+                     f"port={r.get('port')}{adapters}{outdated}")
     if m.get("last_error"):
         lines.append(f"  last error: {m['last_error']}")
     closed = _closed(m)
@@ -266,6 +267,11 @@ def _show(data: Any, as_text: Callable[[Any], str], args: argparse.Namespace, ou
         out.write("\n")
     else:
         out.write(as_text(data) + "\n")
+
+
+def cmd_adapter(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
+    path = f"/v1/admin/models/{_quote(args.name)}/adapters/{_quote(args.adapter)}/{args.action}"
+    _show_model(client.call("POST", path), args, out)
 
 
 def cmd_hosts(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None:
@@ -403,7 +409,8 @@ def cmd_keys(client: AdminClient, args: argparse.Namespace, out: TextIO) -> None
 COMMANDS: dict[str, Callable[..., None]] = {"models": cmd_models, "load": cmd_load, "unload": cmd_unload,
                                             "scale": cmd_scale, "logs": cmd_logs, "gpu": cmd_gpu,
                                             "hosts": cmd_hosts, "events": cmd_events, "usage": cmd_usage,
-                                            "keys": cmd_keys, "processes": cmd_processes, "batches": cmd_batches}
+                                            "keys": cmd_keys, "processes": cmd_processes, "batches": cmd_batches,
+                                            "adapter": cmd_adapter}
 
 
 # -- wiring -----------------------------------------------------------------------------------------
@@ -427,6 +434,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     scale = cmds.add_parser("scale", help="change a loaded model's replica count")
     scale.add_argument("name")
     scale.add_argument("replicas", type=int)
+    adapter = cmds.add_parser("adapter", help="load or unload one of a loaded model's LoRA adapters on its "
+                                              "replicas (vLLM; llama-server holds its adapters until it stops)")
+    adapter.add_argument("action", choices=("load", "unload"))
+    adapter.add_argument("name", help="the base model")
+    adapter.add_argument("adapter", help="the adapter's name under lora_adapters")
     logs = cmds.add_parser("logs", help="a replica's log, read through the admin API")
     logs.add_argument("name")
     logs.add_argument("--replica", type=int, help="replica index (default: the model's first; a rolled "
@@ -458,7 +470,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     keys.add_argument("action", nargs="?", choices=("list", "mint", "revoke"), default="list")
     keys.add_argument("tenant", nargs="?")
     keys.add_argument("id", nargs="?")
-    for command in (models, load, unload, scale, logs, gpu, hosts, processes, batches, events, usage, keys):
+    for command in (models, load, unload, scale, adapter, logs, gpu, hosts, processes, batches, events, usage, keys):
         _add_common(command, defaults=False)
     ctl.set_defaults(func=run)
     return ctl

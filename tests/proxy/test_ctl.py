@@ -66,6 +66,15 @@ async def test_scale_sends_the_replica_count(upstream: Upstream) -> None:
     assert "replica 1: starting pid=12 port=18101" in out
 
 
+async def test_adapter_loads_or_unloads_one_of_a_models_adapters(upstream: Upstream) -> None:
+    served = {**MODEL, "replicas": [{**MODEL["replicas"][0], "adapters": ["sql"]}]}
+    upstream.answers["/v1/admin/models/qwen/adapters/sql/unload"] = lambda r: web.json_response(served)
+    code, out = await run_ctl(upstream, "adapter", "unload", "qwen", "sql", environ={"LLM_POOL_ADMIN_TOKEN": "tok"})
+    assert code == 0
+    assert upstream.seen == [("POST", "/v1/admin/models/qwen/adapters/sql/unload", None, "Bearer tok")]
+    assert "adapters=sql" in out
+
+
 async def test_load_sends_typed_overrides_and_replicas(upstream: Upstream) -> None:
     upstream.answers["/v1/admin/models/a b/load"] = lambda r: web.json_response(MODEL)
     code, _ = await run_ctl(upstream, "load", "a b", "--override", "llama_server_n_ctx=8192",
