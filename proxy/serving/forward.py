@@ -18,7 +18,7 @@ from proxy.lifecycle.state.affinity import Wait
 from proxy.lifecycle.state.outcomes import Outcomes, process_gone
 from proxy.lifecycle.state.replicas import ModelState, Replica
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.lifecycle.state.slots import scoped
+from proxy.lifecycle.state.slots import cache_scope, scoped
 from proxy.upstream.client import Answer, NotingConnector, Send, UpstreamHttp, post_retrying
 from proxy.upstream.connection import MalformedAnswer
 from proxy.upstream.reach import ProgramReach
@@ -112,17 +112,17 @@ class upstream:
                  adapter: Adapter | None = None) -> None:
         self.outcomes, self.http, self.runtime, self.path = outcomes, http, runtime, path
         self.payload, self.request_id, self.timeouts = payload, request_id, timeouts
-        self.affinity, self.raw, self.scope = affinity, raw, scope
         # The model's LoRA adapter that runs it (docs/adapters.md); a prefix cached under one adapter
-        # is no prefix under another, so its routes and slots are the adapter's own.
+        # is no prefix under another, nor under the base: the adapter is part of the cache's scope,
+        # so its routes and slots are its own, and the base's requests too take a slot of the table.
         self.adapter = adapter
-        if adapter is not None and affinity is not None:
-            self.affinity = affinity = f"{affinity}@{adapter.name}"
+        scope = cache_scope(scope, adapter.name if adapter is not None else None, bool(runtime.model.adapters))
+        self.affinity, self.raw, self.scope = affinity, raw, scope
         # A worker's request (proxy/serving/leases.py): a server of ours gets the send from that
         # worker; a provider's reach, which is no plain POST, is sent from here.
         self.lease = lease
         if scope is not None and affinity is not None:
-            self.affinity = scoped(affinity, scope)   # routes and slots: two tenants' equal keys differ
+            self.affinity = scoped(affinity, scope)   # routes and slots: two tenants' (adapters') equal keys differ
         if "id_slot" in payload or "slot_id" in payload:
             self.payload, self.raw = {k: v for k, v in payload.items() if k not in CLIENT_SLOT_FIELDS}, None
 
@@ -167,7 +167,7 @@ class upstream:
                 slot, foreign = replica.slots.take(slot_key)
                 payload, raw = {**payload, "id_slot": slot}, with_slot(raw, payload, slot, foreign)
                 if foreign:
-                    payload["cache_prompt"] = False   # another tenant's cache: not to be reused
+                    payload["cache_prompt"] = False   # another tenant's (adapter's) cache: not to be reused
             http = self.http
             adapter = self.adapter
             if adapter is not None and not replica.holds(adapter.name):

@@ -145,6 +145,25 @@ def test_with_two_workers_the_adapter_is_chosen_as_with_one(proxy: ProxyProcess,
         assert not two.cleanup()
 
 
+def test_a_base_request_after_the_adapters_reuses_none_of_its_cache(proxy: ProxyProcess, tiny_gguf: Path,
+                                                                     tiny_lora_gguf: Path, llama_server_bin: Path) -> None:
+    """llama-server keeps a slot's cache when a request names no adapter after one that named some:
+    in one slot, without tenants or a store, a base request after the adapter's would have reused the
+    prompt computed under the adapter. The pool picks the slot and knows whose cache it holds."""
+    expected = {model: answer(proxy, model) for model in ("demo", "demo:tiny")}
+    one = ProxyProcess({"demo": {"backend": "llama_server", "model_path": str(tiny_gguf),
+                                 "llama_server_binary": str(llama_server_bin), "llama_server_n_ctx": 2048,
+                                 "target_inflight": 1, "enabled": True,
+                                 "lora_adapters": {"tiny": {"path": str(tiny_lora_gguf)}}}})
+    try:
+        one.start_loaded("demo")
+        got = [(model, answer(one, model, headers={})) for model in ("demo:tiny", "demo", "demo:tiny", "demo:tiny",
+                                                                     "demo", "demo")]
+        assert got == [(model, expected[model]) for model, _ in got]
+    finally:
+        assert not one.cleanup()
+
+
 @pytest.mark.parametrize("path, body, text", [
     ("/v1/completions", {"prompt": "hello there, how is the weather", "max_tokens": 12, "temperature": 0},
      lambda a: a["choices"][0]["text"]),

@@ -42,19 +42,20 @@ def swap_pool(start_proxy: Callable[..., ProxyProcess], llama_model: Callable[..
 def test_with_lora_adapters_the_base_conversations_keep_their_cache(swap_pool: Callable[..., ProxyProcess],
                                                                   tiny_lora_gguf: Path) -> None:
     """A base request names no adapter (the server's scales are 0), so it reuses its restored slot; an
-    adapter's request, whose explicit list llama-server never reuses a restored slot under, is no check."""
+    adapter's conversation is not saved: llama-server clears a restored slot at the first request
+    that names an adapter (measured), so its file would cost the swap's time and disk for nothing."""
     proxy = swap_pool(fields={"lora_adapters": {"tiny": {"path": str(tiny_lora_gguf)}}, "target_inflight": 3})
     sessions = {s: conversation(s) for s in ("one", "two", "tuned")}
     first = {s: turn(proxy, "a:tiny" if s == "tuned" else "a", s, m) for s, m in sessions.items()}
     full = {s: a["timings"]["prompt_n"] for s, a in first.items()}
     evict_a(proxy)
-    assert kv(proxy)["saved"] == 3
+    assert kv(proxy)["saved"] == 2   # the base's two conversations
     for s in ("one", "two", "tuned"):
         answer = turn(proxy, "a:tiny" if s == "tuned" else "a", s, next_turn(sessions[s], first[s]))
         if s != "tuned":
             assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= full[s] - 1, (s, answer["usage"])
     after = kv(proxy)
-    assert after["restored"]["hit"] == 3
+    assert after["restored"]["hit"] == 2
     assert after["restore_checks"] == {"verified": 2, "unverified": 0} and after["restore_unverified"] is False
 
 

@@ -41,7 +41,7 @@ from proxy.lifecycle.kvcache.store import Saved, SlotStore, new_file_name
 from proxy.lifecycle.placement.footprints import settings_key
 from proxy.lifecycle.state.replicas import Replica, ReplicaState
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.lifecycle.state.slots import SlotTable
+from proxy.lifecycle.state.slots import SlotTable, adapter_of
 from proxy.upstream.client import UpstreamHttp
 
 log = logging.getLogger(__name__)
@@ -115,11 +115,16 @@ class KvKeeper:
         return config.backend == BACKEND and \
             not config.get("llama_server_embeddings") and not config.get("llama_server_reranking")
 
+    def tabled(self, config: ModelConfig) -> bool:
+        """Whether the proxy picks the slot of each of `config`'s requests (a table of its slots):
+        for the store, and where a slot's cache belongs to a tenant or an adapter."""
+        return self.slotted(config) and (self.store.enabled or self.scoped or bool(config.adapters))
+
     def launch(self, config: ModelConfig, spec: ProgramSpec, local: bool) -> ProgramSpec:
         """`spec` with the store's folder for its settings as --slot-save-path (a replica on this
-        machine only: the files must be where the budget is kept); with tenants, without the RAM
-        prompt cache."""
-        if self.scoped and self.slotted(config):
+        machine only: the files must be where the budget is kept); with tenants or adapters, without
+        the RAM prompt cache, which puts a saved state in a slot without asking whose it is."""
+        if (self.scoped or config.adapters) and self.slotted(config):
             spec = replace(spec, env=(*spec.env, NO_RAM_CACHE))
         if not local or not self.applies(config):
             return spec
@@ -157,7 +162,8 @@ class KvKeeper:
             # A slot restored and not used since shows no tokens (llama-server reports a slot's
             # tokens by its last task), yet holds its conversation: the table knows it.
             held += [(table.last_used(i.id) if table else 0.0, i.task, replica, i) for i in infos
-                     if not i.busy and (i.tokens > 0 or (table is not None and table.key_of(i.id) is not None))]
+                     if not i.busy and (i.tokens > 0 or (table is not None and table.key_of(i.id) is not None))
+                     and not _adapters(table, i.id)]
         batch: list[tuple[str, int, int]] = []
         prints: dict[int, str] = {}
         folder = key
@@ -221,14 +227,16 @@ class KvKeeper:
         replica of its index, and its table of which conversation is in which slot. Never raises:
         what does not restore is a miss, and those conversations are prefilled again."""
         config = runtime.active or runtime.config
-        if replica.spec is None or not (self.applies(config) or (self.scoped and self.slotted(config))):
+        if replica.spec is None or not self.tabled(config):
             replica.slots = None
             return
         # A process an earlier proxy started: which conversation sits in which slot died with that
         # proxy, and llama-server's own prefix matching finds them better than a fresh table would;
-        # with tenants, its slots hold caches of unknown tenants, which no request may reuse.
+        # with tenants or adapters, its slots hold caches of unknown tenants or adapters, which no
+        # request may reuse.
         adopted, replica.adopted = replica.adopted, False
-        table = replica.slots = SlotTable(config.target_inflight, scoped=True) if self.scoped else \
+        unknown = self.scoped or (adopted and bool(config.adapters))
+        table = replica.slots = SlotTable(config.target_inflight, scoped=True) if unknown else \
             None if adopted else SlotTable(config.target_inflight)
         if table is None or adopted or not self.applies(config):
             return
@@ -308,3 +316,10 @@ class KvKeeper:
                 "restore_checks": {c: counts.checks.get(c, 0) for c in CHECKS},
                 "restore_unverified": counts.restore_unverified,
                 "last_save_s": counts.last_save_s, "last_restore_s": counts.last_restore_s}
+
+
+def _adapters(table: SlotTable | None, slot: int) -> bool:
+    """Whether `slot` holds an adapter's conversation: not saved, since llama-server clears a slot's
+    restored cache at the first request that names an adapter (measured)."""
+    key = table.key_of(slot) if table is not None else None
+    return key is not None and adapter_of(key) is not None

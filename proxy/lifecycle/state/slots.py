@@ -13,6 +13,13 @@ remembers the scope whose cache it holds, and a request given a slot of another 
 unknown one (a fresh table with tenants, an adopted replica, a restore of no key), is told so: it
 must not reuse that cache (the caller sends llama-server `cache_prompt: false`).
 
+A LoRA adapter's cache is its own too (docs/adapters.md): llama-server clears a slot's cache when a
+request names other adapters than the slot last ran with, but not when a request names none after
+one that named some (measured on the pinned build's code: `launch_slot_with_task`), so a base
+request there would reuse what was computed under the adapter. So the scope is the tenant and the
+adapter (`cache_scope`), and a request given a slot of another adapter's, or of the base's, reuses
+nothing there either.
+
 A slot a restore filled is checked by the first request that runs there: when that request is its
 conversation's, its answer must show cached tokens (`checked`, and the KV store's rule); any other
 request there first leaves nothing to check, since the restored cache is no longer what it reads.
@@ -23,6 +30,21 @@ import time
 from collections import OrderedDict
 
 SCOPE_MARK = "@"
+
+
+def cache_scope(tenant: str | None, adapter: str | None, adapters: bool) -> str | None:
+    """Whose cache a request's slot may reuse: its tenant's, computed under its adapter (a tenant's
+    name has no ':'); None for a model without adapters in a pool without tenants, whose keyless
+    requests go where llama-server puts them."""
+    if tenant is None and not adapters:
+        return None
+    return f"{tenant or ''}:{adapter}" if adapter is not None else tenant or ""
+
+
+def adapter_of(key: str) -> str | None:
+    """The adapter whose cache a key's slot holds (`cache_scope`), or None for the base's."""
+    _, colon, adapter = scope_of(key).partition(":")
+    return adapter if colon else None
 
 
 def scoped(key: str, scope: str) -> str:

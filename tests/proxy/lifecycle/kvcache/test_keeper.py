@@ -20,7 +20,7 @@ from proxy.lifecycle.kvcache.store import Saved
 from proxy.lifecycle.placement.footprints import settings_key
 from proxy.lifecycle.state.replicas import ModelState, Replica, ReplicaState
 from proxy.lifecycle.state.runtime import runtimes_for
-from proxy.lifecycle.state.slots import SlotTable
+from proxy.lifecycle.state.slots import SlotTable, cache_scope, scoped
 from proxy.upstream.client import UpstreamHttp
 from proxy.upstream.reach import ProgramReach
 
@@ -111,6 +111,16 @@ async def test_the_most_recent_slots_are_saved_first_with_their_conversation(wor
     assert entries[1].tokens == 80 and entries[1].bytes == 200
     assert entries[1].fingerprint == fingerprint(settings_key(runtime.config), replica.spec)
     assert keeper.describe("m")["saved"] == 2
+
+
+async def test_an_adapters_conversation_is_not_saved(world: Any) -> None:
+    """llama-server clears a restored slot at the first request that names an adapter (measured):
+    its file would cost the swap's time and the disk for nothing."""
+    keeper, runtime, replica, fake = world
+    replica.slots.assign(scoped("s:two", cache_scope(None, "tiny", adapters=True)), 0)
+    await keeper.save(runtime, seconds=30)
+    assert fake.saved == [1]
+    assert [e.key for e in keeper.store.entries("m")] == ["s:one"]
 
 
 async def test_a_save_that_would_outlast_the_bound_is_cut_short_and_leaves_no_file(world: Any) -> None:

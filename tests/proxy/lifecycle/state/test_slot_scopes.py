@@ -2,7 +2,11 @@
 whose cache is another tenant's, or of no known tenant, is told not to reuse it, until a request of
 its own has run there; the keeper gives every generating llama-server replica such a table, an
 adopted one too, and starts llama-server without its RAM prompt cache. Without tenants nothing
-changes. tests/integration/test_tenant_cache_llama_server.py runs it on real llama-servers."""
+changes. tests/integration/test_tenant_cache_llama_server.py runs it on real llama-servers.
+
+A LoRA adapter's cache is its own in the same way (docs/adapters.md): llama-server keeps a slot's
+cache for a request that names no adapter after one that named some, so a model with adapters gets
+a table too, tenants or not; test_adapters_llama_server.py shows the base's answer after the adapter's."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,12 +14,12 @@ from pathlib import Path
 import aiohttp
 
 from launchers.spec import ProgramSpec
-from proxy.config.model import DEFAULT_ROUTING, ModelConfig
+from proxy.config.model import DEFAULT_ROUTING, Adapter, ModelConfig
 from proxy.lifecycle.kvcache.keeper import NO_RAM_CACHE, KvKeeper
 from proxy.lifecycle.kvcache.store import SlotStore
 from proxy.lifecycle.state.replicas import Replica
 from proxy.lifecycle.state.runtime import ModelRuntime
-from proxy.lifecycle.state.slots import SlotTable, scope_of, scoped
+from proxy.lifecycle.state.slots import SlotTable, adapter_of, cache_scope, scope_of, scoped
 from proxy.upstream.client import UpstreamHttp
 from proxy.upstream.reach import ProgramReach
 
@@ -56,6 +60,27 @@ def test_without_tenants_every_slot_is_of_the_one_scope() -> None:
     assert table.take("s:x") == (0, False) and table.take("s:y") == (1, False)
 
 
+def test_an_adapters_cache_is_of_its_own_scope_the_bases_of_another() -> None:
+    assert cache_scope(None, None, adapters=False) is None   # llama-server picks the slot, as before
+    assert cache_scope(None, None, adapters=True) == "" and cache_scope("alpha", None, adapters=True) == "alpha"
+    assert cache_scope(None, "tiny", adapters=True) == ":tiny"
+    assert cache_scope("alpha", "tiny", adapters=True) == "alpha:tiny" != cache_scope(None, "alpha:tiny", True)
+    assert adapter_of(scoped("s:x", "alpha:t@1")) == "t@1" and adapter_of(scoped("s:x", "alpha")) is None
+    assert adapter_of(scoped("", ":tiny")) == "tiny" and adapter_of("s:x") is None
+    table = SlotTable(1)
+    base, tuned = scoped("s:x", cache_scope(None, None, True)), scoped("s:x", cache_scope(None, "tiny", True))
+    assert table.take(tuned) == (0, True)    # the base's (empty) scope: no cache of the adapter's
+    table.ran(0, tuned)
+    table.release(0)
+    assert table.take(tuned) == (0, False)   # the adapter's conversation reuses its own
+    table.ran(0, tuned)
+    table.release(0)
+    assert table.take(base) == (0, True)     # the same session of the base: computed under the adapter
+    table.ran(0, base)
+    table.release(0)
+    assert table.take(base) == (0, False)
+
+
 CONFIG = ModelConfig(name="m", backend="llama_server", enabled=True, replicas=1, replica_max=1, target_inflight=3,
                      modalities=("text",), gpus=(), options=dict(DEFAULT_ROUTING))
 SPEC = ProgramSpec(program="m-0", argv=("/bin/true",), env=(("A", "1"),), host="127.0.0.1", port=1,
@@ -81,3 +106,18 @@ async def test_with_tenants_every_generating_replica_has_a_scoped_table_and_no_r
         embeddings = ModelConfig(**{**CONFIG.__dict__, "options": {**CONFIG.options, "llama_server_embeddings": True}})
         keeper = KvKeeper(SlotStore(tmp_path / "kv", 0), UpstreamHttp(session), scoped=True)
         assert NO_RAM_CACHE not in keeper.launch(embeddings, SPEC, local=True).env
+
+
+async def test_a_model_with_adapters_has_a_table_and_no_ram_cache_without_tenants(tmp_path: Path) -> None:
+    config = ModelConfig(**{**CONFIG.__dict__, "adapters": (Adapter("tiny", "m:tiny", "/lora.gguf"),)})
+    async with aiohttp.ClientSession() as session:
+        keeper = KvKeeper(SlotStore(tmp_path / "kv", 0), UpstreamHttp(session))
+        spec = keeper.launch(config, SPEC, local=True)
+        assert NO_RAM_CACHE in spec.env and NO_RAM_CACHE not in keeper.launch(CONFIG, SPEC, local=True).env
+        for adopted in (False, True):
+            replica = Replica(model="m", index=0, spec=spec, reach=ProgramReach(spec))
+            replica.adopted = adopted
+            await keeper.restore(ModelRuntime(config=config), replica, seconds=1)
+            assert replica.slots is not None and replica.slots.slots == 3
+            # An adopted replica's slots: whose cache, under which adapter, is unknown; a fresh one's are empty.
+            assert replica.slots.take("s:x")[1] == adopted
