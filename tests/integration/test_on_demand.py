@@ -121,31 +121,72 @@ def test_an_admin_load_makes_room_by_evicting_an_idle_model_or_is_refused_at_onc
         assert int(headers["Retry-After"]) >= 1 and state(proxy, "a") == "unloaded"
 
 
+class HeldStream(threading.Thread):
+    """One client's endless stream, from its own thread: it waits in the queue, runs once its first
+    event came (`running`), and is closed when the test says (`close`): while it runs it holds the
+    model's one slot, so what runs next is the scheduler's choice alone, seen in the admin view."""
+
+    def __init__(self, proxy: ProxyProcess, model: str, key: str) -> None:
+        super().__init__(daemon=True)
+        self.proxy, self.model, self.key = proxy, model, key
+        self.running, self.close = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"model": self.model, "messages": CHAT, "max_tokens": 100000, "stream": True, "ignore_eos": True}
+        req = urllib.request.Request(self.proxy.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "X-Fairness-Key": self.key})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                assert resp.status == 200 and resp.readline().startswith(b"data: ")
+                self.running.set()
+                self.close.wait(300)
+        except BaseException as exc:   # noqa: BLE001 - told to the test, which asserts on it
+            self.error = exc
+            self.running.set()
+
+
+def running_keys(proxy: ProxyProcess, model: str) -> dict[str, int]:
+    return {name: k["active"] for name, k in proxy.admin_model(model)["keys"].items() if k["active"]}
+
+
 def test_fairness_holds_while_the_model_is_cold(start_proxy, big, llama_server_bin: Path, tmp_path: Path) -> None:
     gate = tmp_path / "gate"   # the model's load waits for this file: the requests queue meanwhile
     held = tmp_path / "held-llama-server"
-    held.write_text(f"#!/bin/sh\nwhile [ ! -e {gate} ]; do sleep 0.05; done\nexec {llama_server_bin} \"$@\"\n")
+    # --context-shift: the streams run until they are closed, past the model's training context. The
+    # wrapper adds it, not the extra args: checking those would run the held binary's --help, which
+    # waits for the gate too.
+    held.write_text(f"#!/bin/sh\nwhile [ ! -e {gate} ]; do sleep 0.05; done\n"
+                    f"exec {llama_server_bin} \"$@\" --context-shift\n")
     held.chmod(0o755)
-    # No extra args: checking them would run the held binary's --help, which waits for the gate too.
     proxy = pool(start_proxy, {"a": big(llama_server_binary=str(held), llama_server_extra_args=[])})
-    order: list[str] = []
-    lock = threading.Lock()
-
-    def send(key: str) -> None:
-        assert ask(proxy, "a", key=key)[0] == 200
-        with lock:
-            order.append(key)
-
-    batch = in_threads([lambda: send("batch") for _ in range(4)])
-    wait_for(lambda: proxy.admin_model("a")["waiting"] == 4, what="the batch requests to queue")
-    ui = in_threads([lambda: send("ui")])
-    wait_for(lambda: proxy.admin_model("a")["waiting"] == 5, what="the ui request to queue")
-    assert state(proxy, "a") == "loading"
-    gate.touch()
-    for t in batch + ui:
-        t.join(300)
-    # One slot: the first batch request, then the ui key (it has used nothing), not fifth in line.
-    assert order.index("ui") <= 1, order
+    batch = [HeldStream(proxy, "a", "batch") for _ in range(4)]
+    ui = HeldStream(proxy, "a", "ui")
+    started: list[HeldStream] = []
+    try:
+        for stream in batch:
+            stream.start()
+            started.append(stream)
+        wait_for(lambda: proxy.admin_model("a")["waiting"] == 4, what="the batch requests to queue")
+        ui.start()
+        started.append(ui)
+        wait_for(lambda: proxy.admin_model("a")["waiting"] == 5, what="the ui request to queue")
+        assert state(proxy, "a") == "loading"
+        gate.touch()
+        # One slot: the first batch request runs, then the ui key (it has used nothing), not fifth in line.
+        wait_for(lambda: any(s.running.is_set() for s in batch + [ui]), what="the first request to run")
+        first = [s for s in batch + [ui] if s.running.is_set()]
+        assert [(s.key, s.error) for s in first] == [("batch", None)]
+        first[0].close.set()
+        wait_for(lambda: sum(s.running.is_set() for s in batch + [ui]) == 2, what="the second request to run")
+        assert ui.running.is_set() and ui.error is None
+        assert running_keys(proxy, "a") == {"ui": 1}
+    finally:
+        for stream in started:
+            stream.close.set()   # each runs in turn, and is closed as it starts
+        for stream in started:
+            stream.join(300)
+    assert all(s.error is None for s in started), [s.error for s in started]
 
 
 def test_a_failed_load_fails_every_waiter_and_backs_off(start_proxy, big, tmp_path: Path) -> None:
